@@ -1,0 +1,118 @@
+"""Checkpoints that survive a kill and resume exactly.
+
+    save_checkpoint(out_dir, step, {"policy": (model, optimizer)}, hf_model=model, tokenizer=tok, state={...})
+    path = latest_checkpoint(out_dir)        # highest complete step, or None
+    state = load_checkpoint(path, {"policy": (model, optimizer)})
+
+Layout of one checkpoint, `out_dir/checkpoints/step_000100/`:
+    model/          Hugging Face folder (bf16 safetensors + config + tokenizer): loads in transformers and SGLang
+    state/          fp32 weights + optimizer state, sharded (torch.distributed.checkpoint): for resume
+    trainer.pt      step, data position, LR schedule, anything the script adds
+    rng_rank{r}.pt  each rank's RNG states
+
+Everything is written under `step_000100.tmp/` and renamed when complete, so a kill mid-save
+leaves the previous checkpoints untouched and the half-written one is never picked for resume.
+"""
+
+import glob
+import json
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+
+def checkpoint_dir(out_dir: str, step: int) -> str:
+    return os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
+
+
+def latest_checkpoint(out_dir: str) -> str | None:
+    """The complete checkpoint with the highest step (half-written `.tmp` folders are ignored)."""
+    done = [p for p in glob.glob(os.path.join(out_dir, "checkpoints", "step_*"))
+            if re.fullmatch(r"step_\d+", os.path.basename(p)) and os.path.isfile(os.path.join(p, "trainer.pt"))]
+    return max(done, key=lambda p: int(p.rsplit("_", 1)[1])) if done else None
+
+
+def save_hf_model(model, tokenizer, path: str, dtype: torch.dtype = torch.bfloat16):
+    """Gather the FSDP2 model's full weights (a collective: every rank calls this) and write a
+    Hugging Face folder from rank 0."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        model.save_pretrained(path, state_dict={k: v.to(dtype) for k, v in full.items()})
+        config_path = os.path.join(path, "config.json")
+        with open(config_path) as f:
+            config = json.load(f)
+        config["dtype"] = str(dtype).removeprefix("torch.")  # the weights' dtype, not the fp32 masters'
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+    dist.barrier()
+
+
+def save_checkpoint(out_dir: str, step: int, stateful: dict, hf_model, tokenizer, state: dict, keep: int = 2):
+    """Write checkpoint `step` atomically; keep the newest `keep` (0 keeps all).
+
+    stateful: {name: (model, optimizer)}, the FSDP2 models and optimizers to resume.
+    hf_model: the model exported as a Hugging Face folder (the policy). state: small picklable
+    things for trainer.pt (rank 0's copy is saved).
+    """
+    rank, final = dist.get_rank(), checkpoint_dir(out_dir, step)
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        os.makedirs(tmp)
+    dist.barrier()
+    save_hf_model(hf_model, tokenizer, os.path.join(tmp, "model"))
+    sharded = {}
+    for name, (model, optimizer) in stateful.items():
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        sharded[f"{name}_model"], sharded[f"{name}_optim"] = model_sd, optim_sd
+    dcp.save(sharded, checkpoint_id=os.path.join(tmp, "state"))  # each rank writes its own shards
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+               os.path.join(tmp, f"rng_rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        torch.save({**state, "world_size": dist.get_world_size()}, os.path.join(tmp, "trainer.pt"))
+        if os.path.exists(final):  # the same step saved again (e.g. the final save): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)  # atomic: the checkpoint exists completely or not at all
+        if keep > 0:
+            steps = sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_*[0-9]")))
+            for old in steps[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str, stateful: dict) -> dict:
+    """Load weights, optimizer state and RNG into place; return trainer.pt's dict."""
+    if not os.path.isfile(os.path.join(path, "trainer.pt")):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no trainer.pt)")
+    state = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
+    if state["world_size"] != dist.get_world_size():
+        raise ValueError(f"{path} was saved by {state['world_size']} ranks and this run has "
+                         f"{dist.get_world_size()}; resume with the same --nproc_per_node")
+    sharded = {}
+    for name, (model, optimizer) in stateful.items():
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        sharded[f"{name}_model"], sharded[f"{name}_optim"] = model_sd, optim_sd
+    dcp.load(sharded, checkpoint_id=os.path.join(path, "state"))
+    for name, (model, optimizer) in stateful.items():
+        set_state_dict(model, optimizer, model_state_dict=sharded[f"{name}_model"],
+                       optim_state_dict=sharded[f"{name}_optim"])
+    rng = torch.load(os.path.join(path, f"rng_rank{dist.get_rank()}.pt"), weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    return state

@@ -1,0 +1,231 @@
+"""Prompts in, padded batches out.
+
+    train, test = addition_task(seed=0)                       # built-in, no download
+    train = load_examples("openai/gsm8k", "train")              # hub id (needs `datasets`)
+    train = load_examples("../shared/data/gsm8k", "train")      # local folder: train.jsonl / test.parquet
+    prompts, kept, dropped = tokenize_prompts(tokenizer, train, max_prompt_len=256)
+    sampler = PromptSampler(len(prompts), seed=0)               # epoch shuffles; resumable position
+    batch = collate(samples, pad_id)                            # list[Sample] -> Batch of tensors
+
+`Sample` is the one record that travels from the rollout to the loss.
+"""
+
+import json
+import os
+import random
+from dataclasses import dataclass, fields
+
+import torch
+
+ADDITION_PROMPT = "What is {a} + {b}? Put the final answer after ####."
+GSM8K_PROMPT = "{question}\nThink step by step, then put the final answer after ####."
+
+
+@dataclass
+class Example:
+    prompt: str  # the user message, before the chat template
+    answer: str  # the reference final answer, e.g. "72"
+
+
+# ----------------------------------------------------------------------------------------------
+# Tasks
+
+
+def addition_task(seed: int, num_test: int = 500) -> tuple[list[Example], list[Example]]:
+    """Two-digit addition, 'What is a + b? ...' for a, b in 10..99 (8100 pairs).
+
+    A seeded shuffle of all pairs; the first `num_test` are the held-out split, so the split is
+    the same on every rank and in every run with the same seed, and no test pair is trained on.
+    """
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(pairs)
+    examples = [Example(ADDITION_PROMPT.format(a=a, b=b), str(a + b)) for a, b in pairs]
+    return examples[num_test:], examples[:num_test]
+
+
+def read_rows(path: str) -> list[dict]:
+    """Rows of a .jsonl or .parquet file. A line that is not a JSON object stops with an error
+    naming the file and the line."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq  # lazy: only for parquet input
+
+        return pq.read_table(path).to_pylist()
+    if not path.endswith(".jsonl"):
+        raise ValueError(f"data file {path!r}: expected a .jsonl or .parquet file")
+    rows = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {line_no}: not valid JSON ({e.msg}); fix or delete that line") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, line {line_no}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def gsm8k_examples(rows: list[dict], source: str) -> list[Example]:
+    """GSM8K rows {"question": ..., "answer": "...reasoning...\\n#### 72"} -> Examples.
+    A row missing a field, or an answer without '#### N', names the source and the line (1-based)."""
+    examples = []
+    for line_no, row in enumerate(rows, start=1):
+        for field in ("question", "answer"):
+            if not isinstance(row.get(field), str):
+                raise ValueError(f"{source}, line {line_no}: missing field {field!r} "
+                                 f"(found {sorted(row)}); GSM8K rows need 'question' and 'answer'")
+        if "####" not in row["answer"]:
+            raise ValueError(f"{source}, line {line_no}: field 'answer' has no '#### <number>' final answer")
+        final = row["answer"].split("####")[-1].strip().replace(",", "")
+        examples.append(Example(GSM8K_PROMPT.format(question=row["question"].strip()), final))
+    return examples
+
+
+def load_examples(dataset: str, split: str) -> list[Example]:
+    """GSM8K-format examples from a local file, a local folder holding `{split}.jsonl` or
+    `{split}.parquet`, or a Hugging Face hub id (e.g. 'openai/gsm8k')."""
+    if os.path.isfile(dataset):
+        return gsm8k_examples(read_rows(dataset), dataset)
+    if os.path.isdir(dataset):
+        for ext in (".jsonl", ".parquet"):
+            path = os.path.join(dataset, split + ext)
+            if os.path.isfile(path):
+                return gsm8k_examples(read_rows(path), path)
+        raise FileNotFoundError(f"dataset folder {dataset!r} has no {split}.jsonl or {split}.parquet")
+    if dataset.startswith((".", "/")) or dataset.count("/") != 1:
+        raise FileNotFoundError(f"dataset {dataset!r} is neither a local file/folder nor a hub id like 'openai/gsm8k'")
+    from datasets import load_dataset  # lazy: only for hub datasets
+
+    rows = load_dataset(dataset, "main" if dataset.endswith("gsm8k") else None, split=split)
+    return gsm8k_examples(list(rows), f"{dataset}[{split}]")
+
+
+def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int):
+    """Chat-template each prompt as one user turn. Prompts longer than `max_prompt_len` tokens
+    are dropped (never truncated: a cut question has a different answer) and counted.
+    Returns (token ids, kept examples, number dropped)."""
+    ids, kept = [], []
+    for ex in examples:
+        if tokenizer.chat_template is not None:
+            tokens = tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}],
+                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+        else:  # a base model without a template: the raw prompt
+            tokens = tokenizer.encode(ex.prompt)
+        if len(tokens) <= max_prompt_len:
+            ids.append(list(tokens))
+            kept.append(ex)
+    return ids, kept, len(examples) - len(kept)
+
+
+class PromptSampler:
+    """Walks a seeded shuffle of the prompt pool, epoch after epoch.
+
+    Every rank holds an identical sampler and makes the same global draw, then keeps its own
+    slice (`shard`), so (epoch, index) is one position for the whole job: the resume state.
+    """
+
+    def __init__(self, num_prompts: int, seed: int):
+        if num_prompts == 0:
+            raise ValueError("the prompt pool is empty: every prompt was dropped or the dataset has no rows; "
+                             "raise --max-prompt-len or check --dataset")
+        self.num_prompts, self.seed, self.epoch, self.index = num_prompts, seed, 0, 0
+        self._order_epoch, self._order = -1, []
+
+    def order(self, epoch: int) -> list[int]:
+        if epoch != self._order_epoch:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._order, self._order_epoch = torch.randperm(self.num_prompts, generator=g).tolist(), epoch
+        return self._order
+
+    def draw(self, count: int) -> list[int]:
+        out = []
+        while len(out) < count:
+            if self.index == self.num_prompts:
+                self.epoch, self.index = self.epoch + 1, 0
+            take = min(count - len(out), self.num_prompts - self.index)
+            out += self.order(self.epoch)[self.index:self.index + take]
+            self.index += take
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "num_prompts": self.num_prompts, "seed": self.seed}
+
+    def load_state_dict(self, state: dict):
+        if state["num_prompts"] != self.num_prompts:
+            raise ValueError(f"checkpoint was taken with {state['num_prompts']} prompts, this run has "
+                             f"{self.num_prompts}; resume with the same --dataset and --max-prompt-len")
+        self.epoch, self.index = state["epoch"], state["index"]
+
+
+def shard(items: list, rank: int, world_size: int) -> list:
+    """This rank's contiguous slice of a global list whose length divides by world_size."""
+    n = len(items) // world_size
+    return items[rank * n:(rank + 1) * n]
+
+
+# ----------------------------------------------------------------------------------------------
+# The record from rollout to loss, and its padded batch
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt: what the rollout hands to the loss."""
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]  # the sampler's log-prob of each response token
+    truncated: bool                # stopped by the length limit, not by a stop token
+    answer: str = ""               # reference answer of the prompt
+    text: str = ""                 # decoded response
+    reward: float = 0.0
+    reward_error: bool = False     # the reward function raised (scored 0.0)
+
+
+@dataclass
+class Batch:
+    """Padded tensors for a list of samples (right padding).
+
+    Token t of `input_ids` is predicted at position t-1, so every per-token tensor is [B, T-1] and
+    lines up with `input_ids[:, 1:]`. The optional fields are filled in by the training script.
+    """
+    input_ids: torch.Tensor        # [B, T]   prompt + response token ids, then pad
+    attention_mask: torch.Tensor   # [B, T]   1 on real tokens
+    response_mask: torch.Tensor    # [B, T-1] 1.0 where the target token is a response token
+    loss_mask: torch.Tensor | None = None      # [B, T-1] response tokens that count in the loss
+    old_logprobs: torch.Tensor | None = None   # [B, T-1] log-probs under the policy that sampled
+    ref_logprobs: torch.Tensor | None = None   # [B, T-1] log-probs under the reference model
+    advantages: torch.Tensor | None = None     # [B, T-1]
+    values: torch.Tensor | None = None         # [B, T-1] critic values (PPO)
+    returns: torch.Tensor | None = None        # [B, T-1] value targets (PPO)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx) -> "Batch":
+        """Rows `idx`, with the columns cut to their longest sequence (less padding per micro-batch)."""
+        t = int(self.attention_mask[idx].sum(-1).max())
+        cut = {}
+        for f in fields(self):
+            x = getattr(self, f.name)
+            if x is not None:
+                cut[f.name] = x[idx, :t] if x.shape[1] == self.input_ids.shape[1] else x[idx, :t - 1]
+        return Batch(**cut)
+
+    def to(self, device) -> "Batch":
+        return Batch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                        for f in fields(self)})
+
+
+def collate(samples: list[Sample], pad_id: int) -> Batch:
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    T = max(lengths)
+    input_ids = torch.full((len(samples), T), pad_id, dtype=torch.long)  # [B, T]
+    attention_mask = torch.zeros(len(samples), T, dtype=torch.long)      # [B, T]
+    response_mask = torch.zeros(len(samples), T - 1)                     # [B, T-1]
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        input_ids[i, :p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+        attention_mask[i, :p + r] = 1
+        response_mask[i, p - 1:p - 1 + r] = 1.0  # targets input_ids[p : p+r] sit at positions p-1 ...
+    return Batch(input_ids, attention_mask, response_mask)

@@ -1,0 +1,177 @@
+"""Training on N GPUs: torch.distributed set-up, FSDP2 models, the log-prob forward, metric reduction
+and rank-0 logging.
+
+    rank, world_size, device = init_distributed()         # torchrun, or plain `python` (world 1)
+    model = load_model(path, device, dtype=torch.float32, gradient_checkpointing=True)
+    shard_model(model, param_dtype=torch.bfloat16)        # FSDP2: each decoder layer, then the root
+    logp, entropy = token_logprobs(model, batch, temperature=1.0, with_entropy=True)   # [B, T-1]
+"""
+
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+# ----------------------------------------------------------------------------------------------
+# Processes
+
+
+def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int, torch.device]:
+    """Join the torchrun job (or make a world of one for plain `python script.py`).
+
+    NCCL on GPUs, gloo on CPU. The timeout is generous: a rank that finishes its rollout early
+    waits at the next collective for the slowest rank's generation.
+    """
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "RANK" in os.environ:  # launched by torchrun
+        dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
+    else:  # plain python: a one-process group, no port needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def print0(*args, **kwargs):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def all_reduce(x: float | torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce a number or tensor over ranks (a CPU-GPU sync point on NCCL)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.as_tensor(x, dtype=torch.float64, device=device).clone()
+    dist.all_reduce(t, op=op)
+    return t.cpu()
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype, gradient_checkpointing: bool = False,
+               attn_implementation: str = "sdpa", model_class=None):
+    """A Hugging Face model from a hub id or local folder, on the CPU in `dtype`.
+
+    PLUMBING: every rank reads the whole checkpoint into CPU memory, then `shard_model` moves its
+    shard to the GPU. Simple and fine to ~14B on one node; beyond that, build on the meta device
+    and broadcast rank 0's weights instead.
+    """
+    from transformers import AutoModelForCausalLM  # lazy: keeps `import fsdp` light for notebooks
+
+    model_class = model_class or AutoModelForCausalLM
+    try:
+        model = model_class.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    except OSError as e:
+        raise OSError(f"could not load model {path!r}: {e}\nPass a hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) "
+                      f"or a local folder with config.json and weights.") from None
+    model.config.use_cache = False  # training forwards never use the KV cache
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing composes with FSDP2: each layer's activations are recomputed
+        # in backward, trading ~30% more compute for activations of one layer instead of all.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16):
+    """FSDP2: shard each decoder layer, then the root (embeddings, final norm, head).
+
+    With param_dtype=bf16 the fp32 master shards are all-gathered as bf16 for compute and
+    gradients are reduce-scattered in fp32 (reduce_dtype), as in torchtitan. param_dtype=None
+    computes in the stored dtype (the frozen bf16 reference model). Parameters land on the GPU.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class in _no_split_modules; "
+                         f"cannot shard it layer by layer")
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                   with_entropy: bool = False):
+    """Log-prob of each next token under `model` at sampling temperature `temperature`.
+
+    Returns logp [B, T-1] (logp[:, t] scores input_ids[:, t+1]) and, if asked, the entropy of the
+    next-token distribution [B, T-1] (without gradient: a metric). Dividing by the temperature
+    matters: SGLang reports log-probs of the distribution it sampled from, softmax(logits / T).
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, V]
+    # fp32 for the softmax: bf16 log-probs are off by ~1e-2, enough to skew the PPO ratio.
+    logits = logits[:, :-1].float() / temperature                        # [B, T-1, V]
+    target = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1)      # [B, T-1]
+    logsumexp = torch.logsumexp(logits, dim=-1)                          # [B, T-1]
+    logp = target - logsumexp
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            probs = torch.softmax(logits, dim=-1)
+            entropy = logsumexp - (probs * logits).sum(-1)                # [B, T-1]
+    return logp, entropy
+
+
+def gather_full_params(model, dtype: torch.dtype):
+    """Yield (name, full tensor) for each parameter of an FSDP2 model, one at a time.
+
+    Each `full_tensor()` is an all-gather every rank must join, in the same order. Casting the
+    local shard to bf16 first halves the bytes on the wire. Tied weights appear once (e.g. only
+    model.embed_tokens.weight), which both SGLang and HF loaders expect.
+    """
+    for name, param in model.named_parameters():
+        full = param.detach().to(dtype)
+        yield name, (full.full_tensor() if hasattr(full, "full_tensor") else full)
+
+
+# ----------------------------------------------------------------------------------------------
+# Logging (rank 0)
+
+
+class Timer:
+    """Wall-clock seconds per named phase: `with timer("rollout"): ...` (syncs CUDA at the edges)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Phase:
+            def __enter__(self):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t0
+
+        return _Phase()
+
+
+def init_tracking(track: bool, project: str, run_name: str, config: dict):
+    """A wandb run on rank 0 when `track`, else None."""
+    if not track or dist.get_rank() != 0:
+        return None
+    import wandb  # lazy: only with --track
+
+    return wandb.init(project=project, name=run_name, config=config)
+
+
+def log_line(step: int, metrics: dict, keys: list[tuple[str, str, str]]) -> str:
+    """One console line: 'step 12 | reward 0.41 | acc 0.33 | ...' from (label, metric key, format)."""
+    parts = [f"step {step}"] + [f"{label} {format(metrics[key], fmt)}" for label, key, fmt in keys if key in metrics]
+    return " | ".join(parts)

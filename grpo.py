@@ -1,0 +1,532 @@
+"""GRPO: group-relative policy optimization, FSDP2 training + colocated SGLang rollout.
+
+    python grpo.py --model HuggingFaceTB/SmolLM2-135M-Instruct                # 1 GPU, built-in addition task
+    torchrun --nproc_per_node=8 grpo.py --model Qwen/Qwen2.5-7B-Instruct --dataset openai/gsm8k --offload
+    python grpo.py --model ./tiny-model --rollout-engine hf                   # CPU, no SGLang
+
+Each step: wake SGLang up and sync the weights (memory.py), sample `group_size` completions per
+prompt, score them (reward.py), sleep SGLang, recompute old (and reference) log-probs, normalize
+rewards within each group into advantages, and take PPO-clip steps on the policy.
+
+Variants, all flags: std scaling off + --loss-agg seq-mean-token-sum-norm (Dr.GRPO), --clip-high 0.28
+(clip-higher, DAPO), --dynamic-sampling, --overlong-filter, --beta > 0 with --kl-estimator k1/k2/k3
+in the loss or (--kl-in-reward) in the reward.
+What it simplifies: every rank loads the full checkpoint on CPU before sharding; sequences are
+right-padded per micro-batch (no packing); one Adam for the whole model.
+"""
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+
+from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_hf_model
+from data import PromptSampler, addition_task, collate, load_examples, shard, tokenize_prompts
+from fsdp import all_reduce, init_distributed, init_tracking, load_model, log_line, print0, shard_model, token_logprobs
+from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
+from reward import format_reward, gsm8k_reward, int_match_reward, score
+from rollout import HFEngine, generate, start_sglang, stop_token_ids, tp_group
+
+
+@dataclass
+class Args:
+    # --- model and data
+    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    """policy to train: a hub id or a local folder (also the reference model and SGLang's config)"""
+    dataset: str = "addition"
+    """'addition' (built-in two-digit addition, no download), 'openai/gsm8k', or a local GSM8K .jsonl/.parquet file or folder"""
+    eval_dataset: str | None = None
+    """held-out prompts in the same format; default: the 'test' split of --dataset"""
+    num_eval_prompts: int = 256
+    """held-out prompts per evaluation (greedy)"""
+    max_prompt_len: int = 256
+    """prompts longer than this (in tokens, after the chat template) are dropped and counted"""
+    max_new_tokens: int = 256
+    """response length limit; longer responses are truncated (see --overlong-filter)"""
+    # --- sampling
+    prompts_per_step: int = 32
+    """prompts per step over all ranks (must divide by the number of ranks)"""
+    group_size: int = 8
+    """completions per prompt; advantages are normalized within each group"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling; < 1 makes the sampler's distribution differ from the trained one"""
+    # --- optimization
+    steps: int = 200
+    """training steps (one rollout batch each)"""
+    lr: float = 1e-6
+    """peak learning rate (AdamW)"""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """decay after warm-up, to min_lr_ratio * lr at the last step"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warm-up from 0"""
+    min_lr_ratio: float = 0.0
+    """final lr / peak lr for cosine and linear schedules"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward per rank (gradient accumulation over micro-batches)"""
+    num_minibatches: int = 1
+    """optimizer steps per epoch over the rollout batch"""
+    epochs: int = 1
+    """passes over each rollout batch"""
+    seed: int = 0
+    """seeds data order, sampling and initialization"""
+    # --- GRPO
+    scale_rewards: bool = True
+    """divide group-centred rewards by the group's std (--no-scale-rewards: Dr.GRPO)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """token-mean: over all tokens of the mini-batch; seq-mean-token-mean: mean per sequence, then over
+    sequences (original GRPO); seq-mean-token-sum-norm: token sum / (sequences * max_new_tokens) (Dr.GRPO)"""
+    clip_low: float = 0.2
+    """ratio clipped below at 1 - clip_low"""
+    clip_high: float = 0.2
+    """ratio clipped above at 1 + clip_high (0.28: clip-higher from DAPO)"""
+    beta: float = 0.0
+    """KL coefficient to the reference model; 0 loads no reference model at all"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """per-token KL estimator (Schulman's k1 = log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r)"""
+    kl_in_reward: bool = False
+    """subtract beta * sum of k1 over the response from the reward instead of adding KL to the loss"""
+    dynamic_sampling: bool = False
+    """drop groups whose rewards are all equal (no signal) and sample more prompts to refill (DAPO)"""
+    max_sampling_rounds: int = 4
+    """with --dynamic-sampling, rollout rounds per step at most"""
+    overlong_filter: bool = False
+    """mask truncated responses out of the loss (DAPO)"""
+    # --- reward
+    answer_mode: Literal["strict", "flexible"] = "flexible"
+    """reward answer extraction: strict = only '#### N' counts; flexible = else the last number"""
+    format_weight: float = 0.5
+    """reward += format_weight when the response ends in '#### <number>'"""
+    # --- memory and systems
+    gradient_checkpointing: bool = False
+    """recompute activations in backward (less memory, ~30% more compute)"""
+    offload: bool = False
+    """move parameters and optimizer state to CPU while SGLang generates"""
+    attn_implementation: str = "sdpa"
+    """transformers attention for training ('flash_attention_2' if flash-attn is installed)"""
+    rollout_engine: Literal["auto", "sglang", "hf"] = "auto"
+    """'sglang' (GPU), 'hf' (plain transformers, CPU tests), 'auto': sglang when CUDA is available"""
+    rollout_tp: int = 1
+    """tensor parallel size of each SGLang engine; the first rank of each group of k owns it"""
+    sglang_mem_fraction: float = 0.6
+    """share of GPU memory for SGLang's weights + KV cache while it is awake"""
+    sglang_attention_backend: str = "triton"
+    """SGLang attention kernels ('fa3' or 'flashinfer' where installed are faster)"""
+    sglang_sampling_backend: str = "pytorch"
+    """SGLang sampling kernels ('flashinfer' where installed)"""
+    sglang_cuda_graph_max_bs: int | None = None
+    """largest decode batch captured as a CUDA graph (fewer graphs start faster); None: SGLang's default"""
+    sglang_disable_cuda_graph: bool = False
+    """no CUDA graphs: fastest start, slower decode"""
+    sync_bucket_mb: int = 512
+    """weight sync gathers and sends this many MB at a time"""
+    # --- evaluation, checkpoints, logging
+    eval_every: int = 20
+    """greedy evaluation every this many steps (0: never), and after the last step"""
+    eval_before_train: bool = False
+    """also evaluate before the first update"""
+    save_every: int = 100
+    """checkpoint every this many steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """newest checkpoints kept (0: all)"""
+    output_dir: str = "runs"
+    """runs are written to output_dir/run_name"""
+    run_name: str | None = None
+    """default: grpo-<model>-<dataset>-s<seed>"""
+    resume: bool = False
+    """continue from the latest checkpoint of this run"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "grpo"
+    """wandb project"""
+    log_samples_every: int = 10
+    """print a few sample completions every this many steps (0: never)"""
+
+
+# ----------------------------------------------------------------------------------------------
+# ALGO: the GRPO pieces, pure functions of tensors (tests/test_grpo_math.py checks them by hand)
+
+
+def group_advantages(rewards: torch.Tensor, scale: bool, eps: float = 1e-6) -> torch.Tensor:
+    """rewards [num_groups, group_size] -> advantages, centred (and scaled) within each group."""
+    adv = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale:
+        adv = adv / (rewards.std(dim=1, keepdim=True) + eps)  # unbiased std, as in the GRPO paper
+    return adv
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref) from samples of the policy. [B, T] -> [B, T]"""
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    # k3: unbiased and always >= 0; clamp the exponent so one outlier token can't overflow
+    neg = (-log_ratio).clamp(-20, 20)
+    return torch.exp(neg) - 1 - neg
+
+
+def clipped_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: float):
+    """PPO-clip per token: max(-A r, -A clip(r, 1-clip_low, 1+clip_high)). Returns (loss, clipped), [B, T]."""
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def aggregate(values, mask, mode: str, num_seqs: float, num_tokens: float, max_len: int) -> torch.Tensor:
+    """Reduce per-token values [B, T] to this rank's share of the mini-batch loss.
+
+    num_seqs / num_tokens count the whole mini-batch on all ranks, so micro-batch losses on all
+    ranks add up to the mini-batch mean.
+    """
+    if mode == "token-mean":
+        return (values * mask).sum() / max(num_tokens, 1.0)
+    if mode == "seq-mean-token-mean":
+        return ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / max(num_seqs, 1.0)
+    if mode == "seq-mean-token-sum-norm":  # Dr.GRPO: a constant normalizer, no length bias
+        return (values * mask).sum() / (max(num_seqs, 1.0) * max_len)
+    raise ValueError(f"--loss-agg {mode!r} is unknown")
+
+
+def lr_lambda(args: Args, total_optimizer_steps: int):
+    def f(i: int) -> float:
+        if i < args.warmup_steps:
+            return (i + 1) / args.warmup_steps
+        if args.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (i - args.warmup_steps) / max(1, total_optimizer_steps - args.warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if args.lr_schedule == "cosine" else 1 - progress
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * decay
+    return f
+
+
+def check_args(args: Args, world_size: int):
+    """Bad input fails here, before anything is loaded or written."""
+    problems = []
+    if args.prompts_per_step % world_size:
+        problems.append(f"--prompts-per-step {args.prompts_per_step} must divide by the {world_size} ranks")
+    if args.group_size < 2:
+        problems.append(f"--group-size {args.group_size}: GRPO needs at least 2 completions per prompt")
+    if args.beta < 0 or args.temperature <= 0 or not 0 < args.top_p <= 1:
+        problems.append("--beta must be >= 0, --temperature > 0 and --top-p in (0, 1]")
+    per_rank = args.prompts_per_step // world_size * args.group_size
+    if args.num_minibatches < 1 or per_rank % args.num_minibatches:
+        problems.append(f"--num-minibatches {args.num_minibatches} must divide the {per_rank} samples per rank")
+    if problems:
+        raise SystemExit("grpo.py: bad arguments:\n  " + "\n  ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main(args: Args):
+    t_launch = time.time()
+    rank, world_size, device = init_distributed()
+    check_args(args, world_size)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed)  # same init on every rank
+    run_name = args.run_name or f"grpo-{os.path.basename(args.model.rstrip('/'))}-{os.path.basename(args.dataset.rstrip('/'))}-s{args.seed}"
+    run_dir = os.path.join(args.output_dir, run_name)
+    resume_from = latest_checkpoint(run_dir) if args.resume else None
+    if not args.resume and latest_checkpoint(run_dir):
+        raise SystemExit(f"{run_dir} already holds checkpoints: pass --resume to continue it, or a new --run-name")
+    engine_kind = args.rollout_engine if args.rollout_engine != "auto" else ("sglang" if torch.cuda.is_available() else "hf")
+    startup = {}
+
+    # ---- rollout engine first: SGLang sizes its KV cache from the free memory it finds ----------
+    t0 = time.time()
+    group, owner = tp_group(args.rollout_tp)
+    engine = None
+    if rank == owner:
+        if engine_kind == "sglang":
+            engine = start_sglang(args.model, gpu_id=torch.cuda.current_device(), mem_fraction=args.sglang_mem_fraction,
+                                  tp_size=args.rollout_tp, seed=args.seed, attention_backend=args.sglang_attention_backend,
+                                  sampling_backend=args.sglang_sampling_backend, cuda_graph_max_bs=args.sglang_cuda_graph_max_bs,
+                                  disable_cuda_graph=args.sglang_disable_cuda_graph)
+        else:
+            engine = HFEngine(args.model, seed=args.seed)
+    release(engine, ALL_TAGS)  # until the first weight sync
+    dist.barrier()  # no rank loads its model before every engine has measured free memory
+    startup["engine_s"] = time.time() - t0
+
+    # ---- models: policy (fp32 masters, bf16 compute) and, only if beta > 0, the reference ---------
+    t0 = time.time()
+    from transformers import AutoTokenizer  # lazy: keeps `import grpo` (tests) fast
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    stop_ids = stop_token_ids(tokenizer, args.model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    policy = load_model(args.model, device, torch.float32, args.gradient_checkpointing, args.attn_implementation)
+    shard_model(policy, param_dtype=torch.bfloat16)
+    ref = None
+    if args.beta > 0:
+        ref = load_model(args.model, device, torch.bfloat16, attn_implementation=args.attn_implementation).eval()
+        shard_model(ref, param_dtype=None)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
+    total_optimizer_steps = args.steps * args.epochs * args.num_minibatches
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, total_optimizer_steps))
+    train_models = [m for m in (policy, ref) if m is not None]
+    startup["model_s"] = time.time() - t0
+
+    # ---- data ----------------------------------------------------------------------------------
+    if args.dataset == "addition":
+        train_examples, eval_examples = addition_task(args.seed)
+        answer_fn = int_match_reward
+    else:
+        train_examples = load_examples(args.dataset, "train")
+        eval_examples = load_examples(args.eval_dataset or args.dataset, "test")
+        answer_fn = gsm8k_reward
+    prompts, train_examples, dropped = tokenize_prompts(tokenizer, train_examples, args.max_prompt_len)
+    eval_prompts, eval_examples, _ = tokenize_prompts(tokenizer, eval_examples[:args.num_eval_prompts], args.max_prompt_len)
+    sampler = PromptSampler(len(prompts), args.seed)
+    print0(f"data: {len(prompts)} train prompts ({dropped} dropped as longer than {args.max_prompt_len} tokens), "
+           f"{len(eval_prompts)} eval prompts | {world_size} ranks, engine {engine_kind}")
+
+    # ALGO: the reward. Any (completion, answer) -> float can go here.
+    def reward_fn(completion: str, answer: str) -> float:
+        return answer_fn(completion, answer, args.answer_mode) + args.format_weight * format_reward(completion)
+
+    # ---- resume ----------------------------------------------------------------------------------
+    start_step = 0
+    if resume_from:
+        state = load_checkpoint(resume_from, {"policy": (policy, optimizer)})
+        sampler.load_state_dict(state["sampler"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_step = state["step"]
+        print0(f"resumed from {resume_from}: step {start_step}, data epoch {sampler.epoch} index {sampler.index}")
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        if os.path.exists(metrics_path):  # drop lines of steps after the checkpoint: they are redone
+            with open(metrics_path) as f:
+                kept_lines = [line for line in f if json.loads(line).get("step", 0) <= start_step]
+            with open(metrics_path, "w") as f:
+                f.writelines(kept_lines)
+    tracker = init_tracking(args.track, args.wandb_project, run_name, asdict(args))
+    mem = MemoryLog()
+
+    def judge(samples) -> list[float]:
+        """Sums over samples of: strict accuracy ('#### N' correct), flexible accuracy, format."""
+        return [sum(score(lambda c, a: answer_fn(c, a, "strict"), s.text, s.answer)[0] for s in samples),
+                sum(score(lambda c, a: answer_fn(c, a, "flexible"), s.text, s.answer)[0] for s in samples),
+                sum(format_reward(s.text) for s in samples)]
+
+    def evaluate(step: int) -> dict:
+        """Greedy accuracy on the held-out prompts (engine awake), split over ranks."""
+        mine = list(range(rank, len(eval_prompts), world_size))
+        samples = generate(engine, [eval_prompts[i] for i in mine], [eval_examples[i].answer for i in mine],
+                           [0] * len(mine), args.max_new_tokens, 0.0, 1.0, stop_ids, tokenizer, group, owner)
+        sums = all_reduce(torch.tensor(judge(samples) + [len(samples)]))
+        out = {"eval/strict_acc": sums[0] / sums[3], "eval/flexible_acc": sums[1] / sums[3],
+               "eval/format_rate": sums[2] / sums[3]}
+        print0(log_line(step, {k: float(v) for k, v in out.items()},
+                        [("eval strict acc", "eval/strict_acc", ".3f"), ("flexible acc", "eval/flexible_acc", ".3f"),
+                         ("format", "eval/format_rate", ".3f")]).replace("step", "eval after step"))
+        return {k: float(v) for k, v in out.items()}
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    local_prompts = args.prompts_per_step // world_size
+    for step in range(start_step + 1, args.steps + 1):
+        t_step = time.time()
+        mem.reset()
+        metrics = {"step": step}
+
+        # -- 1. wake SGLang up with the current weights (memory.py: the first half of the diagram)
+        wake_up(engine, policy, train_models, [optimizer], args.offload, mem, args.sync_bucket_mb << 20)
+        if args.eval_every and (step - 1) % args.eval_every == 0 and (step > 1 or args.eval_before_train):
+            with mem.phase("eval"):
+                metrics.update(evaluate(step - 1))
+
+        # -- 2. rollout: group_size samples per prompt, scored; dynamic sampling refills dropped groups
+        with mem.phase("generate"):
+            kept, seen, rounds = [], [], 0
+            while True:
+                idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)
+                rng = random.Random(f"{args.seed}-{step}-{rounds}-{rank}")
+                samples = generate(engine, [prompts[i] for i in idx for _ in range(args.group_size)],
+                                   [train_examples[i].answer for i in idx for _ in range(args.group_size)],
+                                   [rng.getrandbits(31) for _ in range(len(idx) * args.group_size)],
+                                   args.max_new_tokens, args.temperature, args.top_p, stop_ids, tokenizer, group, owner)
+                for s in samples:
+                    s.reward, s.reward_error = score(reward_fn, s.text, s.answer)
+                groups = [samples[g * args.group_size:(g + 1) * args.group_size] for g in range(len(idx))]
+                seen += samples
+                rounds += 1
+                if args.dynamic_sampling:  # ALGO: a group of equal rewards has zero advantage: no signal
+                    groups = [g for g in groups if len({s.reward for s in g}) > 1]
+                kept += groups
+                short = all_reduce(max(local_prompts - len(kept), 0), dist.ReduceOp.MAX)
+                if not args.dynamic_sampling or short == 0 or rounds == args.max_sampling_rounds:
+                    break
+            # every rank must train on the same number of groups (FSDP collectives must match)
+            n_groups = int(all_reduce(min(len(kept), local_prompts), dist.ReduceOp.MIN))
+            kept = kept[:n_groups]
+
+        # -- 3. SGLang sleeps, training state comes back
+        sleep(engine, train_models, [optimizer], args.offload, device, mem)
+
+        # rollout metrics, over every sample generated this step
+        n_seen = all_reduce(len(seen))
+        acc, _, fmt = judge(seen)
+        tot = all_reduce(torch.tensor([
+            sum(s.reward for s in seen), sum(s.reward ** 2 for s in seen), acc, fmt,
+            sum(len(s.response_ids) for s in seen), sum(s.truncated for s in seen),
+            sum(s.reward_error for s in seen), len(kept)], dtype=torch.float64))
+        max_len = all_reduce(max(len(s.response_ids) for s in seen), dist.ReduceOp.MAX)
+        metrics.update({
+            "rollout/reward_mean": tot[0] / n_seen, "rollout/reward_std": (tot[1] / n_seen - (tot[0] / n_seen) ** 2).clamp(min=0).sqrt(),
+            "rollout/strict_acc": tot[2] / n_seen, "rollout/format_rate": tot[3] / n_seen,
+            "rollout/response_len_mean": tot[4] / n_seen, "rollout/response_len_max": max_len,
+            "rollout/truncated_frac": tot[5] / n_seen, "rollout/reward_errors": tot[6],
+            "rollout/kept_groups": tot[7], "rollout/sampling_rounds": rounds,
+            "perf/rollout_tokens_per_s": tot[4] / mem.seconds["generate"],
+        })
+        if not kept:  # dynamic sampling found no group with signal anywhere: nothing to learn from
+            print0(f"step {step} | no group with differing rewards after {rounds} rounds: update skipped")
+            continue
+
+        # -- 4. the batch: old log-probs from the training model, reference log-probs if beta > 0
+        flat = [s for g in kept for s in g]
+        batch = collate(flat, pad_id)
+        batch.loss_mask = batch.response_mask.clone()
+        if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
+            batch.loss_mask[torch.tensor([s.truncated for s in flat])] = 0.0
+        mbs = [torch.arange(i, min(i + args.micro_batch_size, len(batch))) for i in range(0, len(batch), args.micro_batch_size)]
+        batch.old_logprobs = torch.zeros_like(batch.response_mask)
+        batch.ref_logprobs = torch.zeros_like(batch.response_mask) if ref is not None else None
+        with mem.phase("logprob"), torch.no_grad():
+            for idx in mbs:
+                mb = batch.select(idx).to(device)
+                t = mb.input_ids.shape[1] - 1
+                batch.old_logprobs[idx, :t] = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature)[0].cpu()
+                if ref is not None:
+                    batch.ref_logprobs[idx, :t] = token_logprobs(ref, mb.input_ids, mb.attention_mask, args.temperature)[0].cpu()
+        # how far SGLang's sampler is from the trainer (numerics, not a bug if small)
+        rollout_logp = torch.zeros_like(batch.response_mask)
+        for i, s in enumerate(flat):
+            p = len(s.prompt_ids)
+            rollout_logp[i, p - 1:p - 1 + len(s.response_ids)] = torch.tensor(s.rollout_logprobs)
+        diff = ((rollout_logp - batch.old_logprobs).abs() * batch.response_mask).sum()
+        metrics["rollout/logprob_abs_diff"] = float(all_reduce(diff) / all_reduce(batch.response_mask.sum()))
+
+        # -- 5. advantages
+        rewards = torch.tensor([s.reward for s in flat]).view(-1, args.group_size)     # [groups, G]
+        if ref is not None and args.kl_in_reward:  # ALGO: KL as a reward penalty, per sequence
+            seq_kl = (kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1") * batch.response_mask).sum(-1)
+            rewards = rewards - args.beta * seq_kl.view(-1, args.group_size)
+        adv = group_advantages(rewards, args.scale_rewards).view(-1)                    # [B]
+        batch.advantages = adv[:, None] * batch.response_mask                           # [B, T-1]
+
+        # -- 6. update: epochs x mini-batches of PPO-clip steps
+        policy.train()
+        sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "approx_kl": 0.0, "tokens": 0.0}
+        grad_norms = []
+        with mem.phase("update"):
+            for epoch in range(args.epochs):
+                order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(args.seed * 1000 + step * 10 + epoch))
+                for mini in order.chunk(args.num_minibatches):
+                    # global counts: every rank normalizes by the whole mini-batch
+                    num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
+                    num_seqs = float(all_reduce(len(mini)))
+                    for idx in mini.split(args.micro_batch_size):
+                        mb = batch.select(idx).to(device)
+                        logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature, with_entropy=True)
+                        token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, args.clip_low, args.clip_high)
+                        if ref is not None and not args.kl_in_reward:
+                            kl = kl_penalty(logp, mb.ref_logprobs, args.kl_estimator)
+                            token_loss = token_loss + args.beta * kl
+                            sums["kl"] += float((kl.detach() * mb.loss_mask).sum())
+                        loss = aggregate(token_loss, mb.loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
+                        # FSDP averages gradients over ranks; the loss is already a global mean: undo the average
+                        (loss * world_size).backward()
+                        m = mb.loss_mask
+                        sums["loss"] += float(loss.detach())
+                        sums["clip_frac"] += float((clipped.float() * m).sum())
+                        sums["entropy"] += float((entropy * m).sum())
+                        sums["approx_kl"] += float((kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum())
+                        sums["tokens"] += float(m.sum())
+                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                    grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+        # -- 7. metrics, log, checkpoint
+        red = all_reduce(torch.tensor([sums[k] for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens")]))
+        n_opt = args.epochs * args.num_minibatches
+        tokens_in_batch = all_reduce(batch.attention_mask.sum())
+        step_s = time.time() - t_step
+        metrics.update({
+            "train/loss": red[0] / n_opt, "train/clip_frac": red[1] / red[5].clamp(min=1),
+            "train/kl": red[2] / red[5].clamp(min=1), "train/entropy": red[3] / red[5].clamp(min=1),
+            "train/approx_kl": red[4] / red[5].clamp(min=1), "train/grad_norm": sum(grad_norms) / len(grad_norms),
+            "train/lr": scheduler.get_last_lr()[0], "perf/step_s": step_s, "perf/tokens_per_s": tokens_in_batch / step_s,
+            "time/weight_sync": mem.seconds["sync_weights"], "time/rollout": mem.seconds["generate"],
+            "time/logprob": mem.seconds["logprob"], "time/update": mem.seconds["update"],
+        })
+        metrics.update(mem.metrics())
+        metrics = {k: float(v) for k, v in metrics.items()}
+        if step == start_step + 1:
+            metrics["time/startup_to_first_step_s"] = time.time() - t_launch
+            metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
+        print0(log_line(step, metrics, [
+            ("reward", "rollout/reward_mean", ".3f"), ("acc", "rollout/strict_acc", ".3f"),
+            ("format", "rollout/format_rate", ".2f"), ("len", "rollout/response_len_mean", ".0f"),
+            ("trunc", "rollout/truncated_frac", ".2f"), ("kl", "train/kl", ".4f"), ("clip", "train/clip_frac", ".3f"),
+            ("ent", "train/entropy", ".3f"), ("gnorm", "train/grad_norm", ".3f"), ("lr", "train/lr", ".1e"),
+            ("rollout s", "time/rollout", ".1f"), ("sync s", "time/weight_sync", ".2f"),
+            ("logp s", "time/logprob", ".1f"), ("update s", "time/update", ".1f"), ("step s", "perf/step_s", ".1f"),
+            ("tok/s", "perf/rollout_tokens_per_s", ".0f")]))
+        if args.log_samples_every and step % args.log_samples_every == 0:
+            for s in flat[:2]:
+                print0(f"  sample (reward {s.reward:.2f}, answer {s.answer}): {s.text[:300]!r}")
+        if rank == 0:
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            if tracker is not None:
+                tracker.log(metrics, step=step)
+        if (args.save_every and step % args.save_every == 0) or step == args.steps:
+            t0 = time.time()
+            path = save_checkpoint(run_dir, step, {"policy": (policy, optimizer)}, policy, tokenizer,
+                                   {"step": step, "sampler": sampler.state_dict(), "scheduler": scheduler.state_dict(),
+                                    "args": asdict(args)}, args.keep_checkpoints)
+            print0(f"saved {path} ({time.time() - t0:.1f}s)")
+
+    # ---- final evaluation and cleanup --------------------------------------------------------------
+    if args.eval_every and start_step < args.steps:
+        wake_up(engine, policy, train_models, [optimizer], args.offload, mem, args.sync_bucket_mb << 20)
+        final = evaluate(args.steps)
+        if rank == 0:
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": args.steps, **final}) + "\n")
+            if tracker is not None:
+                tracker.log(final, step=args.steps)
+    mem.close()
+    if engine is not None:
+        engine.shutdown()
+    if tracker is not None:
+        tracker.finish()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard
+    main(tyro.cli(Args))

@@ -1,0 +1,179 @@
+"""One GPU, two tenants: the training state and the SGLang engine take turns with the memory.
+
+A step, as the GPU memory sees it ("multi-stage awake"):
+
+    [update]   params + grads + optimizer state + activations       SGLang: nothing
+    wake_up(...)
+      1. free_grads        grads -> None; optimizer state -> CPU (offload)
+      2. resume_weights    empty the cache; SGLang gets its weight memory back
+      3. sync_weights      FSDP2 shards -> full bf16 tensors (one bucket at a time) -> SGLang
+      4. offload_model     the gathered copies are gone; training params -> CPU (offload)
+      5. resume_kv_cache   empty the cache; SGLang gets its KV cache (and CUDA graphs) back
+    [generate]             SGLang: weights + KV cache          training: params unless offloaded
+    sleep(...)
+      6. release           SGLang frees KV cache, weights and graphs
+      7. reload            training params and optimizer state -> GPU (offload)
+    [log-probs, update]
+
+Rules: never resume a region that was not released; always empty PyTorch's cache before a resume
+(memory PyTorch keeps cached is memory SGLang cannot map). Each phase records its seconds and the
+GPU memory it ended with and peaked at, as the training process and the whole device see it.
+"""
+
+import threading
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from rollout import sync_weights
+
+ALL_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory regions
+GiB = 1024**3
+
+
+# ----------------------------------------------------------------------------------------------
+# The two halves of the step
+
+
+def wake_up(engine, policy, models, optimizers, offload: bool, log, bucket_bytes: int = 512 << 20):
+    """Training state -> rollout. `models` are all training-side FSDP2 models (policy, reference,
+    critic); `optimizers` their optimizers. `engine` is None on non-owner ranks of a TP group."""
+    with log.phase("free_grads"):
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        if offload:
+            for opt in optimizers:
+                move_optimizer(opt, "cpu")
+    with log.phase("resume_weights"):
+        resume(engine, ["weights"])
+    with log.phase("sync_weights"):
+        sync_weights(policy, engine, bucket_bytes)
+    with log.phase("offload_model"):
+        if offload:
+            for model in models:
+                model.to("cpu")
+    with log.phase("resume_kv_cache"):
+        resume(engine, ["kv_cache", "cuda_graph"])
+
+
+def sleep(engine, models, optimizers, offload: bool, device, log):
+    """Rollout -> training state."""
+    with log.phase("release"):
+        release(engine, ALL_TAGS)
+    with log.phase("reload"):
+        if offload:
+            for model in models:
+                model.to(device)
+            for opt in optimizers:
+                move_optimizer(opt, device)
+
+
+# ----------------------------------------------------------------------------------------------
+# The pieces
+
+
+def release(engine, tags):
+    """SGLang frees `tags` (its scheduler must be idle: call between generations)."""
+    if engine is not None:
+        engine.release_memory_occupation(tags=list(tags))
+        engine.released = getattr(engine, "released", set()) | set(tags)
+    empty_cache()
+
+
+def resume(engine, tags):
+    """Give SGLang `tags` back. Every rank empties its cache first, and the barrier makes sure all
+    have, because with tensor parallelism the engine's memory spans the whole group's GPUs."""
+    if engine is not None:
+        not_released = set(tags) - getattr(engine, "released", set())
+        if not_released:
+            raise RuntimeError(f"resume of {sorted(not_released)}, which was never released: "
+                               f"the memory phases ran out of order")
+    empty_cache()
+    if dist.is_initialized():
+        dist.barrier()
+    if engine is not None:
+        engine.resume_memory_occupation(tags=list(tags))
+        engine.released -= set(tags)
+
+
+def empty_cache():
+    """Return PyTorch's cached, unused blocks to the driver (a no-op on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def move_optimizer(optimizer, device):
+    """Move the optimizer state (Adam's exp_avg and exp_avg_sq: 2x the fp32 params) to `device`."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # non_blocking copies must land before the source is freed/used
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring
+
+
+class MemoryLog:
+    """Seconds and GPU memory per named phase.
+
+    For each phase: `allocated` (this process's tensors at the end), `peak` (this process's most
+    during the phase), `device_used` (the whole GPU at the end: SGLang's child processes included)
+    and `device_peak` (the whole GPU's most during the phase, sampled every `interval` s by a
+    background thread; SGLang's memory lives in other processes, so only the device sees it).
+    """
+
+    def __init__(self, interval: float = 0.01):
+        self.cuda = torch.cuda.is_available()
+        self.seconds: dict[str, float] = {}
+        self.gib: dict[str, dict[str, float]] = {}
+        self._device_peak, self._stop = 0, threading.Event()
+        if self.cuda:
+            self._device = torch.cuda.current_device()
+            self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
+            self._thread.start()
+
+    def _sample(self, interval):
+        torch.cuda.set_device(self._device)
+        while not self._stop.is_set():
+            free, total = torch.cuda.mem_get_info()
+            self._device_peak = max(self._device_peak, total - free)
+            time.sleep(interval)
+
+    @contextmanager
+    def phase(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            free, total = torch.cuda.mem_get_info()
+            self._device_peak = total - free
+        t0 = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        if self.cuda:
+            free, total = torch.cuda.mem_get_info()
+            self.gib[name] = {
+                "allocated": torch.cuda.memory_allocated() / GiB,
+                "peak": torch.cuda.max_memory_allocated() / GiB,
+                "device_used": (total - free) / GiB,
+                "device_peak": max(self._device_peak, total - free) / GiB,
+            }
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/{name}": s for name, s in self.seconds.items()}
+        for name, stats in self.gib.items():
+            out.update({f"memory/{name}_{k}_gib": v for k, v in stats.items()})
+        return out
+
+    def reset(self):
+        self.seconds, self.gib = {}, {}
+
+    def close(self):
+        self._stop.set()

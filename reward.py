@@ -1,0 +1,90 @@
+"""Rule-based rewards: plain functions `(completion, answer) -> float`.
+
+    gsm8k_reward(completion, "72")              # 1.0 if the extracted number equals 72
+    int_match_reward(completion, "122")         # built-in addition task: exact integer match
+    format_reward(completion)                   # 1.0 if the completion ends in "#### <number>"
+    score(reward_fn, completion, answer)        # never raises: (reward, error) with 0.0 on error
+
+Two ways to find the final answer, as in lm-evaluation-harness's GSM8K:
+  strict:   the number after the last "####"      ("... so 5 + 7 = 12.\n#### 12" -> "12")
+  flexible: strict if present, else the last number in the text ("The answer is 1,234." -> "1234")
+"""
+
+import math
+import re
+
+# "#### 1,234.50" / "####-3" / "#### $12": the number right after the marker.
+_STRICT = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
+# Any number: optional sign, digits with optional thousands commas, optional decimals.
+_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
+# The whole completion ends in "#### <number>" (trailing punctuation/space allowed).
+_FORMAT = re.compile(r"####\s*\$?\s*-?[0-9][0-9,]*(?:\.[0-9]+)?\s*[.!]?\s*$")
+
+
+def normalize_number(text: str) -> str | None:
+    """Canonical form of a number string: "1,234" -> "1234", "5.00" -> "5", "-0" -> "0".
+    Returns None when `text` is not a number."""
+    text = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    if not math.isfinite(value):  # "nan", "inf": not answers
+        return None
+    if value == int(value):
+        return str(int(value))
+    return repr(value)
+
+
+def extract_strict(completion: str) -> str | None:
+    """The number after the last '####', normalized; None if there is none."""
+    matches = _STRICT.findall(completion)
+    return normalize_number(matches[-1]) if matches else None
+
+
+def extract_last_number(completion: str) -> str | None:
+    """The last number anywhere in the text, normalized; None if there is none."""
+    for match in reversed(_NUMBER.findall(completion)):
+        number = normalize_number(match)
+        if number is not None:
+            return number
+    return None
+
+
+def extract_answer(completion: str, mode: str = "strict") -> str | None:
+    """strict: only '#### N' counts. flexible: '#### N' if present, else the last number."""
+    if mode not in ("strict", "flexible"):
+        raise ValueError(f"answer mode {mode!r} is unknown; use 'strict' or 'flexible'")
+    answer = extract_strict(completion)
+    if answer is None and mode == "flexible":
+        answer = extract_last_number(completion)
+    return answer
+
+
+def gsm8k_reward(completion: str, answer: str, mode: str = "strict") -> float:
+    """1.0 if the final number of `completion` equals the reference `answer` (numerically)."""
+    predicted = extract_answer(completion, mode)
+    return float(predicted is not None and predicted == normalize_number(answer))
+
+
+def int_match_reward(completion: str, answer: str, mode: str = "strict") -> float:
+    """Built-in addition task: 1.0 only for an exact integer match ("122", not "122.5")."""
+    predicted = extract_answer(completion, mode)
+    return float(predicted is not None and predicted.lstrip("-").isdigit() and int(predicted) == int(answer))
+
+
+def format_reward(completion: str) -> float:
+    """1.0 if the completion ends with '#### <number>': the format the prompts ask for."""
+    return float(_FORMAT.search(completion) is not None)
+
+
+def score(reward_fn, completion: str, answer: str) -> tuple[float, bool]:
+    """Call a reward function; a function that raises scores 0.0 and reports error=True.
+
+    A buggy or unlucky reward function (a regex on a pathological string, a parser that chokes)
+    must never stop a training run: the caller counts the errors in its metrics instead.
+    """
+    try:
+        return float(reward_fn(completion, answer)), False
+    except Exception:  # noqa: BLE001 -- deliberately broad: any reward bug becomes a counted 0
+        return 0.0, True

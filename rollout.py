@@ -1,0 +1,223 @@
+"""Generation: an in-process SGLang Engine on the training GPUs, or plain transformers on the CPU.
+
+    engine = start_sglang(model_path, gpu_id=0, mem_fraction=0.6)   # then memory.release(engine, ALL_TAGS)
+    sync_weights(model, engine)                                     # FSDP2 shards -> full bf16 -> engine
+    samples = generate(engine, prompt_ids, answers, seeds, max_new_tokens=256, temperature=1.0)
+
+Both engines answer the same calls, SGLang's own (`generate`, `update_weights_from_tensor`,
+`flush_cache`, `release_memory_occupation`, `resume_memory_occupation`), so the training loop and
+memory.py read the same on a laptop as on a GPU node. `HFEngine` does no memory choreography: its
+release/resume do nothing, but it refuses to generate while memory.py has it released.
+
+Tensor parallel size k: ranks are cut into groups of k; the first rank of each group owns an engine
+spanning the group's k GPUs, the others have `engine=None` and send their prompts to the owner.
+"""
+
+import torch
+import torch.distributed as dist
+
+from data import Sample
+
+# ----------------------------------------------------------------------------------------------
+# Engines
+
+
+def start_sglang(model_path: str, gpu_id: int, mem_fraction: float, tp_size: int = 1, seed: int = 0,
+                 attention_backend: str | None = "triton", sampling_backend: str | None = "pytorch",
+                 cuda_graph_max_bs: int | None = None, disable_cuda_graph: bool = False,
+                 log_level: str = "error"):
+    """Start an SGLang Engine in this process (its scheduler runs in child processes on GPUs
+    gpu_id .. gpu_id+tp_size-1). Release its memory (memory.release) until the first weight sync.
+
+    Call this before building the training state: SGLang sizes its KV cache from the GPU memory it
+    finds free, so it must see an empty GPU. `mem_fraction` is the share of the whole GPU that
+    SGLang's weights + KV cache take while awake.
+
+    load_format="dummy": SGLang skips reading the checkpoint. Its weights are random until the
+    first `sync_weights`, which happens before every generation anyway, so start-up saves the
+    read, and a parameter that sync forgot shows up as garbage rather than as stale weights.
+    """
+    import sglang  # lazy: SGLang needs CUDA; CPU runs and tests never import it
+
+    return sglang.Engine(
+        model_path=model_path, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
+        enable_memory_saver=True, mem_fraction_static=mem_fraction, base_gpu_id=gpu_id, tp_size=tp_size,
+        random_seed=seed, attention_backend=attention_backend, sampling_backend=sampling_backend,
+        cuda_graph_max_bs_decode=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph, log_level=log_level,
+    )
+
+
+class HFEngine:
+    """A plain-transformers stand-in for sglang.Engine, for CPU runs, tests and notebooks.
+
+    Holds its own unsharded copy of the model (like SGLang, it is not the training model: weights
+    arrive only through `update_weights_from_tensor`). Same method names as sglang.Engine.
+    """
+
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+        from transformers import AutoModelForCausalLM  # lazy
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        self.params = dict(self.model.named_parameters())
+        self.released: set[str] = set()  # kept by memory.release/resume, as for sglang.Engine
+        self.seed = seed
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True):
+        for name, tensor in named_tensors:
+            if name not in self.params:
+                raise KeyError(f"weight sync sent {name!r}, which the generation model does not have")
+            self.params[name].data.copy_(tensor)
+
+    def flush_cache(self):
+        pass
+
+    def release_memory_occupation(self, tags=None):
+        pass  # nothing to free on the CPU; memory.release records the state in `released`
+
+    def resume_memory_occupation(self, tags=None):
+        pass
+
+    @torch.no_grad()
+    def generate(self, input_ids, sampling_params, return_logprob=False):
+        """Batched HF generate with left padding; returns SGLang-shaped outputs."""
+        sp = sampling_params[0]  # one setting for the batch; per-request seeds -> one seed per call
+        if self.released & {"weights", "kv_cache"}:
+            raise RuntimeError(f"generate while {sorted(self.released)} are released")
+        stop_ids, pad = sp["stop_token_ids"], sp["stop_token_ids"][0]
+        P = max(len(p) for p in input_ids)
+        ids = torch.tensor([[pad] * (P - len(p)) + p for p in input_ids])        # [B, P]
+        mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in input_ids])
+        greedy = sp["temperature"] == 0
+        torch.manual_seed(sp.get("sampling_seed", self.seed))
+        out = self.model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=sp["max_new_tokens"], do_sample=not greedy,
+            temperature=None if greedy else sp["temperature"], top_p=None if greedy else sp["top_p"], top_k=None,
+            eos_token_id=stop_ids, pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
+        new = out.sequences[:, P:]                                                # [B, N]
+        logits = torch.stack(out.logits, dim=1).float()                          # [B, N, V]
+        logp = torch.log_softmax(logits / (1.0 if greedy else sp["temperature"]), -1)
+        logp = logp.gather(-1, new[..., None]).squeeze(-1)                       # [B, N]
+        results = []
+        for row, row_logp in zip(new.tolist(), logp.tolist()):
+            n = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
+            finish = "stop" if row[n - 1] in stop_ids else "length"
+            meta = {"finish_reason": {"type": finish}}
+            if return_logprob:
+                meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(row_logp[:n], row[:n])]
+            results.append({"output_ids": row[:n], "meta_info": meta})
+        return results
+
+    def shutdown(self):
+        pass
+
+
+def stop_token_ids(tokenizer, model_path: str) -> list[int]:
+    """Token ids that end a response: the tokenizer's EOS plus the model's generation_config EOS.
+    (Chat models often end turns with a token, like <|im_end|>, that only one of them names.)"""
+    from transformers import GenerationConfig  # lazy
+
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    ids = list(dict.fromkeys(ids))  # dedupe, keep order
+    if not ids:
+        raise ValueError(f"{model_path!r}: neither the tokenizer nor generation_config.json names an EOS token")
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight sync
+
+
+@torch.no_grad()
+def sync_weights(model, engine, bucket_bytes: int = 512 << 20):
+    """Push the FSDP2 model's weights into the engine, in buckets of about `bucket_bytes`.
+
+    Every rank all-gathers every parameter (`full_tensor()` is a collective: all ranks, same
+    order); ranks that own an engine hand the full bf16 tensors to it, by CUDA IPC for SGLang,
+    with no copy through the CPU. Buckets bound the extra memory to one bucket of gathered
+    weights. The prefix cache holds KV computed with the old weights: flush it once, at the end.
+    """
+    bucket, size = [], 0
+    for name, param in model.named_parameters():
+        full = param.detach().to(torch.bfloat16)  # cast the shard first: half the bytes to gather
+        full = full.full_tensor() if hasattr(full, "full_tensor") else full
+        if engine is None:
+            continue  # a non-owner rank of a TP group: it only helps gather
+        bucket.append((name, full))
+        size += full.numel() * full.element_size()
+        if size >= bucket_bytes:
+            engine.update_weights_from_tensor(bucket, flush_cache=False)
+            bucket, size = [], 0
+    if engine is not None:
+        if bucket:
+            engine.update_weights_from_tensor(bucket, flush_cache=False)
+        engine.flush_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation
+
+
+def tp_group(tp_size: int):
+    """Cut the ranks into groups of `tp_size`; returns (this rank's group or None, owner's global rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % tp_size:
+        raise ValueError(f"--rollout-tp {tp_size} must divide the number of ranks ({world})")
+    mine, owner = None, rank - rank % tp_size
+    for start in range(0, world, tp_size):  # every rank must create every group, in order
+        group = dist.new_group(list(range(start, start + tp_size))) if tp_size > 1 else None
+        if start == owner:
+            mine = group
+    return mine, owner
+
+
+def generate(engine, prompt_ids: list[list[int]], answers: list[str], seeds: list[int], max_new_tokens: int,
+             temperature: float, top_p: float, stop_ids: list[int], tokenizer=None, group=None,
+             owner: int = 0) -> list[Sample]:
+    """Sample one completion per prompt (repeat a prompt to get a group). Token ids in, token ids
+    and per-token log-probs out. Each request carries its own `seeds[i]`: without one, SGLang
+    samples repeated prompts identically. temperature=0 is greedy.
+
+    With a TP group, non-owner ranks (engine=None) send their prompts to the group's owner, which
+    generates for the whole group and sends each rank its own completions back.
+    """
+    requests = (prompt_ids, seeds)
+    if group is not None:
+        gathered = [None] * dist.get_world_size(group) if dist.get_rank() == owner else None
+        dist.gather_object(requests, gathered, dst=owner, group=group)
+        if dist.get_rank() == owner:
+            requests = ([p for g in gathered for p in g[0]], [s for g in gathered for s in g[1]])
+    outputs = None
+    if engine is not None:
+        params = [{"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                   "stop_token_ids": stop_ids, "sampling_seed": seed} for seed in requests[1]]
+        outputs = engine.generate(input_ids=requests[0], sampling_params=params, return_logprob=True)
+    if group is not None:
+        if dist.get_rank() == owner:
+            sizes = [len(g[0]) for g in gathered]
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            scatter = [outputs[s:s + n] for s, n in zip(starts, sizes)]
+        mine = [None]
+        dist.scatter_object_list(mine, scatter if dist.get_rank() == owner else None, src=owner, group=group)
+        outputs = mine[0]
+
+    samples = []
+    for prompt, answer, out in zip(prompt_ids, answers, outputs):
+        finish = out["meta_info"]["finish_reason"]
+        if finish["type"] == "abort":
+            raise RuntimeError(f"SGLang aborted a request: {finish.get('message')}; a prompt of {len(prompt)} "
+                               f"tokens + {max_new_tokens} new may exceed the engine's context length")
+        response = list(out["output_ids"])
+        logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        if len(logprobs) != len(response):
+            raise RuntimeError(f"engine returned {len(response)} tokens but {len(logprobs)} log-probs")
+        # Truncated = stopped by the length limit before any stop token (a response whose last
+        # allowed token happens to be EOS is complete, though SGLang reports 'length').
+        truncated = finish["type"] == "length" and not (response and response[-1] in stop_ids)
+        text = tokenizer.decode(response, skip_special_tokens=True) if tokenizer is not None else ""
+        samples.append(Sample(prompt, response, logprobs, truncated, answer, text))
+    return samples
