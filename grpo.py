@@ -107,10 +107,11 @@ class Args:
     overlong_filter: bool = False
     """mask truncated responses out of the loss (DAPO)"""
     # --- reward
-    answer_mode: Literal["strict", "flexible"] = "flexible"
-    """reward answer extraction: strict = only '#### N' counts; flexible = else the last number"""
-    format_weight: float = 0.5
-    """reward += format_weight when the response ends in '#### <number>'"""
+    unformatted_credit: float = 0.5
+    """reward for a right final number that is not given as '#### N' (a right '#### N' earns 1.0)"""
+    format_weight: float = 0.0
+    """reward += format_weight when the response ends in '#### <number>', right or wrong. Beware:
+    unconditional format reward is easy to hack (a small model learns to guess '#### 57')"""
     # --- memory and systems
     gradient_checkpointing: bool = False
     """recompute activations in backward (less memory, ~30% more compute)"""
@@ -299,9 +300,14 @@ def main(args: Args):
     print0(f"data: {len(prompts)} train prompts ({dropped} dropped as longer than {args.max_prompt_len} tokens), "
            f"{len(eval_prompts)} eval prompts | {world_size} ranks, engine {engine_kind}")
 
-    # ALGO: the reward. Any (completion, answer) -> float can go here.
+    # ALGO: the reward. Any (completion, answer) -> float can go here. Credit for the format only
+    # comes with a right answer, so the policy can't score by emitting '#### <guess>'.
     def reward_fn(completion: str, answer: str) -> float:
-        return answer_fn(completion, answer, args.answer_mode) + args.format_weight * format_reward(completion)
+        if answer_fn(completion, answer, "strict"):
+            correct = 1.0
+        else:
+            correct = args.unformatted_credit * answer_fn(completion, answer, "flexible")
+        return correct + args.format_weight * format_reward(completion)
 
     # ---- resume ----------------------------------------------------------------------------------
     start_step = 0
@@ -315,6 +321,11 @@ def main(args: Args):
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump(asdict(args), f, indent=2)
+        with open(os.path.join(run_dir, "run_info.json"), "w") as f:  # what ran where, for reports
+            json.dump({"command": " ".join(sys.argv), "world_size": world_size, "engine": engine_kind,
+                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                       "gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30 if torch.cuda.is_available() else None,
+                       "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}, f, indent=2)
         metrics_path = os.path.join(run_dir, "metrics.jsonl")
         if os.path.exists(metrics_path):  # drop lines of steps after the checkpoint: they are redone
             with open(metrics_path) as f:
@@ -323,6 +334,14 @@ def main(args: Args):
                 f.writelines(kept_lines)
     tracker = init_tracking(args.track, args.wandb_project, run_name, asdict(args))
     mem = MemoryLog()
+
+    def log_row(row: dict):
+        """One row of metrics.jsonl (and wandb), rank 0."""
+        if rank == 0:
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if tracker is not None:
+                tracker.log(row, step=int(row["step"]))
 
     def judge(samples) -> list[float]:
         """Sums over samples of: strict accuracy ('#### N' correct), flexible accuracy, format."""
@@ -354,7 +373,7 @@ def main(args: Args):
         wake_up(engine, policy, train_models, [optimizer], args.offload, mem, args.sync_bucket_mb << 20)
         if args.eval_every and (step - 1) % args.eval_every == 0 and (step > 1 or args.eval_before_train):
             with mem.phase("eval"):
-                metrics.update(evaluate(step - 1))
+                log_row({"step": step - 1, **evaluate(step - 1)})  # after step-1 updates
 
         # -- 2. rollout: group_size samples per prompt, scored; dynamic sampling refills dropped groups
         with mem.phase("generate"):
@@ -499,11 +518,7 @@ def main(args: Args):
         if args.log_samples_every and step % args.log_samples_every == 0:
             for s in flat[:2]:
                 print0(f"  sample (reward {s.reward:.2f}, answer {s.answer}): {s.text[:300]!r}")
-        if rank == 0:
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            if tracker is not None:
-                tracker.log(metrics, step=step)
+        log_row(metrics)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             t0 = time.time()
             path = save_checkpoint(run_dir, step, {"policy": (policy, optimizer)}, policy, tokenizer,
@@ -514,12 +529,7 @@ def main(args: Args):
     # ---- final evaluation and cleanup --------------------------------------------------------------
     if args.eval_every and start_step < args.steps:
         wake_up(engine, policy, train_models, [optimizer], args.offload, mem, args.sync_bucket_mb << 20)
-        final = evaluate(args.steps)
-        if rank == 0:
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps({"step": args.steps, **final}) + "\n")
-            if tracker is not None:
-                tracker.log(final, step=args.steps)
+        log_row({"step": args.steps, **evaluate(args.steps)})
     mem.close()
     if engine is not None:
         engine.shutdown()

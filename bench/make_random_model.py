@@ -1,0 +1,57 @@
+"""Write a random-weight model with the shapes of a Qwen2.5 size, plus a tokenizer, as an HF folder.
+
+    python bench/make_random_model.py --shape 1.5b --tokenizer $SMOLLM2 --out /tmp/models/qwen2.5-1.5b-random
+
+Random weights are right for speed and memory measurements and meaningless for reward. The
+tokenizer is borrowed (its ids are a subset of the model's vocabulary); the model's stop tokens
+are the tokenizer's, so random generations almost always run to the length limit: the worst case
+for memory.
+"""
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+
+# Qwen2.5 base shapes from their published config.json files.
+SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+@dataclass
+class Args:
+    shape: Literal["0.5b", "1.5b", "7b"]
+    """which Qwen2.5 size to copy the shapes of"""
+    tokenizer: str
+    """folder whose tokenizer to borrow"""
+    out: str
+    """output folder"""
+    seed: int = 0
+    """weight init seed"""
+
+
+def main(args: Args):
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    config = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+                         eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(args.out)
+    tok.save_pretrained(args.out)
+    print(f"{args.out}: Qwen2.5-{args.shape} shapes, {n / 1e9:.2f}B parameters, random weights", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,89 @@
+"""Turn a run folder (metrics.jsonl, run_info.json) into a committed result: JSON summary + curve PNG.
+
+    python bench/report.py arith  runs/<run> --out bench/results/grpo_arith_smollm2.json --png bench/results/grpo_arith_smollm2.png
+    python bench/report.py memory runs/<run> --out bench/results/grpo_memory_1p5b.json
+"""
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from typing import Literal
+
+import tyro
+
+
+@dataclass
+class Args:
+    kind: tyro.conf.Positional[Literal["arith", "memory"]]
+    """arith: accuracy summary + curve; memory: per-phase memory and time"""
+    run_dir: tyro.conf.Positional[str]
+    """the run folder grpo.py / ppo.py wrote"""
+    out: str
+    """JSON summary to write"""
+    png: str | None = None
+    """curve to draw (arith)"""
+    command: str | None = None
+    """the command as launched (default: run_info.json's argv)"""
+
+
+def load(run_dir):
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    info = json.load(open(os.path.join(run_dir, "run_info.json")))
+    args = json.load(open(os.path.join(run_dir, "args.json")))
+    return [r for r in rows if "train/loss" in r], [r for r in rows if "eval/strict_acc" in r], info, args
+
+
+def main(a: Args):
+    train, evals, info, args = load(a.run_dir)
+    out = {"gpu": info["gpu"], "command": a.command or info["command"], "date": info["date"],
+           "world_size": info["world_size"], "steps": len(train), "torch": info["torch"]}
+    if a.kind == "arith":
+        evals = sorted(evals, key=lambda r: r["step"])
+        out.update({
+            "baseline_strict_acc": evals[0]["eval/strict_acc"] if evals and evals[0]["step"] == 0 else None,
+            "final_strict_acc": evals[-1]["eval/strict_acc"], "final_flexible_acc": evals[-1]["eval/flexible_acc"],
+            "final_format_rate": evals[-1]["eval/format_rate"],
+            "best_strict_acc": max(r["eval/strict_acc"] for r in evals),
+            "eval_curve": [[r["step"], round(r["eval/strict_acc"], 4), round(r["eval/format_rate"], 4)] for r in evals],
+            "seconds_per_step": statistics.mean(r["perf/step_s"] for r in train[1:]),
+            "wall_clock_s": sum(r["perf/step_s"] for r in train),
+            "startup_to_first_step_s": train[0].get("time/startup_to_first_step_s"),
+            "eval_prompts": args["num_eval_prompts"], "prompts_per_step": args["prompts_per_step"],
+            "group_size": args["group_size"],
+        })
+        if a.png:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+            steps = [r["step"] for r in train]
+            ax[0].plot(steps, [r["rollout/reward_mean"] for r in train], label="reward (sampled)")
+            ax[0].plot(steps, [r["rollout/strict_acc"] for r in train], label="strict acc (sampled)")
+            ax[0].plot(steps, [r["rollout/format_rate"] for r in train], label="format rate (sampled)", alpha=0.6)
+            ax[0].set_xlabel("step"), ax[0].legend(), ax[0].set_title("training rollouts")
+            ax[1].plot([r["step"] for r in evals], [r["eval/strict_acc"] for r in evals], "o-", label="strict acc (greedy)")
+            ax[1].plot([r["step"] for r in evals], [r["eval/format_rate"] for r in evals], "s--", label="format rate (greedy)")
+            ax[1].set_xlabel("updates"), ax[1].set_ylim(0, 1), ax[1].legend()
+            ax[1].set_title(f"held-out ({args['num_eval_prompts']} prompts)")
+            fig.suptitle(f"{os.path.basename(a.run_dir)} on {info['gpu']}")
+            fig.tight_layout()
+            fig.savefig(a.png, dpi=110)
+    else:
+        suffix = "_device_peak_gib"
+        phases = sorted({k[len("memory/"):-len(suffix)] for r in train for k in r if k.startswith("memory/") and k.endswith(suffix)})
+        out["mem_fraction"] = args["sglang_mem_fraction"]
+        out["offload"] = args["offload"]
+        out["peak_gib_per_phase"] = {
+            p: {"device_peak": max(r.get(f"memory/{p}_device_peak_gib", 0) for r in train),
+                "training_process_peak": max(r.get(f"memory/{p}_peak_gib", 0) for r in train)} for p in phases}
+        out["seconds_per_phase"] = {p: statistics.mean(r.get(f"time/{p}", 0) for r in train) for p in phases}
+        out["seconds_per_step"] = statistics.mean(r["perf/step_s"] for r in train)
+        out["gpu_total_gib"] = info.get("gpu_total_gib")
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,19 @@
+"""Shared pytest set-up: import the scripts and modules from the repo root, and one tiny model per session."""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (ROOT, os.path.join(ROOT, "tests")):  # `from grpo import ...`, `from tiny_model import ...`
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A 2-layer Llama + BPE tokenizer with a chat template, untrained (sft_steps=0: a few seconds)."""
+    from tiny_model import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-model")), sft_steps=0)

@@ -1,0 +1,113 @@
+"""After a weight sync, SGLang's log-probs of its sampled tokens must match the FSDP2 model's.
+
+    python tests/gpu_logprob_check.py --model $SMOLLM2 --out result.json
+
+Four measurements of the mean absolute difference over response tokens:
+  synced:        sync, sample, rescore with the training model                  -> small (bf16 numerics)
+  stale:         the training weights change, the engine is not synced          -> large
+  synced_twice:  release, wake up and sync the changed weights (step 2)         -> small
+  garbage:       one tensor of the sync is noise                                -> large
+tests/test_gpu.py runs this and asserts on the JSON it writes.
+"""
+
+import json
+import sys
+from dataclasses import dataclass
+
+import torch
+import tyro
+
+sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])  # the repo root, for the modules
+
+from data import addition_task, collate, tokenize_prompts  # noqa: E402
+from fsdp import init_distributed, load_model, shard_model, token_logprobs  # noqa: E402
+from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up  # noqa: E402
+from rollout import HFEngine, generate, start_sglang, stop_token_ids  # noqa: E402
+
+
+@dataclass
+class Args:
+    model: str
+    """model folder or hub id"""
+    out: str = "logprob_check.json"
+    """where to write the measurements"""
+    num_prompts: int = 64
+    """prompts sampled per measurement"""
+    max_new_tokens: int = 64
+    """tokens per response"""
+    mem_fraction: float = 0.5
+    """SGLang memory fraction"""
+    engine: str = "sglang"
+    """'sglang', or 'hf' to check the logic on a CPU"""
+
+
+DEVICE = torch.device("cpu")
+
+
+def mean_abs_diff(engine, policy, prompts, answers, stop_ids, args, seed) -> float:
+    """Sample at T=1 with SGLang, rescore the same tokens with the training model."""
+    samples = generate(engine, prompts, answers, [seed + i for i in range(len(prompts))], args.max_new_tokens,
+                       1.0, 1.0, stop_ids)
+    batch = collate(samples, pad_id=stop_ids[0])
+    with torch.no_grad():
+        logp, _ = token_logprobs(policy, batch.input_ids.to(DEVICE), batch.attention_mask.to(DEVICE), 1.0)
+    sglang_logp = torch.zeros_like(batch.response_mask)
+    for i, s in enumerate(samples):
+        p = len(s.prompt_ids)
+        sglang_logp[i, p - 1:p - 1 + len(s.response_ids)] = torch.tensor(s.rollout_logprobs)
+    mask = batch.response_mask
+    return float(((logp.cpu() - sglang_logp).abs() * mask).sum() / mask.sum())
+
+
+def main(args: Args):
+    global DEVICE
+    _, _, DEVICE = init_distributed()
+    if args.engine == "sglang":
+        engine = start_sglang(args.model, gpu_id=0, mem_fraction=args.mem_fraction, disable_cuda_graph=True)
+    else:
+        engine = HFEngine(args.model)
+    release(engine, ALL_TAGS)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    stop_ids = stop_token_ids(tokenizer, args.model)
+    policy = load_model(args.model, DEVICE, torch.float32)
+    shard_model(policy)
+    _, test = addition_task(seed=0)
+    prompts, kept, _ = tokenize_prompts(tokenizer, test[:args.num_prompts], 256)
+    answers = [e.answer for e in kept]
+    log = MemoryLog()
+    result = {}
+
+    wake_up(engine, policy, [policy], [], False, log)
+    result["synced"] = mean_abs_diff(engine, policy, prompts, answers, stop_ids, args, 0)
+
+    # stale: the training model moves (as an update would), the awake engine keeps the old weights
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "mlp" in name:
+                p.mul_(1.1)
+    result["stale"] = mean_abs_diff(engine, policy, prompts, answers, stop_ids, args, 1000)
+
+    # step 2: release everything, wake up again with a sync of the moved weights
+    sleep(engine, [policy], [], False, DEVICE, log)
+    wake_up(engine, policy, [policy], [], False, log)
+    result["synced_twice"] = mean_abs_diff(engine, policy, prompts, answers, stop_ids, args, 2000)
+
+    # garbage: one tensor of the sync is noise (what a wrong name mapping or wrong shard would do)
+    name, p = next((n, p) for n, p in policy.named_parameters() if "layers.1.mlp.down_proj" in n)
+    engine.update_weights_from_tensor([(name, torch.randn(p.shape, dtype=torch.bfloat16, device=DEVICE))])
+    engine.flush_cache()
+    result["garbage"] = mean_abs_diff(engine, policy, prompts, answers, stop_ids, args, 3000)
+
+    result.update({"model": args.model, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                   "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "engine": args.engine})
+    print(json.dumps(result, indent=2))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    log.close()
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,248 @@
+"""data.py: the addition task, GSM8K files and their errors, the prompt sampler, sharding, padded batches."""
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from data import (GSM8K_PROMPT, Example, PromptSampler, Sample, addition_task, collate, load_examples, read_rows,
+                  shard, tokenize_prompts)
+
+GSM8K_DIR = "/work/shared/data/gsm8k"
+
+
+def write_jsonl(path, lines: list[str]) -> str:
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def row(question="How many?", answer="2 + 2 = 4\n#### 4") -> str:
+    return json.dumps({"question": question, "answer": answer})
+
+
+# ----------------------------------------------------------------------------------------------
+# The addition task
+
+
+def test_addition_task_sizes_split_and_answers():
+    """90 * 90 = 8100 pairs: 500 held out, 7600 to train on, disjoint, every pair once, a + b correct."""
+    train, test = addition_task(seed=0)
+    assert (len(train), len(test)) == (7600, 500)
+    pairs = []
+    for ex in train + test:
+        a, b = map(int, re.fullmatch(r"What is (\d+) \+ (\d+)\? Put the final answer after ####\.", ex.prompt).groups())
+        assert ex.answer == str(a + b)
+        pairs.append((a, b))
+    assert len(set(pairs)) == 8100 and all(10 <= a <= 99 and 10 <= b <= 99 for a, b in pairs)
+    assert not {ex.prompt for ex in train} & {ex.prompt for ex in test}
+
+
+def test_addition_task_is_deterministic_by_seed():
+    assert addition_task(seed=3) == addition_task(seed=3)
+    assert addition_task(seed=3)[1] != addition_task(seed=4)[1]
+    assert len(addition_task(seed=0, num_test=100)[1]) == 100
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+
+def test_read_rows_bad_json_names_file_and_line(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", [row(), "", '{"question": "cut off', row()])
+    with pytest.raises(ValueError) as e:
+        read_rows(path)
+    assert path in str(e.value) and "line 3" in str(e.value)  # the blank line 2 still counts
+
+
+def test_read_rows_non_object_and_wrong_suffix(tmp_path):
+    with pytest.raises(ValueError, match="line 2: expected a JSON object, got list"):
+        read_rows(write_jsonl(tmp_path / "a.jsonl", [row(), "[1, 2]"]))
+    with pytest.raises(ValueError, match="expected a .jsonl or .parquet"):
+        read_rows(write_jsonl(tmp_path / "a.csv", ["question,answer"]))
+
+
+def test_load_examples_file_parses_gsm8k_rows(tmp_path):
+    """The final answer is what follows '####', commas removed; the prompt is GSM8K_PROMPT."""
+    path = write_jsonl(tmp_path / "mine.jsonl", [row(" How much? ", "1000 + 234\n#### 1,234"), "", row()])
+    examples = load_examples(path, "train")
+    assert examples == [Example(GSM8K_PROMPT.format(question="How much?"), "1234"),
+                        Example(GSM8K_PROMPT.format(question="How many?"), "4")]
+
+
+def test_missing_field_names_file_line_and_field(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", [row(), json.dumps({"question": "no answer"})])
+    with pytest.raises(ValueError) as e:
+        load_examples(path, "train")
+    assert path in str(e.value) and "line 2" in str(e.value) and "'answer'" in str(e.value)
+
+
+@pytest.mark.xfail(strict=True, reason="gsm8k_examples numbers rows, not file lines: read_rows skips blank "
+                                       "lines, so a bad row after a blank line is reported one line early")
+def test_missing_field_line_number_counts_blank_lines(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", [row(), "", json.dumps({"question": "no answer"})])
+    with pytest.raises(ValueError, match="line 3"):
+        load_examples(path, "train")
+
+
+def test_answer_without_marker_raises(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", [row(answer="the answer is 4")])
+    with pytest.raises(ValueError, match="line 1: field 'answer' has no '####"):
+        load_examples(path, "train")
+
+
+def test_load_examples_folder(tmp_path):
+    """A folder is searched for {split}.jsonl / {split}.parquet; a missing split is a FileNotFoundError."""
+    write_jsonl(tmp_path / "train.jsonl", [row(), row("Why?", "#### 7")])
+    examples = load_examples(str(tmp_path), "train")
+    assert [ex.answer for ex in examples] == ["4", "7"]
+    with pytest.raises(FileNotFoundError, match="test.jsonl or test.parquet"):
+        load_examples(str(tmp_path), "test")
+
+
+@pytest.mark.parametrize("name", ["missing", "./missing", "missing/a/b"])
+def test_load_examples_missing_path(tmp_path, name):
+    """A path that exists nowhere, and does not look like a hub id, never reaches the hub."""
+    target = name if name.startswith("./") or "/" in name else str(tmp_path / name)
+    with pytest.raises(FileNotFoundError):
+        load_examples(target, "train")
+
+
+@pytest.mark.skipif(not os.path.isdir(GSM8K_DIR), reason=f"no local GSM8K copy at {GSM8K_DIR}")
+def test_real_gsm8k_copy_loads():
+    train = load_examples(GSM8K_DIR, "train")
+    assert len(train) == 7473
+    assert train[0].answer == "72"
+    assert train[0].prompt.startswith("Natalia sold clips")
+    assert len(load_examples(GSM8K_DIR, "test")) == 1319
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizing prompts
+
+
+def test_tokenize_prompts_drops_long_prompts(tiny_model_dir):
+    """Prompts over max_prompt_len (after the chat template) are dropped, never truncated, and counted."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    short, long = Example("What is 1 + 2?", "3"), Example("What is 1 + 2? " * 40, "3")
+    ids, kept, dropped = tokenize_prompts(tokenizer, [short, long, short], max_prompt_len=64)
+    assert kept == [short, short] and dropped == 1
+    text = tokenizer.apply_chat_template([{"role": "user", "content": short.prompt}],
+                                         add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert ids[0] == ids[1] == tokenizer.encode(text, add_special_tokens=False)
+    n = len(ids[0])
+    # the limit is inclusive: exactly n tokens is kept, n - 1 drops it
+    assert tokenize_prompts(tokenizer, [short], max_prompt_len=n)[2] == 0
+    assert tokenize_prompts(tokenizer, [short], max_prompt_len=n - 1)[1:] == ([], 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# PromptSampler and shard
+
+
+def test_sampler_is_deterministic_by_seed():
+    a, b, c = PromptSampler(10, seed=1), PromptSampler(10, seed=1), PromptSampler(10, seed=2)
+    draws_a = [a.draw(4) for _ in range(5)]
+    assert draws_a == [b.draw(4) for _ in range(5)]
+    assert draws_a != [c.draw(4) for _ in range(5)]
+
+
+def test_sampler_covers_each_prompt_once_per_epoch():
+    s = PromptSampler(10, seed=0)
+    epoch0 = s.draw(4) + s.draw(4) + s.draw(2)
+    assert sorted(epoch0) == list(range(10)) and (s.epoch, s.index) == (0, 10)
+    epoch1 = s.draw(10)
+    assert sorted(epoch1) == list(range(10)) and (s.epoch, s.index) == (1, 10)
+    assert epoch1 != epoch0  # a new shuffle each epoch
+
+
+def test_sampler_crosses_epoch_boundaries():
+    s = PromptSampler(10, seed=0)
+    first = s.draw(7)
+    second = s.draw(7)  # 3 from the end of epoch 0, then 4 from epoch 1
+    assert (s.epoch, s.index) == (1, 4)
+    assert sorted(first + second[:3]) == list(range(10))
+    assert len(set(second[3:])) == 4
+    big = PromptSampler(10, seed=0).draw(25)  # epochs 0 and 1 whole, 5 of epoch 2
+    assert big[:7] == first and big[7:14] == second
+    assert sorted(big[:10]) == sorted(big[10:20]) == list(range(10)) and len(set(big[20:])) == 5
+
+
+def test_sampler_state_dict_round_trip():
+    """A sampler restored from a state dict (as after a resume) continues with the same draws."""
+    a = PromptSampler(10, seed=5)
+    a.draw(7), a.draw(6)
+    state = json.loads(json.dumps(a.state_dict()))  # plain data, as saved in a checkpoint
+    assert state == {"epoch": 1, "index": 3, "num_prompts": 10, "seed": 5}
+    b = PromptSampler(10, seed=5)
+    b.load_state_dict(state)
+    assert [b.draw(6) for _ in range(4)] == [a.draw(6) for _ in range(4)]
+
+
+def test_sampler_load_with_other_pool_size_raises():
+    state = PromptSampler(10, seed=0).state_dict()
+    with pytest.raises(ValueError, match="10 prompts, this run has 9"):
+        PromptSampler(9, seed=0).load_state_dict(state)
+
+
+def test_sampler_empty_pool_raises():
+    with pytest.raises(ValueError, match="prompt pool is empty"):
+        PromptSampler(0, seed=0)
+
+
+def test_shard_contiguous_slices():
+    items = list(range(8))
+    assert shard(items, rank=1, world_size=4) == [2, 3]
+    assert sum((shard(items, r, 4) for r in range(4)), []) == items
+    assert shard(items, 0, 1) == items
+
+
+# ----------------------------------------------------------------------------------------------
+# collate and Batch.select
+
+SAMPLES = [
+    Sample(prompt_ids=[11, 12, 13], response_ids=[21, 22], rollout_logprobs=[-0.1, -0.2], truncated=False),  # p 3, r 2
+    Sample(prompt_ids=[14, 15], response_ids=[23, 24, 25, 26], rollout_logprobs=[-0.3] * 4, truncated=True),  # p 2, r 4
+    Sample(prompt_ids=[16], response_ids=[27], rollout_logprobs=[-0.4], truncated=False),  # p 1, r 1
+]
+
+
+def test_collate_by_hand():
+    """Right padding to T = 6; response_mask[i, p-1 : p-1+r] = 1 lines up with targets input_ids[:, 1:]."""
+    batch = collate(SAMPLES, pad_id=0)
+    assert batch.input_ids.tolist() == [[11, 12, 13, 21, 22, 0],
+                                        [14, 15, 23, 24, 25, 26],
+                                        [16, 27, 0, 0, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0],
+                                             [1, 1, 1, 1, 1, 1],
+                                             [1, 1, 0, 0, 0, 0]]
+    # [B, T-1]: row 0 p=3 r=2 -> positions 2, 3; row 1 p=2 r=4 -> 1..4; row 2 p=1 r=1 -> 0
+    assert batch.response_mask.tolist() == [[0, 0, 1, 1, 0],
+                                            [0, 1, 1, 1, 1],
+                                            [1, 0, 0, 0, 0]]
+    # position t predicts input_ids[:, t+1]: the masked targets are exactly the response tokens
+    targets = batch.input_ids[:, 1:]
+    for i, s in enumerate(SAMPLES):
+        assert targets[i][batch.response_mask[i].bool()].tolist() == s.response_ids
+    assert len(batch) == 3 and batch.loss_mask is None
+
+
+def test_select_trims_to_longest_selected_row():
+    batch = collate(SAMPLES, pad_id=0)
+    batch.loss_mask = batch.response_mask.clone()
+    batch.old_logprobs = torch.arange(15, dtype=torch.float).view(3, 5)
+    mb = batch.select(torch.tensor([0, 2]))  # lengths 5 and 2 -> T = 5, per-token fields T-1 = 4
+    assert mb.input_ids.tolist() == [[11, 12, 13, 21, 22], [16, 27, 0, 0, 0]]
+    assert mb.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert mb.response_mask.tolist() == [[0, 0, 1, 1], [1, 0, 0, 0]]
+    assert mb.loss_mask.tolist() == [[0, 0, 1, 1], [1, 0, 0, 0]]
+    assert mb.old_logprobs.tolist() == [[0, 1, 2, 3], [10, 11, 12, 13]]
+    assert mb.ref_logprobs is None and mb.advantages is None
+    one = batch.select(torch.tensor([2]))  # length 2 -> T = 2, T-1 = 1
+    assert one.input_ids.tolist() == [[16, 27]] and one.response_mask.tolist() == [[1]]
+    full = batch.select(torch.arange(3))  # the longest row is 6: nothing cut
+    assert torch.equal(full.input_ids, batch.input_ids) and torch.equal(full.response_mask, batch.response_mask)

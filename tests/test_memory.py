@@ -1,0 +1,172 @@
+"""memory.py on the CPU: the order of SGLang's memory calls, the weight sync, optimizer moves, MemoryLog.
+
+A fake engine records the calls SGLang would get; a one-process gloo group stands in for torchrun.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp import load_model, shard_model
+from memory import ALL_TAGS, MemoryLog, move_optimizer, release, resume, sleep, wake_up
+
+
+class FakeEngine:
+    """Records SGLang's memory and weight calls, in order. Like sglang.Engine it has no `released` of its own."""
+
+    def __init__(self):
+        self.calls = []
+        self.sent = []  # (name, tensor) of every weight sync, in order
+
+    def release_memory_occupation(self, tags=None):
+        self.calls.append(("release", list(tags)))
+
+    def resume_memory_occupation(self, tags=None):
+        self.calls.append(("resume", list(tags)))
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache=True):
+        self.calls.append(("update", flush_cache))
+        self.sent += list(named_tensors)
+
+    def flush_cache(self):
+        self.calls.append(("flush",))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gloo():
+    """A world of one process: resume() barriers, FSDP2 needs a process group."""
+    if dist.is_initialized():  # someone else's group: use it, leave it
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    """The tiny Llama as grpo.py builds it: fp32 masters, FSDP2 with bf16 compute."""
+    torch.manual_seed(0)
+    return shard_model(load_model(tiny_model_dir, torch.device("cpu"), torch.float32), param_dtype=torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# release / resume
+
+
+def test_release_then_resume_records_the_order():
+    engine = FakeEngine()
+    release(engine, ALL_TAGS)
+    assert engine.released == set(ALL_TAGS)
+    resume(engine, ["weights"])
+    resume(engine, ["kv_cache", "cuda_graph"])
+    assert engine.calls == [("release", ["weights", "kv_cache", "cuda_graph"]),
+                            ("resume", ["weights"]),
+                            ("resume", ["kv_cache", "cuda_graph"])]
+    assert engine.released == set()
+
+
+def test_resume_without_release_raises():
+    """Resuming a region that was never released is an out-of-order phase, caught before SGLang sees it."""
+    engine = FakeEngine()
+    with pytest.raises(RuntimeError, match=r"\['weights'\], which was never released"):
+        resume(engine, ["weights"])
+    release(engine, ["weights"])
+    with pytest.raises(RuntimeError, match=r"\['kv_cache'\]"):
+        resume(engine, ["weights", "kv_cache"])
+    assert engine.calls == [("release", ["weights"])]  # neither resume reached the engine
+
+
+def test_non_owner_rank_has_no_engine():
+    """engine=None (a non-owner rank of a TP group): release/resume only empty the cache and barrier."""
+    release(None, ALL_TAGS)
+    resume(None, ["weights"])
+
+
+# ----------------------------------------------------------------------------------------------
+# wake_up / sleep on an FSDP2 model
+
+
+def test_wake_up_then_sleep_call_order(policy):
+    """resume weights -> update(s) -> flush -> resume kv_cache + cuda_graph -> release all; grads freed first."""
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    policy(input_ids=torch.tensor([[1, 5, 7, 9]])).logits.float().sum().backward()
+    assert all(p.grad is not None for p in policy.parameters())
+
+    engine, log = FakeEngine(), MemoryLog()
+    release(engine, ALL_TAGS)  # as grpo.py does after starting the engine
+    engine.calls.clear()
+    wake_up(engine, policy, [policy], [optimizer], offload=False, log=log, bucket_bytes=16 << 10)
+    assert all(p.grad is None for p in policy.parameters())  # free_grads
+    sleep(engine, [policy], [optimizer], offload=False, device=torch.device("cpu"), log=log)
+
+    kinds = [c[0] for c in engine.calls]
+    n_updates = kinds.count("update")
+    assert n_updates > 1  # 16 KiB buckets split the ~100 KiB of bf16 weights
+    assert engine.calls == ([("resume", ["weights"])] + [("update", False)] * n_updates
+                            + [("flush",), ("resume", ["kv_cache", "cuda_graph"]), ("release", list(ALL_TAGS))])
+    assert engine.released == set(ALL_TAGS)
+    assert list(log.seconds) == ["free_grads", "resume_weights", "sync_weights", "offload_model",
+                                 "resume_kv_cache", "release", "reload"]
+
+
+def test_sync_sends_every_parameter_full_and_bf16(policy, tiny_model_dir):
+    """Every parameter name once, as a plain bf16 tensor of the unsharded shape holding the model's values."""
+    engine = FakeEngine()
+    release(engine, ["weights", "kv_cache", "cuda_graph"])
+    wake_up(engine, policy, [policy], [], offload=False, log=MemoryLog(), bucket_bytes=16 << 10)
+    full = dict(load_model(tiny_model_dir, torch.device("cpu"), torch.float32).named_parameters())
+    sharded = dict(policy.named_parameters())
+    sent_names = [name for name, _ in engine.sent]
+    assert sorted(sent_names) == sorted(full) and len(set(sent_names)) == len(sent_names)
+    assert "model.embed_tokens.weight" in sent_names and "lm_head.weight" not in sent_names  # tied: sent once
+    for name, tensor in engine.sent:
+        assert type(tensor) is torch.Tensor  # a gathered tensor, not a DTensor shard
+        assert tensor.dtype == torch.bfloat16 and tensor.shape == full[name].shape
+        assert torch.equal(tensor, sharded[name].detach().full_tensor().to(torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------------------------
+# move_optimizer
+
+
+def test_move_optimizer_moves_adam_state_but_not_step():
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()  # creates step, exp_avg, exp_avg_sq per parameter
+    state = optimizer.state[model.weight]
+    step, exp_avg = state["step"], state["exp_avg"].clone()
+
+    move_optimizer(optimizer, "cpu")
+    assert state["exp_avg"].device.type == "cpu" and torch.equal(state["exp_avg"], exp_avg)
+    assert state["step"] is step
+
+    # "meta" makes the move visible on a CPU-only machine: Adam's moments go, the step counter stays
+    move_optimizer(optimizer, "meta")
+    for s in optimizer.state.values():
+        assert s["exp_avg"].device.type == "meta" and s["exp_avg_sq"].device.type == "meta"
+        assert s["step"].device.type == "cpu" and float(s["step"]) == 1.0
+    assert state["step"] is step
+
+
+# ----------------------------------------------------------------------------------------------
+# MemoryLog
+
+
+def test_memory_log_on_cpu_records_seconds_only():
+    log = MemoryLog()
+    with log.phase("a"):
+        time.sleep(0.02)
+    with log.phase("b"):
+        pass
+    with log.phase("a"):  # the same phase twice in a step: seconds add up
+        time.sleep(0.02)
+    assert log.seconds["a"] >= 0.04 and log.seconds["b"] < log.seconds["a"]
+    assert log.gib == {}
+    assert set(log.metrics()) == {"time/a", "time/b"}
+    log.reset()
+    assert log.metrics() == {}
+    log.close()
