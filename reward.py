@@ -2,7 +2,7 @@
 
     gsm8k_reward(completion, "72")              # 1.0 if the extracted number equals 72
     int_match_reward(completion, "122")         # built-in addition task: exact integer match
-    format_reward(completion)                   # 1.0 if the completion ends in "#### <number>"
+    format_reward(completion)                   # 1.0 if the completion gives a "#### <number>" answer
     score(reward_fn, completion, answer)        # never raises: (reward, error) with 0.0 on error
 
 Two ways to find the final answer, as in lm-evaluation-harness's GSM8K:
@@ -17,8 +17,6 @@ import re
 _STRICT = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
 # Any number: optional sign, digits with optional thousands commas, optional decimals.
 _NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
-# The whole completion ends in "#### <number>" (trailing punctuation/space allowed).
-_FORMAT = re.compile(r"####\s*\$?\s*-?[0-9][0-9,]*(?:\.[0-9]+)?\s*[.!]?\s*$")
 
 
 def normalize_number(text: str) -> str | None:
@@ -74,8 +72,9 @@ def int_match_reward(completion: str, answer: str, mode: str = "strict") -> floa
 
 
 def format_reward(completion: str) -> float:
-    """1.0 if the completion ends with '#### <number>': the format the prompts ask for."""
-    return float(_FORMAT.search(completion) is not None)
+    """1.0 if the completion gives a '#### <number>' answer (what strict extraction reads), as
+    lm-evaluation-harness's strict match counts format; text after the answer is allowed."""
+    return float(extract_strict(completion) is not None)
 
 
 def score(reward_fn, completion: str, answer: str) -> tuple[float, bool]:

@@ -25,7 +25,7 @@ from data import Sample
 def start_sglang(model_path: str, gpu_id: int, mem_fraction: float, tp_size: int = 1, seed: int = 0,
                  attention_backend: str | None = "triton", sampling_backend: str | None = "pytorch",
                  cuda_graph_max_bs: int | None = None, disable_cuda_graph: bool = False,
-                 log_level: str = "error"):
+                 log_level: str = "error", load_format: str = "dummy"):
     """Start an SGLang Engine in this process (its scheduler runs in child processes on GPUs
     gpu_id .. gpu_id+tp_size-1). Release its memory (memory.release) until the first weight sync.
 
@@ -40,7 +40,7 @@ def start_sglang(model_path: str, gpu_id: int, mem_fraction: float, tp_size: int
     import sglang  # lazy: SGLang needs CUDA; CPU runs and tests never import it
 
     return sglang.Engine(
-        model_path=model_path, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
+        model_path=model_path, skip_tokenizer_init=True, load_format=load_format, dtype="bfloat16",
         enable_memory_saver=True, mem_fraction_static=mem_fraction, base_gpu_id=gpu_id, tp_size=tp_size,
         random_seed=seed, attention_backend=attention_backend, sampling_backend=sampling_backend,
         cuda_graph_max_bs_decode=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph, log_level=log_level,

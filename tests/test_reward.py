@@ -117,8 +117,9 @@ def test_int_match_reward_needs_an_exact_integer():
     ("#### 72.", 1.0),                     # so is a final period
     ("####-3", 1.0),
     ("#### $1,234.50 ", 1.0),
-    ("#### 72 because 70 + 2", 0.0),       # text continues after the number
-    ("#### 72\n#### oops", 0.0),
+    ("#### 72 because 70 + 2", 1.0),       # text after the answer is allowed (lm-eval strict match)
+    ("##### 58\nThe final answer is 58.", 1.0),  # extra '#' and chatter: still parses strictly
+    ("#### oops", 0.0),                    # a marker without a number
     ("The answer is 72", 0.0),             # no marker
     ("#### ", 0.0),
 ])

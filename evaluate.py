@@ -1,0 +1,85 @@
+"""Greedy accuracy of a model folder (e.g. a checkpoint's model/) on held-out prompts.
+
+    python evaluate.py --model runs/<run>/checkpoints/step_000200/model --out eval.json
+    python evaluate.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --num-prompts 1319
+
+Reports strict accuracy ('#### N' holds the right number), flexible accuracy (else the last number)
+and format rate (a '#### N' answer is present), and writes every completion next to the summary.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+
+from data import addition_task, load_examples, tokenize_prompts
+from reward import format_reward, gsm8k_reward, int_match_reward
+from rollout import HFEngine, generate, start_sglang, stop_token_ids
+
+
+@dataclass
+class Args:
+    model: str
+    """model to evaluate: hub id or local folder"""
+    dataset: str = "addition"
+    """'addition', 'openai/gsm8k' or a local GSM8K file/folder"""
+    split: str = "test"
+    """split of --dataset (the addition task's held-out split is 'test')"""
+    num_prompts: int = 256
+    """first N prompts of the split"""
+    max_prompt_len: int = 256
+    """longer prompts are dropped"""
+    max_new_tokens: int = 256
+    """response length limit"""
+    seed: int = 0
+    """the addition task's split seed (use the training run's --seed)"""
+    engine: Literal["auto", "sglang", "hf"] = "auto"
+    """'sglang' on a GPU, 'hf' on CPU; 'auto' picks"""
+    mem_fraction: float = 0.6
+    """SGLang memory fraction"""
+    out: str | None = None
+    """write the summary here and the completions to <out>.samples.jsonl"""
+
+
+def main(args: Args):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    stop_ids = stop_token_ids(tokenizer, args.model)
+    if args.dataset == "addition":
+        examples, answer_fn = addition_task(args.seed)[1 if args.split == "test" else 0], int_match_reward
+    else:
+        examples, answer_fn = load_examples(args.dataset, args.split), gsm8k_reward
+    prompts, kept, dropped = tokenize_prompts(tokenizer, examples[:args.num_prompts], args.max_prompt_len)
+    kind = args.engine if args.engine != "auto" else ("sglang" if torch.cuda.is_available() else "hf")
+    if kind == "sglang":
+        engine = start_sglang(args.model, gpu_id=0, mem_fraction=args.mem_fraction, seed=args.seed,
+                              load_format="auto", disable_cuda_graph=True)
+    else:
+        engine = HFEngine(args.model)
+    samples = generate(engine, prompts, [e.answer for e in kept], [args.seed] * len(prompts), args.max_new_tokens,
+                       0.0, 1.0, stop_ids, tokenizer)
+    n = len(samples)
+    summary = {
+        "model": args.model, "dataset": args.dataset, "split": args.split, "prompts": n, "dropped": dropped,
+        "strict_acc": sum(answer_fn(s.text, s.answer, "strict") for s in samples) / n,
+        "flexible_acc": sum(answer_fn(s.text, s.answer, "flexible") for s in samples) / n,
+        "format_rate": sum(format_reward(s.text) for s in samples) / n,
+        "truncated_frac": sum(s.truncated for s in samples) / n,
+        "response_len_mean": sum(len(s.response_ids) for s in samples) / n,
+        "engine": kind, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=2)
+        with open(args.out.removesuffix(".json") + ".samples.jsonl", "w") as f:
+            for e, s in zip(kept, samples):
+                f.write(json.dumps({"prompt": e.prompt, "answer": e.answer, "completion": s.text}) + "\n")
+    engine.shutdown()
+
+
+if __name__ == "__main__":  # SGLang spawns its scheduler: keep this guard
+    main(tyro.cli(Args))
