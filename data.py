@@ -43,13 +43,13 @@ def addition_task(seed: int, num_test: int = 500) -> tuple[list[Example], list[E
     return examples[num_test:], examples[:num_test]
 
 
-def read_rows(path: str) -> list[dict]:
-    """Rows of a .jsonl or .parquet file. A line that is not a JSON object stops with an error
-    naming the file and the line."""
+def read_rows(path: str) -> list[tuple[int, dict]]:
+    """(line number, row) of a .jsonl file, or (row number, row) of a .parquet file, 1-based.
+    A line that is not a JSON object stops with an error naming the file and the line."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq  # lazy: only for parquet input
 
-        return pq.read_table(path).to_pylist()
+        return list(enumerate(pq.read_table(path).to_pylist(), start=1))
     if not path.endswith(".jsonl"):
         raise ValueError(f"data file {path!r}: expected a .jsonl or .parquet file")
     rows = []
@@ -63,15 +63,15 @@ def read_rows(path: str) -> list[dict]:
                 raise ValueError(f"{path}, line {line_no}: not valid JSON ({e.msg}); fix or delete that line") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}, line {line_no}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+            rows.append((line_no, row))
     return rows
 
 
-def gsm8k_examples(rows: list[dict], source: str) -> list[Example]:
-    """GSM8K rows {"question": ..., "answer": "...reasoning...\\n#### 72"} -> Examples.
-    A row missing a field, or an answer without '#### N', names the source and the line (1-based)."""
+def gsm8k_examples(rows: list[tuple[int, dict]], source: str) -> list[Example]:
+    """GSM8K rows (line, {"question": ..., "answer": "...reasoning...\\n#### 72"}) -> Examples.
+    A row missing a field, or an answer without '#### N', names the source and the line."""
     examples = []
-    for line_no, row in enumerate(rows, start=1):
+    for line_no, row in rows:
         for field in ("question", "answer"):
             if not isinstance(row.get(field), str):
                 raise ValueError(f"{source}, line {line_no}: missing field {field!r} "
@@ -99,7 +99,7 @@ def load_examples(dataset: str, split: str) -> list[Example]:
     from datasets import load_dataset  # lazy: only for hub datasets
 
     rows = load_dataset(dataset, "main" if dataset.endswith("gsm8k") else None, split=split)
-    return gsm8k_examples(list(rows), f"{dataset}[{split}]")
+    return gsm8k_examples(list(enumerate(rows, start=1)), f"{dataset}[{split}]")
 
 
 def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int):

@@ -67,7 +67,7 @@ class Args:
     lr: float = 1e-6
     """peak learning rate (AdamW)"""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    """decay after warm-up, to min_lr_ratio * lr at the last step"""
+    """decay after warm-up, reaching min_lr_ratio * lr after steps * epochs * num_minibatches optimizer steps"""
     warmup_steps: int = 0
     """optimizer steps of linear warm-up from 0"""
     min_lr_ratio: float = 0.0
@@ -97,7 +97,8 @@ class Args:
     beta: float = 0.0
     """KL coefficient to the reference model; 0 loads no reference model at all"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """per-token KL estimator (Schulman's k1 = log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r)"""
+    """per-token KL(policy || ref) estimator, with r = ref/policy probability of the sampled token:
+    k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (Schulman's; unbiased and >= 0)"""
     kl_in_reward: bool = False
     """subtract beta * sum of k1 over the response from the reward instead of adding KL to the loss"""
     dynamic_sampling: bool = False
@@ -177,9 +178,10 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
-    # k3: unbiased and always >= 0; clamp the exponent so one outlier token can't overflow
-    neg = (-log_ratio).clamp(-20, 20)
-    return torch.exp(neg) - 1 - neg
+    if estimator == "k3":  # unbiased and always >= 0; clamp the exponent so one outlier can't overflow
+        neg = (-log_ratio).clamp(-20, 20)
+        return torch.exp(neg) - 1 - neg
+    raise ValueError(f"KL estimator {estimator!r} is unknown; use k1, k2 or k3")
 
 
 def clipped_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: float):
@@ -193,8 +195,8 @@ def clipped_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: 
 def aggregate(values, mask, mode: str, num_seqs: float, num_tokens: float, max_len: int) -> torch.Tensor:
     """Reduce per-token values [B, T] to this rank's share of the mini-batch loss.
 
-    num_seqs / num_tokens count the whole mini-batch on all ranks, so micro-batch losses on all
-    ranks add up to the mini-batch mean.
+    num_seqs (sequences with at least one loss token) and num_tokens count the whole mini-batch on
+    all ranks, so micro-batch losses on all ranks add up to the mini-batch mean.
     """
     if mode == "token-mean":
         return (values * mask).sum() / max(num_tokens, 1.0)
@@ -419,90 +421,90 @@ def main(args: Args):
             "rollout/kept_groups": tot[7], "rollout/sampling_rounds": rounds,
             "perf/rollout_tokens_per_s": tot[4] / mem.seconds["generate"],
         })
-        if not kept:  # dynamic sampling found no group with signal anywhere: nothing to learn from
+        if not kept:  # dynamic sampling found no group with differing rewards: nothing to learn from
             print0(f"step {step} | no group with differing rewards after {rounds} rounds: update skipped")
-            continue
+            metrics["train/skipped"] = 1.0
+        else:
+            # -- 4. the batch: old log-probs from the training model, reference log-probs if beta > 0
+            flat = [s for g in kept for s in g]
+            batch = collate(flat, pad_id)
+            batch.loss_mask = batch.response_mask.clone()
+            if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
+                batch.loss_mask[torch.tensor([s.truncated for s in flat])] = 0.0
+            mbs = [torch.arange(i, min(i + args.micro_batch_size, len(batch))) for i in range(0, len(batch), args.micro_batch_size)]
+            batch.old_logprobs = torch.zeros_like(batch.response_mask)
+            batch.ref_logprobs = torch.zeros_like(batch.response_mask) if ref is not None else None
+            with mem.phase("logprob"), torch.no_grad():
+                for idx in mbs:
+                    mb = batch.select(idx).to(device)
+                    t = mb.input_ids.shape[1] - 1
+                    batch.old_logprobs[idx, :t] = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature)[0].cpu()
+                    if ref is not None:
+                        batch.ref_logprobs[idx, :t] = token_logprobs(ref, mb.input_ids, mb.attention_mask, args.temperature)[0].cpu()
+            # how far SGLang's sampler is from the trainer (numerics, not a bug if small)
+            rollout_logp = torch.zeros_like(batch.response_mask)
+            for i, s in enumerate(flat):
+                p = len(s.prompt_ids)
+                rollout_logp[i, p - 1:p - 1 + len(s.response_ids)] = torch.tensor(s.rollout_logprobs)
+            diff = ((rollout_logp - batch.old_logprobs).abs() * batch.response_mask).sum()
+            metrics["rollout/logprob_abs_diff"] = float(all_reduce(diff) / all_reduce(batch.response_mask.sum()))
 
-        # -- 4. the batch: old log-probs from the training model, reference log-probs if beta > 0
-        flat = [s for g in kept for s in g]
-        batch = collate(flat, pad_id)
-        batch.loss_mask = batch.response_mask.clone()
-        if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
-            batch.loss_mask[torch.tensor([s.truncated for s in flat])] = 0.0
-        mbs = [torch.arange(i, min(i + args.micro_batch_size, len(batch))) for i in range(0, len(batch), args.micro_batch_size)]
-        batch.old_logprobs = torch.zeros_like(batch.response_mask)
-        batch.ref_logprobs = torch.zeros_like(batch.response_mask) if ref is not None else None
-        with mem.phase("logprob"), torch.no_grad():
-            for idx in mbs:
-                mb = batch.select(idx).to(device)
-                t = mb.input_ids.shape[1] - 1
-                batch.old_logprobs[idx, :t] = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature)[0].cpu()
-                if ref is not None:
-                    batch.ref_logprobs[idx, :t] = token_logprobs(ref, mb.input_ids, mb.attention_mask, args.temperature)[0].cpu()
-        # how far SGLang's sampler is from the trainer (numerics, not a bug if small)
-        rollout_logp = torch.zeros_like(batch.response_mask)
-        for i, s in enumerate(flat):
-            p = len(s.prompt_ids)
-            rollout_logp[i, p - 1:p - 1 + len(s.response_ids)] = torch.tensor(s.rollout_logprobs)
-        diff = ((rollout_logp - batch.old_logprobs).abs() * batch.response_mask).sum()
-        metrics["rollout/logprob_abs_diff"] = float(all_reduce(diff) / all_reduce(batch.response_mask.sum()))
+            # -- 5. advantages
+            rewards = torch.tensor([s.reward for s in flat]).view(-1, args.group_size)     # [groups, G]
+            if ref is not None and args.kl_in_reward:  # ALGO: KL as a reward penalty, per sequence
+                seq_kl = (kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1") * batch.response_mask).sum(-1)
+                rewards = rewards - args.beta * seq_kl.view(-1, args.group_size)
+            adv = group_advantages(rewards, args.scale_rewards).view(-1)                    # [B]
+            batch.advantages = adv[:, None] * batch.response_mask                           # [B, T-1]
 
-        # -- 5. advantages
-        rewards = torch.tensor([s.reward for s in flat]).view(-1, args.group_size)     # [groups, G]
-        if ref is not None and args.kl_in_reward:  # ALGO: KL as a reward penalty, per sequence
-            seq_kl = (kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1") * batch.response_mask).sum(-1)
-            rewards = rewards - args.beta * seq_kl.view(-1, args.group_size)
-        adv = group_advantages(rewards, args.scale_rewards).view(-1)                    # [B]
-        batch.advantages = adv[:, None] * batch.response_mask                           # [B, T-1]
+            # -- 6. update: epochs x mini-batches of PPO-clip steps
+            policy.train()
+            sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "approx_kl": 0.0, "tokens": 0.0}
+            grad_norms = []
+            with mem.phase("update"):
+                for epoch in range(args.epochs):
+                    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(args.seed * 1000 + step * 10 + epoch))
+                    for mini in order.chunk(args.num_minibatches):
+                        # global counts: every rank normalizes by the whole mini-batch
+                        num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
+                        num_seqs = float(all_reduce((batch.loss_mask[mini].sum(-1) > 0).sum()))  # filtered don't count
+                        for idx in mini.split(args.micro_batch_size):
+                            mb = batch.select(idx).to(device)
+                            logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature, with_entropy=True)
+                            token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, args.clip_low, args.clip_high)
+                            if ref is not None and not args.kl_in_reward:
+                                kl = kl_penalty(logp, mb.ref_logprobs, args.kl_estimator)
+                                token_loss = token_loss + args.beta * kl
+                                sums["kl"] += float((kl.detach() * mb.loss_mask).sum())
+                            loss = aggregate(token_loss, mb.loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
+                            # FSDP averages gradients over ranks; the loss is already a global mean: undo the average
+                            (loss * world_size).backward()
+                            m = mb.loss_mask
+                            sums["loss"] += float(loss.detach())
+                            sums["clip_frac"] += float((clipped.float() * m).sum())
+                            sums["entropy"] += float((entropy * m).sum())
+                            sums["approx_kl"] += float((kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum())
+                            sums["tokens"] += float(m.sum())
+                        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                        grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
 
-        # -- 6. update: epochs x mini-batches of PPO-clip steps
-        policy.train()
-        sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "approx_kl": 0.0, "tokens": 0.0}
-        grad_norms = []
-        with mem.phase("update"):
-            for epoch in range(args.epochs):
-                order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(args.seed * 1000 + step * 10 + epoch))
-                for mini in order.chunk(args.num_minibatches):
-                    # global counts: every rank normalizes by the whole mini-batch
-                    num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
-                    num_seqs = float(all_reduce(len(mini)))
-                    for idx in mini.split(args.micro_batch_size):
-                        mb = batch.select(idx).to(device)
-                        logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature, with_entropy=True)
-                        token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, args.clip_low, args.clip_high)
-                        if ref is not None and not args.kl_in_reward:
-                            kl = kl_penalty(logp, mb.ref_logprobs, args.kl_estimator)
-                            token_loss = token_loss + args.beta * kl
-                            sums["kl"] += float((kl.detach() * mb.loss_mask).sum())
-                        loss = aggregate(token_loss, mb.loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
-                        # FSDP averages gradients over ranks; the loss is already a global mean: undo the average
-                        (loss * world_size).backward()
-                        m = mb.loss_mask
-                        sums["loss"] += float(loss.detach())
-                        sums["clip_frac"] += float((clipped.float() * m).sum())
-                        sums["entropy"] += float((entropy * m).sum())
-                        sums["approx_kl"] += float((kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum())
-                        sums["tokens"] += float(m.sum())
-                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                    grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
+            # train metrics
+            red = all_reduce(torch.tensor([sums[k] for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens")]))
+            n_opt = args.epochs * args.num_minibatches
+            metrics.update({
+                "train/loss": red[0] / n_opt, "train/clip_frac": red[1] / red[5].clamp(min=1),
+                "train/kl": red[2] / red[5].clamp(min=1), "train/entropy": red[3] / red[5].clamp(min=1),
+                "train/approx_kl": red[4] / red[5].clamp(min=1), "train/grad_norm": sum(grad_norms) / len(grad_norms),
+                "train/lr": scheduler.get_last_lr()[0],
+                "perf/tokens_per_s": all_reduce(batch.attention_mask.sum()) / (time.time() - t_step),
+            })
 
         # -- 7. metrics, log, checkpoint
-        red = all_reduce(torch.tensor([sums[k] for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens")]))
-        n_opt = args.epochs * args.num_minibatches
-        tokens_in_batch = all_reduce(batch.attention_mask.sum())
-        step_s = time.time() - t_step
-        metrics.update({
-            "train/loss": red[0] / n_opt, "train/clip_frac": red[1] / red[5].clamp(min=1),
-            "train/kl": red[2] / red[5].clamp(min=1), "train/entropy": red[3] / red[5].clamp(min=1),
-            "train/approx_kl": red[4] / red[5].clamp(min=1), "train/grad_norm": sum(grad_norms) / len(grad_norms),
-            "train/lr": scheduler.get_last_lr()[0], "perf/step_s": step_s, "perf/tokens_per_s": tokens_in_batch / step_s,
-            "time/weight_sync": mem.seconds["sync_weights"], "time/rollout": mem.seconds["generate"],
-            "time/logprob": mem.seconds["logprob"], "time/update": mem.seconds["update"],
-        })
-        metrics.update(mem.metrics())
+        metrics["perf/step_s"] = time.time() - t_step
+        metrics.update(mem.metrics())  # time/<phase> and memory/<phase>_*_gib
         metrics = {k: float(v) for k, v in metrics.items()}
         if step == start_step + 1:
             metrics["time/startup_to_first_step_s"] = time.time() - t_launch
@@ -512,7 +514,7 @@ def main(args: Args):
             ("format", "rollout/format_rate", ".2f"), ("len", "rollout/response_len_mean", ".0f"),
             ("trunc", "rollout/truncated_frac", ".2f"), ("kl", "train/kl", ".4f"), ("clip", "train/clip_frac", ".3f"),
             ("ent", "train/entropy", ".3f"), ("gnorm", "train/grad_norm", ".3f"), ("lr", "train/lr", ".1e"),
-            ("rollout s", "time/rollout", ".1f"), ("sync s", "time/weight_sync", ".2f"),
+            ("rollout s", "time/generate", ".1f"), ("sync s", "time/sync_weights", ".2f"),
             ("logp s", "time/logprob", ".1f"), ("update s", "time/update", ".1f"), ("step s", "perf/step_s", ".1f"),
             ("tok/s", "perf/rollout_tokens_per_s", ".0f")]))
         if args.log_samples_every and step % args.log_samples_every == 0:

@@ -10,13 +10,14 @@ Two ways to find the final answer, as in lm-evaluation-harness's GSM8K:
   flexible: strict if present, else the last number in the text ("The answer is 1,234." -> "1234")
 """
 
-import math
 import re
+from decimal import Decimal, InvalidOperation
 
+# A number: optional sign, digits with optional thousands commas, optional decimals; or ".5".
+_NUM = r"-?(?:[0-9][0-9,]*(?:\.[0-9]+)?|\.[0-9]+)"
+_NUMBER = re.compile(_NUM)
 # "#### 1,234.50" / "####-3" / "#### $12": the number right after the marker.
-_STRICT = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
-# Any number: optional sign, digits with optional thousands commas, optional decimals.
-_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
+_STRICT = re.compile(r"####\s*\$?\s*(" + _NUM + ")")
 
 
 def normalize_number(text: str) -> str | None:
@@ -24,14 +25,14 @@ def normalize_number(text: str) -> str | None:
     Returns None when `text` is not a number."""
     text = text.strip().replace(",", "").replace("$", "").rstrip(".")
     try:
-        value = float(text)
-    except ValueError:
+        value = Decimal(text)  # exact: no float rounding of long integers or decimals
+    except InvalidOperation:
         return None
-    if not math.isfinite(value):  # "nan", "inf": not answers
+    if not value.is_finite():  # "nan", "inf": not answers
         return None
-    if value == int(value):
+    if value == value.to_integral_value():
         return str(int(value))
-    return repr(value)
+    return format(value.normalize(), "f")
 
 
 def extract_strict(completion: str) -> str | None:

@@ -24,6 +24,8 @@ class Args:
     """curve to draw (arith)"""
     command: str | None = None
     """the command as launched (default: run_info.json's argv)"""
+    note: str | None = None
+    """a sentence for the reader (e.g. why a run stopped early)"""
 
 
 def load(run_dir):
@@ -36,7 +38,11 @@ def load(run_dir):
 def main(a: Args):
     train, evals, info, args = load(a.run_dir)
     out = {"gpu": info["gpu"], "command": a.command or info["command"], "date": info["date"],
-           "world_size": info["world_size"], "steps": len(train), "torch": info["torch"]}
+           "world_size": info["world_size"], "steps": len(train), "torch": info["torch"],
+           "rollout_logprob_abs_diff_max": max(r["rollout/logprob_abs_diff"] for r in train),
+           "weight_sync_s_mean": statistics.mean(r["time/sync_weights"] for r in train)}
+    if a.note:
+        out["note"] = a.note
     if a.kind == "arith":
         evals = sorted(evals, key=lambda r: r["step"])
         out.update({
@@ -63,10 +69,11 @@ def main(a: Args):
             ax[0].plot(steps, [r["rollout/format_rate"] for r in train], label="format rate (sampled)", alpha=0.6)
             ax[0].set_xlabel("step"), ax[0].legend(), ax[0].set_title("training rollouts")
             ax[1].plot([r["step"] for r in evals], [r["eval/strict_acc"] for r in evals], "o-", label="strict acc (greedy)")
+            ax[1].plot([r["step"] for r in evals], [r["eval/flexible_acc"] for r in evals], "^:", label="flexible acc (greedy)")
             ax[1].plot([r["step"] for r in evals], [r["eval/format_rate"] for r in evals], "s--", label="format rate (greedy)")
             ax[1].set_xlabel("updates"), ax[1].set_ylim(0, 1), ax[1].legend()
             ax[1].set_title(f"held-out ({args['num_eval_prompts']} prompts)")
-            fig.suptitle(f"{os.path.basename(a.run_dir)} on {info['gpu']}")
+            fig.suptitle(f"{args['run_name']}: {os.path.basename(args['model'])} on {info['gpu']}")
             fig.tight_layout()
             fig.savefig(a.png, dpi=110)
     else:

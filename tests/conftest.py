@@ -17,3 +17,12 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from tiny_model import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny-model")), sft_steps=0)
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_model_dir(tmp_path_factory) -> str:
+    """The tiny model after a few seconds of SFT on addition answers: it answers in the '#### N'
+    format with mostly wrong numbers, so GRPO rewards vary within groups and gradients are real."""
+    from tiny_model import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-model-sft")), sft_steps=150)

@@ -78,8 +78,6 @@ def test_missing_field_names_file_line_and_field(tmp_path):
     assert path in str(e.value) and "line 2" in str(e.value) and "'answer'" in str(e.value)
 
 
-@pytest.mark.xfail(strict=True, reason="gsm8k_examples numbers rows, not file lines: read_rows skips blank "
-                                       "lines, so a bad row after a blank line is reported one line early")
 def test_missing_field_line_number_counts_blank_lines(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", [row(), "", json.dumps({"question": "no answer"})])
     with pytest.raises(ValueError, match="line 3"):

@@ -91,8 +91,6 @@ def test_kl_k3_nonnegative_and_finite_on_outliers():
     assert_close(k3[0, 2], torch.tensor(math.exp(20) - 21.0))
 
 
-@pytest.mark.xfail(strict=True, reason="kl_penalty treats any estimator name other than 'k1'/'k2' as k3 "
-                                       "instead of raising (aggregate raises ValueError for an unknown mode)")
 def test_kl_unknown_estimator_raises():
     with pytest.raises(ValueError):
         kl_penalty(LOGP, REF_LOGP, "k4")
