@@ -9,7 +9,6 @@ and rank-0 logging.
 
 import datetime
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -137,29 +136,6 @@ def gather_full_params(model, dtype: torch.dtype):
 
 # ----------------------------------------------------------------------------------------------
 # Logging (rank 0)
-
-
-class Timer:
-    """Wall-clock seconds per named phase: `with timer("rollout"): ...` (syncs CUDA at the edges)."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    def __call__(self, name: str):
-        timer = self
-
-        class _Phase:
-            def __enter__(self):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t0
-
-        return _Phase()
 
 
 def init_tracking(track: bool, project: str, run_name: str, config: dict):

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
+from tqdm import tqdm
 
-from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_hf_model
+from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from data import PromptSampler, addition_task, collate, load_examples, shard, tokenize_prompts
 from fsdp import all_reduce, init_distributed, init_tracking, load_model, log_line, print0, shard_model, token_logprobs
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
@@ -345,6 +346,10 @@ def main(args: Args):
             if tracker is not None:
                 tracker.log(row, step=int(row["step"]))
 
+    def progress(items, desc: str):
+        """A progress bar over micro-batches on rank 0, when a person is watching (stderr is a TTY)."""
+        return tqdm(items, desc=desc, leave=False, disable=rank != 0 or not sys.stderr.isatty())
+
     def judge(samples) -> list[float]:
         """Sums over samples of: strict accuracy ('#### N' correct), flexible accuracy, format."""
         return [sum(score(lambda c, a: answer_fn(c, a, "strict"), s.text, s.answer)[0] for s in samples),
@@ -435,7 +440,7 @@ def main(args: Args):
             batch.old_logprobs = torch.zeros_like(batch.response_mask)
             batch.ref_logprobs = torch.zeros_like(batch.response_mask) if ref is not None else None
             with mem.phase("logprob"), torch.no_grad():
-                for idx in mbs:
+                for idx in progress(mbs, "log-probs"):
                     mb = batch.select(idx).to(device)
                     t = mb.input_ids.shape[1] - 1
                     batch.old_logprobs[idx, :t] = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature)[0].cpu()
@@ -468,7 +473,7 @@ def main(args: Args):
                         # global counts: every rank normalizes by the whole mini-batch
                         num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
                         num_seqs = float(all_reduce((batch.loss_mask[mini].sum(-1) > 0).sum()))  # filtered don't count
-                        for idx in mini.split(args.micro_batch_size):
+                        for idx in progress(mini.split(args.micro_batch_size), f"update {epoch + 1}/{args.epochs}"):
                             mb = batch.select(idx).to(device)
                             logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature, with_entropy=True)
                             token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, args.clip_low, args.clip_high)
