@@ -102,6 +102,14 @@ def load_examples(dataset: str, split: str) -> list[Example]:
     return gsm8k_examples(list(enumerate(rows, start=1)), f"{dataset}[{split}]")
 
 
+def load_task(dataset: str, eval_dataset: str | None, seed: int) -> tuple[list[Example], list[Example]]:
+    """(train, held-out) examples: the addition task's seeded split, or a GSM8K-format source's
+    'train' split and `eval_dataset`'s (default: the same source's) 'test' split."""
+    if dataset == "addition":
+        return addition_task(seed)
+    return load_examples(dataset, "train"), load_examples(eval_dataset or dataset, "test")
+
+
 def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int):
     """Chat-template each prompt as one user turn. Prompts longer than `max_prompt_len` tokens
     are dropped (never truncated: a cut question has a different answer) and counted.

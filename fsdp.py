@@ -4,11 +4,15 @@ and rank-0 logging.
     rank, world_size, device = init_distributed()         # torchrun, or plain `python` (world 1)
     model = load_model(path, device, dtype=torch.float32, gradient_checkpointing=True)
     shard_model(model, param_dtype=torch.bfloat16)        # FSDP2: each decoder layer, then the root
-    logp, entropy = token_logprobs(model, batch, temperature=1.0, with_entropy=True)   # [B, T-1]
+    logp, entropy = token_logprobs(model, ids, mask, temperature=1.0, with_entropy=True)   # [B, T-1]
+    old_logp = batch_logprobs(model, batch, micro_batch_size=8, temperature=1.0, device=device)
 """
 
 import datetime
+import json
 import os
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -122,29 +126,69 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return logp, entropy
 
 
-def gather_full_params(model, dtype: torch.dtype):
-    """Yield (name, full tensor) for each parameter of an FSDP2 model, one at a time.
+def micro_batches(n: int, size: int) -> list[torch.Tensor]:
+    """Row indices [0, n) cut into chunks of `size` (the last may be smaller)."""
+    return list(torch.arange(n).split(size))
 
-    Each `full_tensor()` is an all-gather every rank must join, in the same order. Casting the
-    local shard to bf16 first halves the bytes on the wire. Tied weights appear once (e.g. only
-    model.embed_tokens.weight), which both SGLang and HF loaders expect.
-    """
-    for name, param in model.named_parameters():
-        full = param.detach().to(dtype)
-        yield name, (full.full_tensor() if hasattr(full, "full_tensor") else full)
+
+@torch.no_grad()
+def batch_logprobs(model, batch, micro_batch_size: int, temperature: float, device, progress=iter) -> torch.Tensor:
+    """token_logprobs over a whole Batch, micro-batch by micro-batch, without gradient. [B, T-1] on CPU."""
+    out = torch.zeros_like(batch.response_mask)
+    for idx in progress(micro_batches(len(batch), micro_batch_size)):
+        mb = batch.select(idx).to(device)
+        out[idx, :mb.input_ids.shape[1] - 1] = token_logprobs(model, mb.input_ids, mb.attention_mask, temperature)[0].cpu()
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
 # Logging (rank 0)
 
 
-def init_tracking(track: bool, project: str, run_name: str, config: dict):
-    """A wandb run on rank 0 when `track`, else None."""
-    if not track or dist.get_rank() != 0:
-        return None
-    import wandb  # lazy: only with --track
+class RunLog:
+    """A run's folder on rank 0: args.json, run_info.json, metrics.jsonl (+ wandb with `track`).
 
-    return wandb.init(project=project, name=run_name, config=config)
+    On resume, rows of steps after the checkpoint are dropped from metrics.jsonl: they are redone.
+    """
+
+    def __init__(self, run_dir: str, config: dict, start_step: int, track: bool, project: str, run_name: str,
+                 info: dict):
+        self.rank0, self.path, self.wandb = dist.get_rank() == 0, os.path.join(run_dir, "metrics.jsonl"), None
+        if not self.rank0:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        for name, content in (("args.json", config), ("run_info.json", info)):
+            with open(os.path.join(run_dir, name), "w") as f:
+                json.dump(content, f, indent=2)
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line).get("step", 0) <= start_step]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        if track:
+            import wandb  # lazy: only with --track
+
+            self.wandb = wandb.init(project=project, name=run_name, config=config)
+
+    def log(self, row: dict):
+        if self.rank0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if self.wandb is not None:
+                self.wandb.log(row, step=int(row["step"]))
+
+    def finish(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def run_info(world_size: int, engine: str) -> dict:
+    """What ran where: for reports."""
+    cuda = torch.cuda.is_available()
+    return {"command": " ".join(sys.argv), "world_size": world_size, "engine": engine,
+            "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+            "gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30 if cuda else None,
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
 
 
 def log_line(step: int, metrics: dict, keys: list[tuple[str, str, str]]) -> str:

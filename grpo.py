@@ -15,7 +15,6 @@ What it simplifies: every rank loads the full checkpoint on CPU before sharding;
 right-padded per micro-batch (no packing); one Adam for the whole model.
 """
 
-import json
 import math
 import os
 import random
@@ -31,11 +30,12 @@ import tyro
 from tqdm import tqdm
 
 from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from data import PromptSampler, addition_task, collate, load_examples, shard, tokenize_prompts
-from fsdp import all_reduce, init_distributed, init_tracking, load_model, log_line, print0, shard_model, token_logprobs
+from data import PromptSampler, collate, load_task, shard, tokenize_prompts
+from fsdp import (RunLog, all_reduce, batch_logprobs, init_distributed, load_model, log_line, print0, run_info,
+                  shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from reward import format_reward, gsm8k_reward, int_match_reward, score
-from rollout import HFEngine, generate, start_sglang, stop_token_ids, tp_group
+from rollout import evaluate, generate, logprob_gap, rollout_stats, start_engine, stop_token_ids, tp_group
 
 
 @dataclass
@@ -257,15 +257,9 @@ def main(args: Args):
     # ---- rollout engine first: SGLang sizes its KV cache from the free memory it finds ----------
     t0 = time.time()
     group, owner = tp_group(args.rollout_tp)
-    engine = None
-    if rank == owner:
-        if engine_kind == "sglang":
-            engine = start_sglang(args.model, gpu_id=torch.cuda.current_device(), mem_fraction=args.sglang_mem_fraction,
-                                  tp_size=args.rollout_tp, seed=args.seed, attention_backend=args.sglang_attention_backend,
-                                  sampling_backend=args.sglang_sampling_backend, cuda_graph_max_bs=args.sglang_cuda_graph_max_bs,
-                                  disable_cuda_graph=args.sglang_disable_cuda_graph)
-        else:
-            engine = HFEngine(args.model, seed=args.seed)
+    engine = start_engine(engine_kind, args.model, args.seed, args.sglang_mem_fraction, args.rollout_tp,
+                          args.sglang_attention_backend, args.sglang_sampling_backend, args.sglang_cuda_graph_max_bs,
+                          args.sglang_disable_cuda_graph) if rank == owner else None
     release(engine, ALL_TAGS)  # until the first weight sync
     dist.barrier()  # no rank loads its model before every engine has measured free memory
     startup["engine_s"] = time.time() - t0
@@ -290,13 +284,8 @@ def main(args: Args):
     startup["model_s"] = time.time() - t0
 
     # ---- data ----------------------------------------------------------------------------------
-    if args.dataset == "addition":
-        train_examples, eval_examples = addition_task(args.seed)
-        answer_fn = int_match_reward
-    else:
-        train_examples = load_examples(args.dataset, "train")
-        eval_examples = load_examples(args.eval_dataset or args.dataset, "test")
-        answer_fn = gsm8k_reward
+    train_examples, eval_examples = load_task(args.dataset, args.eval_dataset, args.seed)
+    answer_fn = int_match_reward if args.dataset == "addition" else gsm8k_reward  # (completion, answer, mode) -> 0/1
     prompts, train_examples, dropped = tokenize_prompts(tokenizer, train_examples, args.max_prompt_len)
     eval_prompts, eval_examples, _ = tokenize_prompts(tokenizer, eval_examples[:args.num_eval_prompts], args.max_prompt_len)
     sampler = PromptSampler(len(prompts), args.seed)
@@ -320,54 +309,16 @@ def main(args: Args):
         scheduler.load_state_dict(state["scheduler"])
         start_step = state["step"]
         print0(f"resumed from {resume_from}: step {start_step}, data epoch {sampler.epoch} index {sampler.index}")
-    if rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)
-        with open(os.path.join(run_dir, "run_info.json"), "w") as f:  # what ran where, for reports
-            json.dump({"command": " ".join(sys.argv), "world_size": world_size, "engine": engine_kind,
-                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                       "gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30 if torch.cuda.is_available() else None,
-                       "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}, f, indent=2)
-        metrics_path = os.path.join(run_dir, "metrics.jsonl")
-        if os.path.exists(metrics_path):  # drop lines of steps after the checkpoint: they are redone
-            with open(metrics_path) as f:
-                kept_lines = [line for line in f if json.loads(line).get("step", 0) <= start_step]
-            with open(metrics_path, "w") as f:
-                f.writelines(kept_lines)
-    tracker = init_tracking(args.track, args.wandb_project, run_name, asdict(args))
+    log = RunLog(run_dir, asdict(args), start_step, args.track, args.wandb_project, run_name, run_info(world_size, engine_kind))
     mem = MemoryLog()
-
-    def log_row(row: dict):
-        """One row of metrics.jsonl (and wandb), rank 0."""
-        if rank == 0:
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(row) + "\n")
-            if tracker is not None:
-                tracker.log(row, step=int(row["step"]))
 
     def progress(items, desc: str):
         """A progress bar over micro-batches on rank 0, when a person is watching (stderr is a TTY)."""
         return tqdm(items, desc=desc, leave=False, disable=rank != 0 or not sys.stderr.isatty())
 
-    def judge(samples) -> list[float]:
-        """Sums over samples of: strict accuracy ('#### N' correct), flexible accuracy, format."""
-        return [sum(score(lambda c, a: answer_fn(c, a, "strict"), s.text, s.answer)[0] for s in samples),
-                sum(score(lambda c, a: answer_fn(c, a, "flexible"), s.text, s.answer)[0] for s in samples),
-                sum(format_reward(s.text) for s in samples)]
-
-    def evaluate(step: int) -> dict:
-        """Greedy accuracy on the held-out prompts (engine awake), split over ranks."""
-        mine = list(range(rank, len(eval_prompts), world_size))
-        samples = generate(engine, [eval_prompts[i] for i in mine], [eval_examples[i].answer for i in mine],
-                           [0] * len(mine), args.max_new_tokens, 0.0, 1.0, stop_ids, tokenizer, group, owner)
-        sums = all_reduce(torch.tensor(judge(samples) + [len(samples)]))
-        out = {"eval/strict_acc": sums[0] / sums[3], "eval/flexible_acc": sums[1] / sums[3],
-               "eval/format_rate": sums[2] / sums[3]}
-        print0(log_line(step, {k: float(v) for k, v in out.items()},
-                        [("eval strict acc", "eval/strict_acc", ".3f"), ("flexible acc", "eval/flexible_acc", ".3f"),
-                         ("format", "eval/format_rate", ".3f")]).replace("step", "eval after step"))
-        return {k: float(v) for k, v in out.items()}
+    def evaluate_now(step: int):
+        log.log({"step": step, **evaluate(engine, eval_prompts, [e.answer for e in eval_examples], answer_fn,
+                                          args.max_new_tokens, stop_ids, tokenizer, step, group, owner)})
 
     # ---- the loop ----------------------------------------------------------------------------------
     local_prompts = args.prompts_per_step // world_size
@@ -380,7 +331,7 @@ def main(args: Args):
         wake_up(engine, policy, train_models, [optimizer], args.offload, mem, args.sync_bucket_mb << 20)
         if args.eval_every and (step - 1) % args.eval_every == 0 and (step > 1 or args.eval_before_train):
             with mem.phase("eval"):
-                log_row({"step": step - 1, **evaluate(step - 1)})  # after step-1 updates
+                evaluate_now(step - 1)  # after step-1 updates
 
         # -- 2. rollout: group_size samples per prompt, scored; dynamic sampling refills dropped groups
         with mem.phase("generate"):
@@ -410,22 +361,8 @@ def main(args: Args):
         # -- 3. SGLang sleeps, training state comes back
         sleep(engine, train_models, [optimizer], args.offload, device, mem)
 
-        # rollout metrics, over every sample generated this step
-        n_seen = all_reduce(len(seen))
-        acc, _, fmt = judge(seen)
-        tot = all_reduce(torch.tensor([
-            sum(s.reward for s in seen), sum(s.reward ** 2 for s in seen), acc, fmt,
-            sum(len(s.response_ids) for s in seen), sum(s.truncated for s in seen),
-            sum(s.reward_error for s in seen), len(kept)], dtype=torch.float64))
-        max_len = all_reduce(max(len(s.response_ids) for s in seen), dist.ReduceOp.MAX)
-        metrics.update({
-            "rollout/reward_mean": tot[0] / n_seen, "rollout/reward_std": (tot[1] / n_seen - (tot[0] / n_seen) ** 2).clamp(min=0).sqrt(),
-            "rollout/strict_acc": tot[2] / n_seen, "rollout/format_rate": tot[3] / n_seen,
-            "rollout/response_len_mean": tot[4] / n_seen, "rollout/response_len_max": max_len,
-            "rollout/truncated_frac": tot[5] / n_seen, "rollout/reward_errors": tot[6],
-            "rollout/kept_groups": tot[7], "rollout/sampling_rounds": rounds,
-            "perf/rollout_tokens_per_s": tot[4] / mem.seconds["generate"],
-        })
+        metrics.update(rollout_stats(seen, answer_fn, mem.seconds["generate"]))  # every sample generated
+        metrics.update({"rollout/kept_groups": all_reduce(len(kept)), "rollout/sampling_rounds": rounds})
         if not kept:  # dynamic sampling found no group with differing rewards: nothing to learn from
             print0(f"step {step} | no group with differing rewards after {rounds} rounds: update skipped")
             metrics["train/skipped"] = 1.0
@@ -436,23 +373,12 @@ def main(args: Args):
             batch.loss_mask = batch.response_mask.clone()
             if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
                 batch.loss_mask[torch.tensor([s.truncated for s in flat])] = 0.0
-            mbs = [torch.arange(i, min(i + args.micro_batch_size, len(batch))) for i in range(0, len(batch), args.micro_batch_size)]
-            batch.old_logprobs = torch.zeros_like(batch.response_mask)
-            batch.ref_logprobs = torch.zeros_like(batch.response_mask) if ref is not None else None
-            with mem.phase("logprob"), torch.no_grad():
-                for idx in progress(mbs, "log-probs"):
-                    mb = batch.select(idx).to(device)
-                    t = mb.input_ids.shape[1] - 1
-                    batch.old_logprobs[idx, :t] = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature)[0].cpu()
-                    if ref is not None:
-                        batch.ref_logprobs[idx, :t] = token_logprobs(ref, mb.input_ids, mb.attention_mask, args.temperature)[0].cpu()
-            # how far SGLang's sampler is from the trainer (numerics, not a bug if small)
-            rollout_logp = torch.zeros_like(batch.response_mask)
-            for i, s in enumerate(flat):
-                p = len(s.prompt_ids)
-                rollout_logp[i, p - 1:p - 1 + len(s.response_ids)] = torch.tensor(s.rollout_logprobs)
-            diff = ((rollout_logp - batch.old_logprobs).abs() * batch.response_mask).sum()
-            metrics["rollout/logprob_abs_diff"] = float(all_reduce(diff) / all_reduce(batch.response_mask.sum()))
+            with mem.phase("logprob"):
+                batch.old_logprobs = batch_logprobs(policy, batch, args.micro_batch_size, args.temperature, device,
+                                                    lambda x: progress(x, "log-probs"))
+                if ref is not None:
+                    batch.ref_logprobs = batch_logprobs(ref, batch, args.micro_batch_size, args.temperature, device)
+            metrics["rollout/logprob_abs_diff"] = logprob_gap(flat, batch)  # sampler vs trainer: sync check
 
             # -- 5. advantages
             rewards = torch.tensor([s.reward for s in flat]).view(-1, args.group_size)     # [groups, G]
@@ -525,7 +451,7 @@ def main(args: Args):
         if args.log_samples_every and step % args.log_samples_every == 0:
             for s in flat[:2]:
                 print0(f"  sample (reward {s.reward:.2f}, answer {s.answer}): {s.text[:300]!r}")
-        log_row(metrics)
+        log.log(metrics)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             t0 = time.time()
             path = save_checkpoint(run_dir, step, {"policy": (policy, optimizer)}, policy, tokenizer,
@@ -536,12 +462,11 @@ def main(args: Args):
     # ---- final evaluation and cleanup --------------------------------------------------------------
     if args.eval_every and start_step < args.steps:
         wake_up(engine, policy, train_models, [optimizer], args.offload, mem, args.sync_bucket_mb << 20)
-        log_row({"step": args.steps, **evaluate(args.steps)})
+        evaluate_now(args.steps)
     mem.close()
     if engine is not None:
         engine.shutdown()
-    if tracker is not None:
-        tracker.finish()
+    log.finish()
     dist.destroy_process_group()
 
 

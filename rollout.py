@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from data import Sample
+from fsdp import all_reduce, log_line, print0
+from reward import format_reward, score
 
 # ----------------------------------------------------------------------------------------------
 # Engines
@@ -109,6 +111,17 @@ class HFEngine:
 
     def shutdown(self):
         pass
+
+
+def start_engine(kind: str, model_path: str, seed: int, mem_fraction: float = 0.6, tp_size: int = 1,
+                 attention_backend: str | None = "triton", sampling_backend: str | None = "pytorch",
+                 cuda_graph_max_bs: int | None = None, disable_cuda_graph: bool = False):
+    """'sglang' (on this rank's GPU) or 'hf' (CPU stand-in)."""
+    if kind == "sglang":
+        return start_sglang(model_path, gpu_id=torch.cuda.current_device(), mem_fraction=mem_fraction, tp_size=tp_size,
+                            seed=seed, attention_backend=attention_backend, sampling_backend=sampling_backend,
+                            cuda_graph_max_bs=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph)
+    return HFEngine(model_path, seed=seed)
 
 
 def stop_token_ids(tokenizer, model_path: str) -> list[int]:
@@ -221,3 +234,58 @@ def generate(engine, prompt_ids: list[list[int]], answers: list[str], seeds: lis
         text = tokenizer.decode(response, skip_special_tokens=True) if tokenizer is not None else ""
         samples.append(Sample(prompt, response, logprobs, truncated, answer, text))
     return samples
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring rollouts
+
+
+def judge(samples: list[Sample], answer_fn) -> list[float]:
+    """Sums over samples of: strict accuracy ('#### N' right), flexible accuracy (else the last
+    number), format ('#### N' present). answer_fn(completion, answer, mode) -> 0/1."""
+    return [sum(score(lambda c, a: answer_fn(c, a, "strict"), s.text, s.answer)[0] for s in samples),
+            sum(score(lambda c, a: answer_fn(c, a, "flexible"), s.text, s.answer)[0] for s in samples),
+            sum(format_reward(s.text) for s in samples)]
+
+
+def evaluate(engine, prompt_ids, answers, answer_fn, max_new_tokens: int, stop_ids, tokenizer, step: int,
+             group=None, owner: int = 0) -> dict:
+    """Greedy accuracy on held-out prompts (engine awake), split over ranks; one console line."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = list(range(rank, len(prompt_ids), world))
+    samples = generate(engine, [prompt_ids[i] for i in mine], [answers[i] for i in mine], [0] * len(mine),
+                       max_new_tokens, 0.0, 1.0, stop_ids, tokenizer, group, owner)
+    sums = all_reduce(torch.tensor(judge(samples, answer_fn) + [len(samples)]))
+    out = {"eval/strict_acc": float(sums[0] / sums[3]), "eval/flexible_acc": float(sums[1] / sums[3]),
+           "eval/format_rate": float(sums[2] / sums[3])}
+    print0(log_line(step, out, [("eval strict acc", "eval/strict_acc", ".3f"), ("flexible acc", "eval/flexible_acc", ".3f"),
+                                ("format", "eval/format_rate", ".3f")]).replace("step", "eval after step"))
+    return out
+
+
+def rollout_stats(samples: list[Sample], answer_fn, seconds: float) -> dict:
+    """Reward, accuracy, format, length and truncation of this step's samples, over all ranks."""
+    acc, _, fmt = judge(samples, answer_fn)
+    tot = all_reduce(torch.tensor([
+        len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples), acc, fmt,
+        sum(len(s.response_ids) for s in samples), sum(s.truncated for s in samples),
+        sum(s.reward_error for s in samples)], dtype=torch.float64))
+    n, mean = tot[0], tot[1] / tot[0]
+    return {"rollout/reward_mean": mean, "rollout/reward_std": (tot[2] / n - mean**2).clamp(min=0).sqrt(),
+            "rollout/strict_acc": tot[3] / n, "rollout/format_rate": tot[4] / n,
+            "rollout/response_len_mean": tot[5] / n,
+            "rollout/response_len_max": all_reduce(max(len(s.response_ids) for s in samples), dist.ReduceOp.MAX),
+            "rollout/truncated_frac": tot[6] / n, "rollout/reward_errors": tot[7],
+            "perf/rollout_tokens_per_s": tot[5] / seconds}
+
+
+def logprob_gap(samples: list[Sample], batch) -> float:
+    """Mean |sampler log-prob - trainer log-prob| over response tokens, all ranks. Small (bf16
+    numerics, ~0.02-0.05) when the engine generated with the trainer's weights; large if the sync
+    missed or corrupted something."""
+    rollout_logp = torch.zeros_like(batch.response_mask)
+    for i, s in enumerate(samples):
+        p = len(s.prompt_ids)
+        rollout_logp[i, p - 1:p - 1 + len(s.response_ids)] = torch.tensor(s.rollout_logprobs)
+    diff = ((rollout_logp - batch.old_logprobs).abs() * batch.response_mask).sum()
+    return float(all_reduce(diff) / all_reduce(batch.response_mask.sum()))
