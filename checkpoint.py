@@ -1,11 +1,12 @@
 """Checkpoints that survive a kill and resume exactly.
 
-    save_checkpoint(out_dir, step, {"policy": (model, optimizer)}, hf_model=model, tokenizer=tok, state={...})
+    save_checkpoint(out_dir, step, {"policy": (model, optimizer)}, {"model": model}, tokenizer=tok, state={...})
     path = latest_checkpoint(out_dir)        # highest complete step, or None
     state = load_checkpoint(path, {"policy": (model, optimizer)})
 
 Layout of one checkpoint, `out_dir/checkpoints/step_000100/`:
     model/          Hugging Face folder (bf16 safetensors + config + tokenizer): loads in transformers and SGLang
+    critic/         (PPO) the value model, as a Hugging Face token-classification folder
     state/          fp32 weights + optimizer state, sharded (torch.distributed.checkpoint): for resume
     trainer.pt      step, data position, LR schedule, anything the script adds
     rng_rank{r}.pt  each rank's RNG states
@@ -57,12 +58,12 @@ def save_hf_model(model, tokenizer, path: str, dtype: torch.dtype = torch.bfloat
     dist.barrier()
 
 
-def save_checkpoint(out_dir: str, step: int, stateful: dict, hf_model, tokenizer, state: dict, keep: int = 2):
+def save_checkpoint(out_dir: str, step: int, stateful: dict, hf_models: dict, tokenizer, state: dict, keep: int = 2):
     """Write checkpoint `step` atomically; keep the newest `keep` (0 keeps all).
 
     stateful: {name: (model, optimizer)}, the FSDP2 models and optimizers to resume.
-    hf_model: the model exported as a Hugging Face folder (the policy). state: small picklable
-    things for trainer.pt (rank 0's copy is saved).
+    hf_models: {folder: model} exported as Hugging Face folders ({"model": policy}). state: small
+    picklable things for trainer.pt (rank 0's copy is saved).
     """
     rank, final = dist.get_rank(), checkpoint_dir(out_dir, step)
     tmp = final + ".tmp"
@@ -70,7 +71,8 @@ def save_checkpoint(out_dir: str, step: int, stateful: dict, hf_model, tokenizer
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
         os.makedirs(tmp)
     dist.barrier()
-    save_hf_model(hf_model, tokenizer, os.path.join(tmp, "model"))
+    for folder, model in hf_models.items():
+        save_hf_model(model, tokenizer, os.path.join(tmp, folder))
     sharded = {}
     for name, (model, optimizer) in stateful.items():
         model_sd, optim_sd = get_state_dict(model, optimizer)

@@ -62,7 +62,7 @@ def all_reduce(x: float | torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype, gradient_checkpointing: bool = False,
-               attn_implementation: str = "sdpa", model_class=None):
+               attn_implementation: str = "sdpa", model_class=None, **kwargs):
     """A Hugging Face model from a hub id or local folder, on the CPU in `dtype`.
 
     PLUMBING: every rank reads the whole checkpoint into CPU memory, then `shard_model` moves its
@@ -73,11 +73,16 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, gradient_che
 
     model_class = model_class or AutoModelForCausalLM
     try:
-        model = model_class.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        model = model_class.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
     except OSError as e:
         raise OSError(f"could not load model {path!r}: {e}\nPass a hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) "
                       f"or a local folder with config.json and weights.") from None
     model.config.use_cache = False  # training forwards never use the KV cache
+    for module in model.modules():
+        # Dropout off: the old log-probs, the values and the update must see the same function
+        # (token-classification heads, used as critics, come with dropout 0.1).
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     if gradient_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2: each layer's activations are recomputed
         # in backward, trading ~30% more compute for activations of one layer instead of all.
@@ -105,12 +110,13 @@ def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16):
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-                   with_entropy: bool = False):
+                   with_entropy: bool = False, entropy_grad: bool = False):
     """Log-prob of each next token under `model` at sampling temperature `temperature`.
 
     Returns logp [B, T-1] (logp[:, t] scores input_ids[:, t+1]) and, if asked, the entropy of the
-    next-token distribution [B, T-1] (without gradient: a metric). Dividing by the temperature
-    matters: SGLang reports log-probs of the distribution it sampled from, softmax(logits / T).
+    next-token distribution [B, T-1]: a metric without gradient, unless `entropy_grad` (an entropy
+    bonus; it keeps a [B, T, V] graph alive). Dividing by the temperature matters: SGLang reports
+    log-probs of the distribution it sampled from, softmax(logits / T).
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, V]
     # fp32 for the softmax: bf16 log-probs are off by ~1e-2, enough to skew the PPO ratio.
@@ -120,7 +126,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     logp = target - logsumexp
     entropy = None
     if with_entropy:
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             probs = torch.softmax(logits, dim=-1)
             entropy = logsumexp - (probs * logits).sum(-1)                # [B, T-1]
     return logp, entropy
@@ -131,13 +137,32 @@ def micro_batches(n: int, size: int) -> list[torch.Tensor]:
     return list(torch.arange(n).split(size))
 
 
+def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The critic's value of each state: values[:, t] is read at token t, before input_ids[:, t+1]
+    is chosen, so it lines up with token_logprobs. [B, T-1], fp32."""
+    out = critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, 1]
+    return out[:, :-1, 0].float()
+
+
 @torch.no_grad()
 def batch_logprobs(model, batch, micro_batch_size: int, temperature: float, device, progress=iter) -> torch.Tensor:
     """token_logprobs over a whole Batch, micro-batch by micro-batch, without gradient. [B, T-1] on CPU."""
+    return _batch_forward(lambda mb: token_logprobs(model, mb.input_ids, mb.attention_mask, temperature)[0],
+                          batch, micro_batch_size, device, progress)
+
+
+@torch.no_grad()
+def batch_values(critic, batch, micro_batch_size: int, device, progress=iter) -> torch.Tensor:
+    """token_values over a whole Batch, without gradient. [B, T-1] on CPU."""
+    return _batch_forward(lambda mb: token_values(critic, mb.input_ids, mb.attention_mask),
+                          batch, micro_batch_size, device, progress)
+
+
+def _batch_forward(fn, batch, micro_batch_size, device, progress):
     out = torch.zeros_like(batch.response_mask)
     for idx in progress(micro_batches(len(batch), micro_batch_size)):
         mb = batch.select(idx).to(device)
-        out[idx, :mb.input_ids.shape[1] - 1] = token_logprobs(model, mb.input_ids, mb.attention_mask, temperature)[0].cpu()
+        out[idx, :mb.input_ids.shape[1] - 1] = fn(mb).cpu()
     return out
 
 

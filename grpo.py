@@ -112,7 +112,7 @@ class Args:
     unformatted_credit: float = 0.5
     """reward for a right final number that is not given as '#### N' (a right '#### N' earns 1.0)"""
     format_weight: float = 0.0
-    """reward += format_weight when the response ends in '#### <number>', right or wrong. Beware:
+    """reward += format_weight when the response gives a '#### <number>' answer, right or wrong. Beware:
     unconditional format reward is easy to hack (a small model learns to guess '#### 57')"""
     # --- memory and systems
     gradient_checkpointing: bool = False
@@ -449,12 +449,12 @@ def main(args: Args):
             ("logp s", "time/logprob", ".1f"), ("update s", "time/update", ".1f"), ("step s", "perf/step_s", ".1f"),
             ("tok/s", "perf/rollout_tokens_per_s", ".0f")]))
         if args.log_samples_every and step % args.log_samples_every == 0:
-            for s in flat[:2]:
+            for s in seen[:2]:
                 print0(f"  sample (reward {s.reward:.2f}, answer {s.answer}): {s.text[:300]!r}")
         log.log(metrics)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             t0 = time.time()
-            path = save_checkpoint(run_dir, step, {"policy": (policy, optimizer)}, policy, tokenizer,
+            path = save_checkpoint(run_dir, step, {"policy": (policy, optimizer)}, {"model": policy}, tokenizer,
                                    {"step": step, "sampler": sampler.state_dict(), "scheduler": scheduler.state_dict(),
                                     "args": asdict(args)}, args.keep_checkpoints)
             print0(f"saved {path} ({time.time() - t0:.1f}s)")

@@ -1,4 +1,4 @@
-"""Smoke tests: grpo.py end to end on a tiny model, on CPU, as `python` and under `torchrun` (gloo).
+"""Smoke tests: grpo.py and ppo.py end to end on a tiny model, on CPU, as `python` and under `torchrun` (gloo).
 
 The HF rollout engine stands in for SGLang; everything else (FSDP2, the memory phases, the loss,
 checkpoints) is the code that runs on GPUs.
@@ -14,15 +14,16 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small and fast; --format-weight 0.5 makes rewards vary for the tiny model, so updates are real.
-COMMON = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24", "--micro-batch-size", "4",
-          "--num-eval-prompts", "8", "--lr", "1e-4", "--format-weight", "0.5", "--log-samples-every", "1",
-          "--rollout-engine", "hf"]
+COMMON = ["--prompts-per-step", "4", "--max-new-tokens", "24", "--micro-batch-size", "4", "--num-eval-prompts", "8",
+          "--lr", "1e-4", "--format-weight", "0.5", "--log-samples-every", "1", "--rollout-engine", "hf"]
+PER_SCRIPT = {"grpo.py": ["--group-size", "4"], "ppo.py": ["--samples-per-prompt", "4", "--critic-lr", "1e-3"]}
 
 
-def run_grpo(model, out_dir, *extra, nproc=1, expect_ok=True):
+def run_grpo(model, out_dir, *extra, nproc=1, expect_ok=True, script="grpo.py"):
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={nproc}"]
-    cmd = launcher + ["grpo.py", "--model", model, "--output-dir", str(out_dir), "--run-name", "r", *COMMON, *extra]
+    cmd = launcher + [script, "--model", model, "--output-dir", str(out_dir), "--run-name", "r", *COMMON,
+                      *PER_SCRIPT[script], *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     if expect_ok and proc.returncode != 0:
@@ -115,3 +116,54 @@ def test_bad_input_fails_clearly_and_writes_nothing(tiny_model_dir, tmp_path, ex
     proc = run_grpo(tiny_model_dir, tmp_path, *args, nproc=2 if "--prompts-per-step" in extra else 1, expect_ok=False)
     assert proc.returncode != 0 and message in proc.stdout + proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# ppo.py
+
+
+def test_ppo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
+    """Step 1 trains only the critic (warm-up); the adaptive KL controller moves the coefficient;
+    the checkpoint exports the actor and the critic as Hugging Face folders."""
+    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "2", "--critic-warmup-steps", "1",
+             "--kl-coef", "0.05", "--adaptive-kl", "--target-kl", "0.001", "--kl-estimator", "k3", script="ppo.py")
+    train, evals = metrics(tmp_path)
+    rows = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl") if "critic/value_loss" in line]
+    assert [r["step"] for r in rows] == [1, 2, 3] and len(evals) == 2
+    assert rows[0].get("train/critic_warmup") == 1.0 and "train/loss" not in rows[0]  # actor waited
+    assert [r["step"] for r in train] == [2, 3]
+    assert all(r["critic/grad_norm"] > 0 for r in rows)
+    from ppo import adaptive_kl_coef
+
+    for before, after in zip(rows, rows[1:]):  # each step's KL steers the next step's coefficient (16 samples a step)
+        expected = adaptive_kl_coef(before["train/kl_coef"], before["train/kl_per_response"], 0.001, 10000, 16)
+        assert after["train/kl_coef"] == pytest.approx(expected) and after["train/kl_coef"] != before["train/kl_coef"]
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    ckpt = tmp_path / "r" / "checkpoints" / "step_000003"
+    AutoModelForCausalLM.from_pretrained(ckpt / "model")
+    critic = AutoModelForTokenClassification.from_pretrained(ckpt / "critic")
+    assert critic.config.num_labels == 1
+
+
+def test_ppo_torchrun_two_ranks(trained_tiny_model_dir, tmp_path):
+    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "0", "--offload", "--num-minibatches", "2",
+             "--epochs", "2", "--entropy-coef", "0.01", "--overlong-filter", "--kl-coef", "0.05", "--lam", "1.0",
+             nproc=2, script="ppo.py")
+    train, _ = metrics(tmp_path)
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert all(r["rollout/logprob_abs_diff"] < 0.05 for r in train)
+    assert any(r["train/kl_per_response"] != 0 for r in train[1:])
+
+
+def test_ppo_resume_continues_exactly(trained_tiny_model_dir, tmp_path):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    args = ["--eval-every", "0", "--save-every", "2", "--kl-coef", "0.05", "--adaptive-kl"]
+    run_grpo(trained_tiny_model_dir, straight, "--steps", "3", *args, script="ppo.py")
+    run_grpo(trained_tiny_model_dir, stopped, "--steps", "2", *args, script="ppo.py")
+    proc = run_grpo(trained_tiny_model_dir, stopped, "--steps", "3", "--resume", *args, script="ppo.py")
+    assert "resumed from" in proc.stdout
+    keep = ("rollout/", "train/", "critic/")
+    a = {k: v for k, v in metrics(straight)[0][2].items() if k.startswith(keep)}
+    b = {k: v for k, v in metrics(stopped)[0][2].items() if k.startswith(keep)}
+    assert a == pytest.approx(b, rel=1e-6, abs=1e-9)

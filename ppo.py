@@ -1,0 +1,538 @@
+"""PPO with a critic: FSDP2 actor + critic, GAE, KL penalty in the reward, colocated SGLang rollout.
+
+    python ppo.py --model HuggingFaceTB/SmolLM2-135M-Instruct                 # 1 GPU, built-in addition task
+    torchrun --nproc_per_node=8 ppo.py --model Qwen/Qwen2.5-7B-Instruct --critic-model Qwen/Qwen2.5-7B-Instruct \
+        --dataset openai/gsm8k --offload
+    python ppo.py --model ./tiny-model --rollout-engine hf                    # CPU, no SGLang
+
+Each step: wake SGLang up and sync the actor's weights (memory.py), sample completions, score them
+(reward.py), sleep SGLang, recompute old log-probs, reference log-probs and values, turn the score
+on the last token plus a per-token KL penalty into per-token rewards, estimate advantages by GAE,
+whiten them, then take PPO-clip steps on the actor and clipped-value steps on the critic.
+
+The recipe of Ziegler et al. (2019) / InstructGPT as verl and OpenRLHF run it. Options: a fixed KL
+coefficient or an adaptive controller toward --target-kl, critic warm-up steps, an entropy bonus.
+What it simplifies: as grpo.py, plus token-mean loss aggregation only, and truncated responses
+are treated as ending (no bootstrap from the value of the cut-off state; see --overlong-filter).
+"""
+
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from tqdm import tqdm
+
+from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from data import PromptSampler, collate, load_task, shard, tokenize_prompts
+from fsdp import (RunLog, all_reduce, batch_logprobs, batch_values, init_distributed, load_model, log_line, print0,
+                  run_info, shard_model, token_logprobs, token_values)
+from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
+from reward import format_reward, gsm8k_reward, int_match_reward, score
+from rollout import evaluate, generate, logprob_gap, rollout_stats, start_engine, stop_token_ids, tp_group
+
+
+@dataclass
+class Args:
+    # --- model and data
+    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    """actor to train: a hub id or a local folder (also the reference model and SGLang's config)"""
+    critic_model: str | None = None
+    """critic's starting point: a causal LM whose body gets a fresh scalar head; default: --model"""
+    dataset: str = "addition"
+    """'addition' (built-in two-digit addition, no download), 'openai/gsm8k', or a local GSM8K .jsonl/.parquet file or folder"""
+    eval_dataset: str | None = None
+    """held-out prompts in the same format; default: the 'test' split of --dataset"""
+    num_eval_prompts: int = 256
+    """held-out prompts per evaluation (greedy)"""
+    max_prompt_len: int = 256
+    """prompts longer than this (in tokens, after the chat template) are dropped and counted"""
+    max_new_tokens: int = 256
+    """response length limit; longer responses are truncated (see --overlong-filter)"""
+    # --- sampling
+    prompts_per_step: int = 32
+    """prompts per step over all ranks (must divide by the number of ranks)"""
+    samples_per_prompt: int = 1
+    """completions per prompt (each one is its own episode: the critic is the baseline)"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling; < 1 makes the sampler's distribution differ from the trained one"""
+    # --- optimization
+    steps: int = 200
+    """training steps (one rollout batch each)"""
+    lr: float = 1e-6
+    """actor's peak learning rate (AdamW)"""
+    critic_lr: float = 1e-5
+    """critic's peak learning rate (its own AdamW and schedule)"""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """decay after warm-up, reaching min_lr_ratio * lr after steps * epochs * num_minibatches optimizer steps"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warm-up from 0"""
+    min_lr_ratio: float = 0.0
+    """final lr / peak lr for cosine and linear schedules"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward per rank (gradient accumulation over micro-batches)"""
+    num_minibatches: int = 1
+    """optimizer steps per epoch over the rollout batch"""
+    epochs: int = 1
+    """passes over each rollout batch"""
+    seed: int = 0
+    """seeds data order, sampling and initialization"""
+    # --- PPO
+    gamma: float = 1.0
+    """discount per token in GAE"""
+    lam: float = 0.95
+    """GAE lambda (1.0: Monte-Carlo returns minus values)"""
+    clip_low: float = 0.2
+    """actor ratio clipped below at 1 - clip_low"""
+    clip_high: float = 0.2
+    """actor ratio clipped above at 1 + clip_high"""
+    value_clip: float = 0.2
+    """new values stay within old value +- value_clip in the clipped value loss"""
+    kl_coef: float = 0.001
+    """per-token KL penalty in the reward (initial value with --adaptive-kl); 0 without --adaptive-kl: no reference model"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """per-token KL(actor || ref) estimate in the reward penalty (see grpo.py)"""
+    adaptive_kl: bool = False
+    """adjust kl_coef each step toward --target-kl (Ziegler et al. 2019)"""
+    target_kl: float = 1.0
+    """target KL per response (nats, summed over tokens) for --adaptive-kl"""
+    kl_horizon: int = 10000
+    """samples over which the adaptive controller closes the gap"""
+    whiten_advantages: bool = True
+    """normalize advantages to mean 0, std 1 over the batch's response tokens (all ranks)"""
+    entropy_coef: float = 0.0
+    """entropy bonus in the actor loss (keeps a [B, T, vocab] graph: memory)"""
+    critic_warmup_steps: int = 0
+    """first steps train only the critic (the actor and its LR schedule wait)"""
+    overlong_filter: bool = False
+    """mask truncated responses out of the actor and critic losses"""
+    # --- reward
+    unformatted_credit: float = 0.5
+    """reward for a right final number that is not given as '#### N' (a right '#### N' earns 1.0)"""
+    format_weight: float = 0.0
+    """reward += format_weight when the response gives a '#### <number>' answer, right or wrong. Beware:
+    unconditional format reward is easy to hack (a small model learns to guess '#### 57')"""
+    # --- memory and systems
+    gradient_checkpointing: bool = False
+    """recompute activations in backward (less memory, ~30% more compute)"""
+    offload: bool = False
+    """move parameters and optimizer state to CPU while SGLang generates"""
+    attn_implementation: str = "sdpa"
+    """transformers attention for training ('flash_attention_2' if flash-attn is installed)"""
+    rollout_engine: Literal["auto", "sglang", "hf"] = "auto"
+    """'sglang' (GPU), 'hf' (plain transformers, CPU tests), 'auto': sglang when CUDA is available"""
+    rollout_tp: int = 1
+    """tensor parallel size of each SGLang engine; the first rank of each group of k owns it"""
+    sglang_mem_fraction: float = 0.6
+    """share of GPU memory for SGLang's weights + KV cache while it is awake"""
+    sglang_attention_backend: str = "triton"
+    """SGLang attention kernels ('fa3' or 'flashinfer' where installed are faster)"""
+    sglang_sampling_backend: str = "pytorch"
+    """SGLang sampling kernels ('flashinfer' where installed)"""
+    sglang_cuda_graph_max_bs: int | None = None
+    """largest decode batch captured as a CUDA graph (fewer graphs start faster); None: SGLang's default"""
+    sglang_disable_cuda_graph: bool = False
+    """no CUDA graphs: fastest start, slower decode"""
+    sync_bucket_mb: int = 512
+    """weight sync gathers and sends this many MB at a time"""
+    # --- evaluation, checkpoints, logging
+    eval_every: int = 20
+    """greedy evaluation every this many steps (0: never), and after the last step"""
+    eval_before_train: bool = False
+    """also evaluate before the first update"""
+    save_every: int = 100
+    """checkpoint every this many steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """newest checkpoints kept (0: all)"""
+    output_dir: str = "runs"
+    """runs are written to output_dir/run_name"""
+    run_name: str | None = None
+    """default: ppo-<model>-<dataset>-s<seed>"""
+    resume: bool = False
+    """continue from the latest checkpoint of this run"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "ppo"
+    """wandb project"""
+    log_samples_every: int = 10
+    """print a few sample completions every this many steps (0: never)"""
+
+
+# ----------------------------------------------------------------------------------------------
+# ALGO: the PPO pieces, pure functions of tensors (tests/test_ppo_math.py checks them by hand)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref) from samples of the policy. [B, T] -> [B, T]"""
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":  # unbiased and always >= 0; clamp the exponent so one outlier can't overflow
+        neg = (-log_ratio).clamp(-20, 20)
+        return torch.exp(neg) - 1 - neg
+    raise ValueError(f"KL estimator {estimator!r} is unknown; use k1, k2 or k3")
+
+
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """The episode's score lands on its last response token; every response token pays kl_coef * KL.
+    scores [B], kl and mask [B, T] -> rewards [B, T]."""
+    rewards = -kl_coef * kl * mask
+    last = (mask * torch.arange(mask.shape[1])).argmax(-1)  # position of each row's last response token
+    rewards[torch.arange(len(scores)), last] += scores * (mask.sum(-1) > 0)
+    return rewards
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    """Generalized advantage estimation over the response tokens of each row. [B, T] -> advantages, returns.
+
+    A reverse scan over positions; outside the response (prompt, padding) nothing changes, so each
+    row's last response token sees next value 0: the episode ends there.
+    """
+    advantages = torch.zeros_like(rewards)
+    last_gae = torch.zeros(rewards.shape[0])
+    next_value = torch.zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        m = mask[:, t] > 0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last_gae = torch.where(m, delta + gamma * lam * last_gae, last_gae)
+        next_value = torch.where(m, values[:, t], next_value)
+        advantages[:, t] = last_gae * m
+    return advantages, (advantages + values) * mask
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce=lambda t: t, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the entries where mask is 1; `reduce` sums over ranks. Zero elsewhere."""
+    n = float(reduce(mask.sum()))
+    mean = float(reduce((x * mask).sum())) / n
+    var = float(reduce(((x - mean) ** 2 * mask).sum())) / n
+    return (x - mean) / math.sqrt(var + eps) * mask
+
+
+def clipped_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: float):
+    """PPO-clip per token: max(-A r, -A clip(r, 1-clip_low, 1+clip_high)). Returns (loss, clipped), [B, T]."""
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def clipped_value_loss(values, old_values, returns, clip: float):
+    """0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = old V + clip(V - old V, +-clip). Returns (loss, clipped), [B, T]."""
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(unclipped_loss, clipped_loss), clipped_loss > unclipped_loss
+
+
+def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: int, n: int) -> float:
+    """Ziegler et al.: proportional control of the KL coefficient, error clipped to +-20%."""
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    return coef * (1 + error * n / horizon)
+
+
+def lr_lambda(args: Args, total_optimizer_steps: int):
+    def f(i: int) -> float:
+        if i < args.warmup_steps:
+            return (i + 1) / args.warmup_steps
+        if args.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (i - args.warmup_steps) / max(1, total_optimizer_steps - args.warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if args.lr_schedule == "cosine" else 1 - progress
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * decay
+    return f
+
+
+def check_args(args: Args, world_size: int):
+    """Bad input fails here, before anything is loaded or written."""
+    problems = []
+    if args.prompts_per_step % world_size:
+        problems.append(f"--prompts-per-step {args.prompts_per_step} must divide by the {world_size} ranks")
+    if args.samples_per_prompt < 1:
+        problems.append(f"--samples-per-prompt {args.samples_per_prompt} must be >= 1")
+    if args.kl_coef < 0 or args.temperature <= 0 or not 0 < args.top_p <= 1 or args.target_kl <= 0:
+        problems.append("--kl-coef must be >= 0, --target-kl > 0, --temperature > 0 and --top-p in (0, 1]")
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
+        problems.append(f"--gamma {args.gamma} and --lam {args.lam} must lie in [0, 1]")
+    per_rank = args.prompts_per_step // world_size * args.samples_per_prompt
+    if args.num_minibatches < 1 or per_rank % args.num_minibatches:
+        problems.append(f"--num-minibatches {args.num_minibatches} must divide the {per_rank} samples per rank")
+    if problems:
+        raise SystemExit("ppo.py: bad arguments:\n  " + "\n  ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main(args: Args):
+    t_launch = time.time()
+    rank, world_size, device = init_distributed()
+    check_args(args, world_size)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed)  # same init on every rank
+    run_name = args.run_name or f"ppo-{os.path.basename(args.model.rstrip('/'))}-{os.path.basename(args.dataset.rstrip('/'))}-s{args.seed}"
+    run_dir = os.path.join(args.output_dir, run_name)
+    resume_from = latest_checkpoint(run_dir) if args.resume else None
+    if not args.resume and latest_checkpoint(run_dir):
+        raise SystemExit(f"{run_dir} already holds checkpoints: pass --resume to continue it, or a new --run-name")
+    engine_kind = args.rollout_engine if args.rollout_engine != "auto" else ("sglang" if torch.cuda.is_available() else "hf")
+    startup = {}
+
+    # ---- rollout engine first: SGLang sizes its KV cache from the free memory it finds ----------
+    t0 = time.time()
+    group, owner = tp_group(args.rollout_tp)
+    engine = start_engine(engine_kind, args.model, args.seed, args.sglang_mem_fraction, args.rollout_tp,
+                          args.sglang_attention_backend, args.sglang_sampling_backend, args.sglang_cuda_graph_max_bs,
+                          args.sglang_disable_cuda_graph) if rank == owner else None
+    release(engine, ALL_TAGS)  # until the first weight sync
+    dist.barrier()  # no rank loads its model before every engine has measured free memory
+    startup["engine_s"] = time.time() - t0
+
+    # ---- models: actor and critic (fp32 masters, bf16 compute), the reference only if KL is on ----
+    t0 = time.time()
+    from transformers import AutoModelForTokenClassification, AutoTokenizer  # lazy: keeps `import ppo` fast
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    stop_ids = stop_token_ids(tokenizer, args.model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    policy = load_model(args.model, device, torch.float32, args.gradient_checkpointing, args.attn_implementation)
+    shard_model(policy, param_dtype=torch.bfloat16)
+    ref = None
+    if args.kl_coef > 0 or args.adaptive_kl:
+        ref = load_model(args.model, device, torch.bfloat16, attn_implementation=args.attn_implementation).eval()
+        shard_model(ref, param_dtype=None)
+    # The critic: the LM's body with a one-output token-classification head, value per position.
+    critic = load_model(args.critic_model or args.model, device, torch.float32, args.gradient_checkpointing,
+                        args.attn_implementation, AutoModelForTokenClassification, num_labels=1)
+    for p in critic.score.parameters():  # ALGO: values start at 0 rather than at noise
+        torch.nn.init.zeros_(p)
+    shard_model(critic, param_dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
+    total_optimizer_steps = args.steps * args.epochs * args.num_minibatches
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, total_optimizer_steps))
+    critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_lambda(args, total_optimizer_steps))
+    train_models = [m for m in (policy, ref, critic) if m is not None]  # all leave the GPU while SGLang works
+    optimizers = [optimizer, critic_optimizer]
+    kl_coef = args.kl_coef
+    startup["model_s"] = time.time() - t0
+
+    # ---- data ----------------------------------------------------------------------------------
+    train_examples, eval_examples = load_task(args.dataset, args.eval_dataset, args.seed)
+    answer_fn = int_match_reward if args.dataset == "addition" else gsm8k_reward  # (completion, answer, mode) -> 0/1
+    prompts, train_examples, dropped = tokenize_prompts(tokenizer, train_examples, args.max_prompt_len)
+    eval_prompts, eval_examples, _ = tokenize_prompts(tokenizer, eval_examples[:args.num_eval_prompts], args.max_prompt_len)
+    sampler = PromptSampler(len(prompts), args.seed)
+    print0(f"data: {len(prompts)} train prompts ({dropped} dropped as longer than {args.max_prompt_len} tokens), "
+           f"{len(eval_prompts)} eval prompts | {world_size} ranks, engine {engine_kind}")
+
+    # ALGO: the reward. Any (completion, answer) -> float can go here. Credit for the format only
+    # comes with a right answer, so the policy can't score by emitting '#### <guess>'.
+    def reward_fn(completion: str, answer: str) -> float:
+        if answer_fn(completion, answer, "strict"):
+            correct = 1.0
+        else:
+            correct = args.unformatted_credit * answer_fn(completion, answer, "flexible")
+        return correct + args.format_weight * format_reward(completion)
+
+    # ---- resume ----------------------------------------------------------------------------------
+    start_step = 0
+    stateful = {"policy": (policy, optimizer), "critic": (critic, critic_optimizer)}
+    if resume_from:
+        state = load_checkpoint(resume_from, stateful)
+        sampler.load_state_dict(state["sampler"])
+        scheduler.load_state_dict(state["scheduler"])
+        critic_scheduler.load_state_dict(state["critic_scheduler"])
+        start_step, kl_coef = state["step"], state["kl_coef"]
+        print0(f"resumed from {resume_from}: step {start_step}, data epoch {sampler.epoch} index {sampler.index}")
+    log = RunLog(run_dir, asdict(args), start_step, args.track, args.wandb_project, run_name, run_info(world_size, engine_kind))
+    mem = MemoryLog()
+
+    def progress(items, desc: str):
+        """A progress bar over micro-batches on rank 0, when a person is watching (stderr is a TTY)."""
+        return tqdm(items, desc=desc, leave=False, disable=rank != 0 or not sys.stderr.isatty())
+
+    def evaluate_now(step: int):
+        log.log({"step": step, **evaluate(engine, eval_prompts, [e.answer for e in eval_examples], answer_fn,
+                                          args.max_new_tokens, stop_ids, tokenizer, step, group, owner)})
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    for step in range(start_step + 1, args.steps + 1):
+        t_step = time.time()
+        mem.reset()
+        metrics = {"step": step}
+
+        # -- 1. wake SGLang up with the actor's weights (memory.py: the first half of the diagram)
+        wake_up(engine, policy, train_models, optimizers, args.offload, mem, args.sync_bucket_mb << 20)
+        if args.eval_every and (step - 1) % args.eval_every == 0 and (step > 1 or args.eval_before_train):
+            with mem.phase("eval"):
+                evaluate_now(step - 1)  # after step-1 updates
+
+        # -- 2. rollout: samples_per_prompt episodes per prompt, scored
+        with mem.phase("generate"):
+            idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)
+            n = args.samples_per_prompt
+            rng = random.Random(f"{args.seed}-{step}-{rank}")
+            samples = generate(engine, [prompts[i] for i in idx for _ in range(n)],
+                               [train_examples[i].answer for i in idx for _ in range(n)],
+                               [rng.getrandbits(31) for _ in range(len(idx) * n)],
+                               args.max_new_tokens, args.temperature, args.top_p, stop_ids, tokenizer, group, owner)
+            for s in samples:
+                s.reward, s.reward_error = score(reward_fn, s.text, s.answer)
+
+        # -- 3. SGLang sleeps, training state comes back
+        sleep(engine, train_models, optimizers, args.offload, device, mem)
+        metrics.update(rollout_stats(samples, answer_fn, mem.seconds["generate"]))
+
+        # -- 4. the batch: old log-probs, reference log-probs and values, all from the training side
+        batch = collate(samples, pad_id)
+        batch.loss_mask = batch.response_mask.clone()
+        if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
+            batch.loss_mask[torch.tensor([s.truncated for s in samples])] = 0.0
+        with mem.phase("logprob"):
+            batch.old_logprobs = batch_logprobs(policy, batch, args.micro_batch_size, args.temperature, device,
+                                                lambda x: progress(x, "log-probs"))
+            if ref is not None:
+                batch.ref_logprobs = batch_logprobs(ref, batch, args.micro_batch_size, args.temperature, device)
+            batch.values = batch_values(critic, batch, args.micro_batch_size, device)
+        metrics["rollout/logprob_abs_diff"] = logprob_gap(samples, batch)  # sampler vs trainer: sync check
+
+        # -- 5. rewards per token (score on the last token, KL penalty on each), GAE, whitening
+        mask = batch.response_mask
+        kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, args.kl_estimator) * mask if ref is not None else torch.zeros_like(mask)
+        scores = torch.tensor([s.reward for s in samples])                                  # [B]
+        rewards = token_rewards(scores, kl, mask, kl_coef)                                   # [B, T-1]
+        advantages, batch.returns = gae(rewards, batch.values, mask, args.gamma, args.lam)  # [B, T-1] each
+        if args.whiten_advantages:
+            advantages = masked_whiten(advantages, batch.loss_mask, all_reduce)
+        batch.advantages = advantages
+        lm = batch.loss_mask
+        residual = (batch.returns - batch.values) * lm
+        red = all_reduce(torch.stack([lm.sum(), (batch.returns * lm).sum(), (batch.returns ** 2 * lm).sum(),
+                                      residual.sum(), (residual ** 2).sum(), (batch.values * lm).sum(),
+                                      kl.sum(), torch.tensor(float(len(samples)))]))
+        n_tok = red[0].clamp(min=1)
+        var_returns = red[2] / n_tok - (red[1] / n_tok) ** 2
+        var_residual = red[4] / n_tok - (red[3] / n_tok) ** 2
+        kl_per_response = float(red[6] / red[7])
+        metrics.update({"critic/returns_mean": red[1] / n_tok, "critic/values_mean": red[5] / n_tok,
+                        "critic/explained_var": 1 - var_residual / var_returns.clamp(min=1e-8),
+                        "train/kl_per_response": kl_per_response, "train/kl_coef": kl_coef})
+
+        # -- 6. update: epochs x mini-batches; the critic every step, the actor after the warm-up
+        update_actor = step > args.critic_warmup_steps
+        policy.train()
+        critic.train()
+        sums = dict.fromkeys(["loss", "clip_frac", "entropy", "approx_kl", "value_loss", "value_clip_frac", "tokens"], 0.0)
+        grad_norms, critic_grad_norms = [], []
+        with mem.phase("update"):
+            for epoch in range(args.epochs):
+                order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(args.seed * 1000 + step * 10 + epoch))
+                for mini in order.chunk(args.num_minibatches):
+                    # global count: every rank normalizes by the mini-batch's tokens on all ranks (token-mean)
+                    num_tokens = max(float(all_reduce(batch.loss_mask[mini].sum())), 1.0)
+                    for idx in progress(mini.split(args.micro_batch_size), f"update {epoch + 1}/{args.epochs}"):
+                        mb = batch.select(idx).to(device)
+                        m = mb.loss_mask
+                        values = token_values(critic, mb.input_ids, mb.attention_mask)
+                        value_loss, value_clipped = clipped_value_loss(values, mb.values, mb.returns, args.value_clip)
+                        value_loss = (value_loss * m).sum() / num_tokens
+                        # FSDP averages gradients over ranks; the loss is already a global mean: undo the average
+                        (value_loss * world_size).backward()
+                        sums["value_loss"] += float(value_loss.detach())
+                        sums["value_clip_frac"] += float((value_clipped.float() * m).sum())
+                        sums["tokens"] += float(m.sum())
+                        if not update_actor:
+                            continue
+                        logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature,
+                                                       with_entropy=True, entropy_grad=args.entropy_coef > 0)
+                        token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, args.clip_low, args.clip_high)
+                        loss = ((token_loss - args.entropy_coef * entropy) * m).sum() / num_tokens
+                        (loss * world_size).backward()
+                        sums["loss"] += float(loss.detach())
+                        sums["clip_frac"] += float((clipped.float() * m).sum())
+                        sums["entropy"] += float((entropy.detach() * m).sum())
+                        sums["approx_kl"] += float((kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum())
+                    for model, opt, sched, norms in ((critic, critic_optimizer, critic_scheduler, critic_grad_norms),
+                                                     (policy, optimizer, scheduler, grad_norms)):
+                        if model is policy and not update_actor:
+                            continue
+                        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+                        opt.step()
+                        sched.step()
+                        opt.zero_grad(set_to_none=True)
+        if args.adaptive_kl:  # ALGO: steer the KL coefficient toward the target for the next step
+            kl_coef = adaptive_kl_coef(kl_coef, kl_per_response, args.target_kl, args.kl_horizon, int(red[7]))
+
+        # train metrics
+        red = all_reduce(torch.tensor([sums[k] for k in ("loss", "clip_frac", "entropy", "approx_kl", "value_loss",
+                                                        "value_clip_frac", "tokens")]))
+        n_opt, tokens = args.epochs * args.num_minibatches, red[6].clamp(min=1)
+        metrics.update({
+            "critic/value_loss": red[4] / n_opt, "critic/value_clip_frac": red[5] / tokens,
+            "critic/grad_norm": sum(critic_grad_norms) / len(critic_grad_norms), "critic/lr": critic_scheduler.get_last_lr()[0],
+            "perf/tokens_per_s": all_reduce(batch.attention_mask.sum()) / (time.time() - t_step),
+        })
+        if update_actor:
+            metrics.update({"train/loss": red[0] / n_opt, "train/clip_frac": red[1] / tokens, "train/entropy": red[2] / tokens,
+                            "train/approx_kl": red[3] / tokens, "train/grad_norm": sum(grad_norms) / len(grad_norms),
+                            "train/lr": scheduler.get_last_lr()[0]})
+        else:
+            metrics["train/critic_warmup"] = 1.0
+
+        # -- 7. metrics, log, checkpoint
+        metrics["perf/step_s"] = time.time() - t_step
+        metrics.update(mem.metrics())  # time/<phase> and memory/<phase>_*_gib
+        metrics = {k: float(v) for k, v in metrics.items()}
+        if step == start_step + 1:
+            metrics["time/startup_to_first_step_s"] = time.time() - t_launch
+            metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
+        print0(log_line(step, metrics, [
+            ("reward", "rollout/reward_mean", ".3f"), ("acc", "rollout/strict_acc", ".3f"),
+            ("format", "rollout/format_rate", ".2f"), ("len", "rollout/response_len_mean", ".0f"),
+            ("trunc", "rollout/truncated_frac", ".2f"), ("kl", "train/kl_per_response", ".4f"), ("clip", "train/clip_frac", ".3f"),
+            ("ent", "train/entropy", ".3f"), ("vloss", "critic/value_loss", ".4f"), ("ev", "critic/explained_var", ".3f"),
+            ("gnorm", "train/grad_norm", ".3f"),
+            ("rollout s", "time/generate", ".1f"), ("sync s", "time/sync_weights", ".2f"),
+            ("logp s", "time/logprob", ".1f"), ("update s", "time/update", ".1f"), ("step s", "perf/step_s", ".1f"),
+            ("tok/s", "perf/rollout_tokens_per_s", ".0f")]))
+        if args.log_samples_every and step % args.log_samples_every == 0:
+            for s in samples[:2]:
+                print0(f"  sample (reward {s.reward:.2f}, answer {s.answer}): {s.text[:300]!r}")
+        log.log(metrics)
+        if (args.save_every and step % args.save_every == 0) or step == args.steps:
+            t0 = time.time()
+            path = save_checkpoint(run_dir, step, stateful, {"model": policy, "critic": critic}, tokenizer,
+                                   {"step": step, "sampler": sampler.state_dict(), "scheduler": scheduler.state_dict(),
+                                    "critic_scheduler": critic_scheduler.state_dict(), "kl_coef": kl_coef,
+                                    "args": asdict(args)}, args.keep_checkpoints)
+            print0(f"saved {path} ({time.time() - t0:.1f}s)")
+
+    # ---- final evaluation and cleanup --------------------------------------------------------------
+    if args.eval_every and start_step < args.steps:
+        wake_up(engine, policy, train_models, optimizers, args.offload, mem, args.sync_bucket_mb << 20)
+        evaluate_now(args.steps)
+    mem.close()
+    if engine is not None:
+        engine.shutdown()
+    log.finish()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard
+    main(tyro.cli(Args))
