@@ -10,6 +10,7 @@ and rank-0 logging.
 
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -164,6 +165,20 @@ def _batch_forward(fn, batch, micro_batch_size, device, progress):
         mb = batch.select(idx).to(device)
         out[idx, :mb.input_ids.shape[1] - 1] = fn(mb).cpu()
     return out
+
+
+def lr_lambda(warmup_steps: int, schedule: str, min_lr_ratio: float, total_steps: int):
+    """LambdaLR factor: linear warm-up from 0, then constant, cosine or linear decay that reaches
+    min_lr_ratio at total_steps."""
+    def f(i: int) -> float:
+        if i < warmup_steps:
+            return (i + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (i - warmup_steps) / max(1, total_steps - warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+        return min_lr_ratio + (1 - min_lr_ratio) * decay
+    return f
 
 
 # ----------------------------------------------------------------------------------------------

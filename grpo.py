@@ -15,7 +15,6 @@ What it simplifies: every rank loads the full checkpoint on CPU before sharding;
 right-padded per micro-batch (no packing); one Adam for the whole model.
 """
 
-import math
 import os
 import random
 import sys
@@ -31,8 +30,8 @@ from tqdm import tqdm
 
 from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from data import PromptSampler, collate, load_task, shard, tokenize_prompts
-from fsdp import (RunLog, all_reduce, batch_logprobs, init_distributed, load_model, log_line, print0, run_info,
-                  shard_model, token_logprobs)
+from fsdp import (RunLog, all_reduce, batch_logprobs, init_distributed, load_model, log_line, lr_lambda, print0,
+                  run_info, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from reward import format_reward, gsm8k_reward, int_match_reward, score
 from rollout import evaluate, generate, logprob_gap, rollout_stats, start_engine, stop_token_ids, tp_group
@@ -208,18 +207,6 @@ def aggregate(values, mask, mode: str, num_seqs: float, num_tokens: float, max_l
     raise ValueError(f"--loss-agg {mode!r} is unknown")
 
 
-def lr_lambda(args: Args, total_optimizer_steps: int):
-    def f(i: int) -> float:
-        if i < args.warmup_steps:
-            return (i + 1) / args.warmup_steps
-        if args.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (i - args.warmup_steps) / max(1, total_optimizer_steps - args.warmup_steps))
-        decay = 0.5 * (1 + math.cos(math.pi * progress)) if args.lr_schedule == "cosine" else 1 - progress
-        return args.min_lr_ratio + (1 - args.min_lr_ratio) * decay
-    return f
-
-
 def check_args(args: Args, world_size: int):
     """Bad input fails here, before anything is loaded or written."""
     problems = []
@@ -279,7 +266,7 @@ def main(args: Args):
         shard_model(ref, param_dtype=None)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
     total_optimizer_steps = args.steps * args.epochs * args.num_minibatches
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, total_optimizer_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
     train_models = [m for m in (policy, ref) if m is not None]
     startup["model_s"] = time.time() - t0
 

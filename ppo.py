@@ -32,8 +32,8 @@ from tqdm import tqdm
 
 from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from data import PromptSampler, collate, load_task, shard, tokenize_prompts
-from fsdp import (RunLog, all_reduce, batch_logprobs, batch_values, init_distributed, load_model, log_line, print0,
-                  run_info, shard_model, token_logprobs, token_values)
+from fsdp import (RunLog, all_reduce, batch_logprobs, batch_values, init_distributed, load_model, log_line, lr_lambda,
+                  print0, run_info, shard_model, token_logprobs, token_values)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from reward import format_reward, gsm8k_reward, int_match_reward, score
 from rollout import evaluate, generate, logprob_gap, rollout_stats, start_engine, stop_token_ids, tp_group
@@ -244,18 +244,6 @@ def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: int, n: int
     return coef * (1 + error * n / horizon)
 
 
-def lr_lambda(args: Args, total_optimizer_steps: int):
-    def f(i: int) -> float:
-        if i < args.warmup_steps:
-            return (i + 1) / args.warmup_steps
-        if args.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (i - args.warmup_steps) / max(1, total_optimizer_steps - args.warmup_steps))
-        decay = 0.5 * (1 + math.cos(math.pi * progress)) if args.lr_schedule == "cosine" else 1 - progress
-        return args.min_lr_ratio + (1 - args.min_lr_ratio) * decay
-    return f
-
-
 def check_args(args: Args, world_size: int):
     """Bad input fails here, before anything is loaded or written."""
     problems = []
@@ -324,8 +312,8 @@ def main(args: Args):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
     total_optimizer_steps = args.steps * args.epochs * args.num_minibatches
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, total_optimizer_steps))
-    critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_lambda(args, total_optimizer_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
+    critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
     train_models = [m for m in (policy, ref, critic) if m is not None]  # all leave the GPU while SGLang works
     optimizers = [optimizer, critic_optimizer]
     kl_coef = args.kl_coef

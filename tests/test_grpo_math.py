@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from grpo import Args, aggregate, check_args, clipped_policy_loss, group_advantages, kl_penalty, lr_lambda
+from fsdp import lr_lambda
+from grpo import Args, aggregate, check_args, clipped_policy_loss, group_advantages, kl_penalty
 
 # ----------------------------------------------------------------------------------------------
 # group_advantages
@@ -236,7 +237,7 @@ def test_aggregate_unknown_mode_raises():
 
 def test_lr_warmup_then_constant():
     """Linear warm-up (i + 1) / warmup_steps, then 1.0 forever."""
-    f = lr_lambda(Args(warmup_steps=4, lr_schedule="constant"), total_optimizer_steps=10)
+    f = lr_lambda(4, "constant", 0.0, 10)
     # (0+1)/4, (1+1)/4, (2+1)/4, (3+1)/4, then 1
     assert [f(i) for i in range(7)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0]
     assert f(1000) == 1.0
@@ -244,7 +245,7 @@ def test_lr_warmup_then_constant():
 
 def test_lr_cosine_decays_to_min_lr_ratio():
     """Cosine from 1 after warm-up down to min_lr_ratio at total_optimizer_steps, and flat beyond."""
-    f = lr_lambda(Args(warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1), total_optimizer_steps=12)
+    f = lr_lambda(2, "cosine", 0.1, 12)
     assert f(0) == pytest.approx(0.5)   # warm-up: 1/2
     assert f(2) == pytest.approx(1.0)   # progress 0: 0.1 + 0.9 * 0.5 * (1 + cos 0) = 1
     assert f(7) == pytest.approx(0.55)  # progress (7-2)/(12-2) = 0.5: 0.1 + 0.9 * 0.5 * (1 + cos pi/2) = 0.55
@@ -256,7 +257,7 @@ def test_lr_cosine_decays_to_min_lr_ratio():
 
 def test_lr_linear_halfway():
     """Linear decay: halfway between 1 and min_lr_ratio at the midpoint."""
-    f = lr_lambda(Args(warmup_steps=0, lr_schedule="linear", min_lr_ratio=0.2), total_optimizer_steps=10)
+    f = lr_lambda(0, "linear", 0.2, 10)
     assert f(0) == pytest.approx(1.0)
     assert f(5) == pytest.approx(0.6)   # 0.2 + 0.8 * (1 - 5/10) = 0.6
     assert f(10) == pytest.approx(0.2)  # 0.2 + 0.8 * 0 = 0.2
