@@ -128,6 +128,56 @@ def test_sync_sends_every_parameter_full_and_bf16(policy, tiny_model_dir):
         assert torch.equal(tensor, sharded[name].detach().full_tensor().to(torch.bfloat16))
 
 
+def test_offload_moves_every_model_and_optimizer_while_generating():
+    """With offload, every training-side model (policy, reference, critic) and every optimizer leaves
+    the device before the KV cache is resumed, and comes back after the release."""
+    events = []
+
+    class Model:  # records .to(); stands in for an FSDP2 module
+        def __init__(self, name):
+            self.name = name
+
+        def to(self, device):
+            events.append((self.name, str(device)))
+
+    class Optimizer:
+        def __init__(self, name):
+            self.name = name
+
+        def zero_grad(self, set_to_none=True):
+            pass
+
+    class Engine(FakeEngine):
+        def resume_memory_occupation(self, tags=None):
+            events.append(("engine", "resume " + "+".join(tags)))
+
+        def release_memory_occupation(self, tags=None):
+            events.append(("engine", "release"))
+
+    engine, policy = Engine(), Model("policy")
+    models = [policy, Model("ref"), Model("critic")]
+    optimizers = [Optimizer("actor_adam"), Optimizer("critic_adam")]
+    release(engine, ALL_TAGS)
+    events.clear()
+    import memory  # record what sync_weights and move_optimizer (tested on their own) are asked to do
+
+    real = memory.sync_weights, memory.move_optimizer
+    memory.sync_weights = lambda model, engine, bucket_bytes: events.append(("sync", ""))
+    memory.move_optimizer = lambda opt, device: events.append((opt.name, str(device)))
+    try:
+        wake_up(engine, policy, models, optimizers, offload=True, log=MemoryLog())
+        sleep(engine, models, optimizers, offload=True, device="cuda:0", log=MemoryLog())
+    finally:
+        memory.sync_weights, memory.move_optimizer = real
+    kv = events.index(("engine", "resume kv_cache+cuda_graph"))
+    off = {name for name, dev in events[:kv] if dev == "cpu"}
+    assert off == {"policy", "ref", "critic", "actor_adam", "critic_adam"}
+    assert events.index(("actor_adam", "cpu")) < events.index(("engine", "resume weights"))  # before SGLang's weights
+    assert events.index(("sync", "")) < events.index(("policy", "cpu"))  # the sync reads the params first
+    back = {name for name, dev in events[events.index(("engine", "release")):] if dev == "cuda:0"}
+    assert back == {"policy", "ref", "critic", "actor_adam", "critic_adam"}
+
+
 # ----------------------------------------------------------------------------------------------
 # move_optimizer
 
