@@ -217,6 +217,20 @@ class RunLog:
             if self.wandb is not None:
                 self.wandb.log(row, step=int(row["step"]))
 
+    def samples(self, step: int, samples, n: int = 4):
+        """A few completions as text: printed, appended to samples.jsonl, and a wandb table."""
+        rows = [{"step": step, "reward": s.reward, "answer": s.answer, "completion": s.text} for s in samples[:n]]
+        for r in rows[:2]:
+            print0(f"  sample (reward {r['reward']:.2f}, answer {r['answer']}): {r['completion'][:300]!r}")
+        if self.rank0:
+            with open(self.path.replace("metrics.jsonl", "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+            if self.wandb is not None:
+                import wandb
+
+                table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
+                self.wandb.log({"samples": table}, step=step)
+
     def finish(self):
         if self.wandb is not None:
             self.wandb.finish()

@@ -168,7 +168,7 @@ class Args:
     wandb_project: str = "ppo"
     """wandb project"""
     log_samples_every: int = 10
-    """print a few sample completions every this many steps (0: never)"""
+    """print a few sample completions (and append them to samples.jsonl) every this many steps (0: never)"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -499,10 +499,9 @@ def main(args: Args):
             ("rollout s", "time/generate", ".1f"), ("sync s", "time/sync_weights", ".2f"),
             ("logp s", "time/logprob", ".1f"), ("update s", "time/update", ".1f"), ("step s", "perf/step_s", ".1f"),
             ("tok/s", "perf/rollout_tokens_per_s", ".0f")]))
-        if args.log_samples_every and step % args.log_samples_every == 0:
-            for s in samples[:2]:
-                print0(f"  sample (reward {s.reward:.2f}, answer {s.answer}): {s.text[:300]!r}")
         log.log(metrics)
+        if args.log_samples_every and step % args.log_samples_every == 0:
+            log.samples(step, samples)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             t0 = time.time()
             path = save_checkpoint(run_dir, step, stateful, {"model": policy, "critic": critic}, tokenizer,

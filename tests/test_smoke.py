@@ -44,6 +44,8 @@ def test_grpo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
     assert any(r["train/grad_norm"] > 0 for r in train)  # a real update happened
     assert all(r["rollout/logprob_abs_diff"] < 0.05 for r in train)  # the engine got the trained weights
     assert "step 3 |" in proc.stdout and "sample (reward" in proc.stdout
+    samples = [json.loads(line) for line in open(tmp_path / "r" / "samples.jsonl")]
+    assert [s["step"] for s in samples] == [1] * 4 + [2] * 4 + [3] * 4 and all("completion" in s for s in samples)
     # the final checkpoint's model folder loads with transformers, as bf16, under its real class name
     from transformers import AutoModelForCausalLM
 
@@ -167,3 +169,17 @@ def test_ppo_resume_continues_exactly(trained_tiny_model_dir, tmp_path):
     a = {k: v for k, v in metrics(straight)[0][2].items() if k.startswith(keep)}
     b = {k: v for k, v in metrics(stopped)[0][2].items() if k.startswith(keep)}
     assert a == pytest.approx(b, rel=1e-6, abs=1e-9)
+
+
+def test_evaluate_script_on_a_checkpoint(trained_tiny_model_dir, tmp_path):
+    """evaluate.py scores a model folder greedily and writes the summary and every completion."""
+    out = tmp_path / "eval.json"
+    proc = subprocess.run([sys.executable, "evaluate.py", "--model", trained_tiny_model_dir, "--num-prompts", "8",
+                           "--max-new-tokens", "24", "--engine", "hf", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["prompts"] == 8 and 0 <= summary["strict_acc"] <= summary["flexible_acc"] <= 1
+    assert summary["format_rate"] > 0.5  # the SFT'd tiny model answers in the '#### N' format
+    completions = [json.loads(line) for line in open(tmp_path / "eval.samples.jsonl")]
+    assert len(completions) == 8 and all("####" in c["completion"] for c in completions[:1])
