@@ -55,7 +55,7 @@ class Args:
     # --- sampling
     prompts_per_step: int = 32
     """prompts per step over all ranks (must divide by the number of ranks)"""
-    group_size: int = 8
+    group_size: int = 16
     """completions per prompt; advantages are normalized within each group"""
     temperature: float = 1.0
     """sampling temperature (log-probs are computed at the same temperature)"""
@@ -108,7 +108,7 @@ class Args:
     overlong_filter: bool = False
     """mask truncated responses out of the loss (DAPO)"""
     # --- reward
-    unformatted_credit: float = 0.5
+    unformatted_credit: float = 0.25
     """reward for a right final number that is not given as '#### N' (a right '#### N' earns 1.0)"""
     format_weight: float = 0.0
     """reward += format_weight when the response gives a '#### <number>' answer, right or wrong. Beware:

@@ -120,7 +120,7 @@ class Args:
     overlong_filter: bool = False
     """mask truncated responses out of the actor and critic losses"""
     # --- reward
-    unformatted_credit: float = 0.5
+    unformatted_credit: float = 0.25
     """reward for a right final number that is not given as '#### N' (a right '#### N' earns 1.0)"""
     format_weight: float = 0.0
     """reward += format_weight when the response gives a '#### <number>' answer, right or wrong. Beware:
