@@ -15,8 +15,8 @@ import torch
 import tyro
 
 from data import addition_task, load_examples, tokenize_prompts
-from reward import format_reward, gsm8k_reward, int_match_reward
-from rollout import HFEngine, generate, start_sglang, stop_token_ids
+from reward import gsm8k_reward, int_match_reward
+from rollout import HFEngine, generate, judge, start_sglang, stop_token_ids
 
 
 @dataclass
@@ -62,11 +62,10 @@ def main(args: Args):
     samples = generate(engine, prompts, [e.answer for e in kept], [args.seed] * len(prompts), args.max_new_tokens,
                        0.0, 1.0, stop_ids, tokenizer)
     n = len(samples)
+    strict, flexible, formatted = judge(samples, answer_fn)
     summary = {
         "model": args.model, "dataset": args.dataset, "split": args.split, "prompts": n, "dropped": dropped,
-        "strict_acc": sum(answer_fn(s.text, s.answer, "strict") for s in samples) / n,
-        "flexible_acc": sum(answer_fn(s.text, s.answer, "flexible") for s in samples) / n,
-        "format_rate": sum(format_reward(s.text) for s in samples) / n,
+        "strict_acc": strict / n, "flexible_acc": flexible / n, "format_rate": formatted / n,
         "truncated_frac": sum(s.truncated for s in samples) / n,
         "response_len_mean": sum(len(s.response_ids) for s in samples) / n,
         "engine": kind, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

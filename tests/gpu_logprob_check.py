@@ -22,7 +22,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])  # the repo root, for the m
 from data import addition_task, collate, tokenize_prompts  # noqa: E402
 from fsdp import init_distributed, load_model, shard_model, token_logprobs  # noqa: E402
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up  # noqa: E402
-from rollout import HFEngine, generate, start_sglang, stop_token_ids  # noqa: E402
+from rollout import HFEngine, generate, logprob_gap, start_sglang, stop_token_ids  # noqa: E402
 
 
 @dataclass
@@ -51,12 +51,8 @@ def mean_abs_diff(engine, policy, prompts, answers, stop_ids, args, seed) -> flo
     batch = collate(samples, pad_id=stop_ids[0])
     with torch.no_grad():
         logp, _ = token_logprobs(policy, batch.input_ids.to(DEVICE), batch.attention_mask.to(DEVICE), 1.0)
-    sglang_logp = torch.zeros_like(batch.response_mask)
-    for i, s in enumerate(samples):
-        p = len(s.prompt_ids)
-        sglang_logp[i, p - 1:p - 1 + len(s.response_ids)] = torch.tensor(s.rollout_logprobs)
-    mask = batch.response_mask
-    return float(((logp.cpu() - sglang_logp).abs() * mask).sum() / mask.sum())
+    batch.old_logprobs = logp.cpu()
+    return logprob_gap(samples, batch)
 
 
 def main(args: Args):
