@@ -146,6 +146,8 @@ class Args:
     """largest decode batch captured as a CUDA graph (fewer graphs start faster); None: SGLang's default"""
     sglang_disable_cuda_graph: bool = False
     """no CUDA graphs: fastest start, slower decode"""
+    sglang_prefill_cuda_graph: bool = False
+    """also capture prefill graphs (SGLang's default; torch.compile adds ~90 s to start-up)"""
     sync_bucket_mb: int = 512
     """weight sync gathers and sends this many MB at a time"""
     # --- evaluation, checkpoints, logging
@@ -154,7 +156,7 @@ class Args:
     eval_before_train: bool = False
     """also evaluate before the first update"""
     save_every: int = 100
-    """checkpoint every this many steps (0: only at the end)"""
+    """checkpoint every this many steps (0: only at the end; -1: never, for benchmarks)"""
     keep_checkpoints: int = 2
     """newest checkpoints kept (0: all)"""
     output_dir: str = "runs"
@@ -285,7 +287,7 @@ def main(args: Args):
     group, owner = tp_group(args.rollout_tp)
     engine = start_engine(engine_kind, args.model, args.seed, args.sglang_mem_fraction, args.rollout_tp,
                           args.sglang_attention_backend, args.sglang_sampling_backend, args.sglang_cuda_graph_max_bs,
-                          args.sglang_disable_cuda_graph) if rank == owner else None
+                          args.sglang_disable_cuda_graph, args.sglang_prefill_cuda_graph) if rank == owner else None
     release(engine, ALL_TAGS)  # until the first weight sync
     dist.barrier()  # no rank loads its model before every engine has measured free memory
     startup["engine_s"] = time.time() - t0
@@ -502,7 +504,7 @@ def main(args: Args):
         log.log(metrics)
         if args.log_samples_every and step % args.log_samples_every == 0:
             log.samples(step, samples)
-        if (args.save_every and step % args.save_every == 0) or step == args.steps:
+        if args.save_every >= 0 and ((args.save_every and step % args.save_every == 0) or step == args.steps):
             t0 = time.time()
             path = save_checkpoint(run_dir, step, stateful, {"model": policy, "critic": critic}, tokenizer,
                                    {"step": step, "sampler": sampler.state_dict(), "scheduler": scheduler.state_dict(),

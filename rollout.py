@@ -27,7 +27,7 @@ from reward import format_reward, score
 def start_sglang(model_path: str, gpu_id: int, mem_fraction: float, tp_size: int = 1, seed: int = 0,
                  attention_backend: str | None = "triton", sampling_backend: str | None = "pytorch",
                  cuda_graph_max_bs: int | None = None, disable_cuda_graph: bool = False,
-                 log_level: str = "error", load_format: str = "dummy"):
+                 prefill_cuda_graph: bool = False, log_level: str = "error", load_format: str = "dummy"):
     """Start an SGLang Engine in this process (its scheduler runs in child processes on GPUs
     gpu_id .. gpu_id+tp_size-1). Release its memory (memory.release) until the first weight sync.
 
@@ -38,6 +38,10 @@ def start_sglang(model_path: str, gpu_id: int, mem_fraction: float, tp_size: int
     load_format="dummy": SGLang skips reading the checkpoint. Its weights are random until the
     first `sync_weights`, which happens before every generation anyway, so start-up saves the
     read, and a parameter that sync forgot shows up as garbage rather than as stale weights.
+
+    prefill_cuda_graph=False: SGLang's default captures prefill as piecewise CUDA graphs through
+    torch.compile, which took ~90 s of a 150 s start on an H100 (bench/results/startup_smollm2.json).
+    RL prefill is one big batch of prompts per step, where graphs buy little. Decode graphs stay on.
     """
     import sglang  # lazy: SGLang needs CUDA; CPU runs and tests never import it
 
@@ -46,6 +50,7 @@ def start_sglang(model_path: str, gpu_id: int, mem_fraction: float, tp_size: int
         enable_memory_saver=True, mem_fraction_static=mem_fraction, base_gpu_id=gpu_id, tp_size=tp_size,
         random_seed=seed, attention_backend=attention_backend, sampling_backend=sampling_backend,
         cuda_graph_max_bs_decode=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph, log_level=log_level,
+        cuda_graph_backend_prefill=None if prefill_cuda_graph else "disabled",
     )
 
 
@@ -115,12 +120,13 @@ class HFEngine:
 
 def start_engine(kind: str, model_path: str, seed: int, mem_fraction: float = 0.6, tp_size: int = 1,
                  attention_backend: str | None = "triton", sampling_backend: str | None = "pytorch",
-                 cuda_graph_max_bs: int | None = None, disable_cuda_graph: bool = False):
+                 cuda_graph_max_bs: int | None = None, disable_cuda_graph: bool = False, prefill_cuda_graph: bool = False):
     """'sglang' (on this rank's GPU) or 'hf' (CPU stand-in)."""
     if kind == "sglang":
         return start_sglang(model_path, gpu_id=torch.cuda.current_device(), mem_fraction=mem_fraction, tp_size=tp_size,
                             seed=seed, attention_backend=attention_backend, sampling_backend=sampling_backend,
-                            cuda_graph_max_bs=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph)
+                            cuda_graph_max_bs=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph,
+                            prefill_cuda_graph=prefill_cuda_graph)
     return HFEngine(model_path, seed=seed)
 
 

@@ -2,6 +2,8 @@
 
     python bench/report.py arith  runs/<run> --out bench/results/grpo_arith_smollm2.json --png bench/results/grpo_arith_smollm2.png
     python bench/report.py memory runs/<run> --out bench/results/grpo_memory_1p5b.json
+    python bench/report.py arith runs/<ppo run> --out ... --compare bench/results/raw/grpo_arith_smollm2.metrics.jsonl \
+        --compare-png bench/results/ppo_vs_grpo_arith_smollm2.png
 """
 import json
 import os
@@ -26,13 +28,43 @@ class Args:
     """the command as launched (default: run_info.json's argv)"""
     note: str | None = None
     """a sentence for the reader (e.g. why a run stopped early)"""
+    compare: str | None = None
+    """another run's metrics.jsonl to draw beside this one (arith): held-out accuracy by updates and by seconds"""
+    compare_png: str | None = None
+    """where to draw that comparison"""
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def memory_summary(train):
+    """Peak GiB (whole device, and the trainer's own) and mean seconds of every memory phase."""
+    suffix = "_device_peak_gib"
+    phases = sorted({k[len("memory/"):-len(suffix)] for r in train for k in r if k.startswith("memory/") and k.endswith(suffix)})
+    return {"peak_gib_per_phase": {
+                p: {"device_peak": max(r.get(f"memory/{p}_device_peak_gib", 0) for r in train),
+                    "training_process_peak": max(r.get(f"memory/{p}_peak_gib", 0) for r in train)} for p in phases},
+            "seconds_per_phase": {p: statistics.mean(r.get(f"time/{p}", 0) for r in train) for p in phases}}
+
+
+def eval_by_time(rows):
+    """[(updates, seconds of training so far, strict acc)] for each evaluation row."""
+    elapsed, out = 0.0, []
+    for r in rows:
+        if "train/loss" in r or "train/policy_loss" in r:
+            elapsed += r["perf/step_s"]
+        if "eval/strict_acc" in r:
+            out.append((r["step"], elapsed, r["eval/strict_acc"]))
+    return out
 
 
 def load(run_dir):
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     info = json.load(open(os.path.join(run_dir, "run_info.json")))
     args = json.load(open(os.path.join(run_dir, "args.json")))
-    return [r for r in rows if "train/loss" in r], [r for r in rows if "eval/strict_acc" in r], info, args
+    train = [r for r in rows if "train/loss" in r or "train/policy_loss" in r]
+    return train, [r for r in rows if "eval/strict_acc" in r], info, args
 
 
 def main(a: Args):
@@ -55,7 +87,8 @@ def main(a: Args):
             "wall_clock_s": sum(r["perf/step_s"] for r in train),
             "startup_to_first_step_s": train[0].get("time/startup_to_first_step_s"),
             "eval_prompts": args["num_eval_prompts"], "prompts_per_step": args["prompts_per_step"],
-            "group_size": args["group_size"],
+            "samples_per_prompt": args.get("group_size", args.get("samples_per_prompt")),
+            **memory_summary(train),
         })
         if a.png:
             import matplotlib
@@ -76,15 +109,28 @@ def main(a: Args):
             fig.suptitle(f"{args['run_name']}: {os.path.basename(args['model'])} on {info['gpu']}")
             fig.tight_layout()
             fig.savefig(a.png, dpi=110)
+        if a.compare:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+            name = os.path.basename(a.compare).split(".")[0]
+            for label, rows in ((args["run_name"], read_metrics(os.path.join(a.run_dir, "metrics.jsonl"))),
+                                (name, read_metrics(a.compare))):
+                pts = eval_by_time(rows)
+                ax[0].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
+                ax[1].plot([p[1] for p in pts], [p[2] for p in pts], "o-", label=label)
+            ax[0].set_xlabel("updates"), ax[1].set_xlabel("training seconds (sum of step times, start-up excluded)")
+            for x in ax:
+                x.set_ylabel("held-out strict accuracy (greedy)"), x.set_ylim(0, 1), x.legend()
+            fig.suptitle(f"{os.path.basename(args['model'])} on {info['gpu']}")
+            fig.tight_layout()
+            fig.savefig(a.compare_png, dpi=110)
     else:
-        suffix = "_device_peak_gib"
-        phases = sorted({k[len("memory/"):-len(suffix)] for r in train for k in r if k.startswith("memory/") and k.endswith(suffix)})
         out["mem_fraction"] = args["sglang_mem_fraction"]
         out["offload"] = args["offload"]
-        out["peak_gib_per_phase"] = {
-            p: {"device_peak": max(r.get(f"memory/{p}_device_peak_gib", 0) for r in train),
-                "training_process_peak": max(r.get(f"memory/{p}_peak_gib", 0) for r in train)} for p in phases}
-        out["seconds_per_phase"] = {p: statistics.mean(r.get(f"time/{p}", 0) for r in train) for p in phases}
+        out.update(memory_summary(train))
         out["seconds_per_step"] = statistics.mean(r["perf/step_s"] for r in train)
         out["gpu_total_gib"] = info.get("gpu_total_gib")
     with open(a.out, "w") as f:

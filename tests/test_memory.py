@@ -137,7 +137,7 @@ def test_offload_moves_every_model_and_optimizer_while_generating():
         def __init__(self, name):
             self.name = name
 
-        def to(self, device):
+        def to(self, device, non_blocking=False):
             events.append((self.name, str(device)))
 
     class Optimizer:
