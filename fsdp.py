@@ -236,6 +236,19 @@ class RunLog:
             self.wandb.finish()
 
 
+def launch_time() -> float:
+    """time.time() at which this process started (Linux; elsewhere: now), so start-up times include
+    the seconds spent importing torch, transformers and the rest before main() runs."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
 def run_info(world_size: int, engine: str) -> dict:
     """What ran where: for reports."""
     cuda = torch.cuda.is_available()

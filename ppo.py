@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from data import PromptSampler, collate, load_task, shard, tokenize_prompts
-from fsdp import (RunLog, all_reduce, batch_logprobs, batch_values, init_distributed, load_model, log_line, lr_lambda,
+from fsdp import (RunLog, all_reduce, batch_logprobs, batch_values, init_distributed, launch_time, load_model, log_line, lr_lambda,
                   print0, run_info, shard_model, token_logprobs, token_values)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from reward import format_reward, gsm8k_reward, int_match_reward, score
@@ -147,7 +147,7 @@ class Args:
     sglang_disable_cuda_graph: bool = False
     """no CUDA graphs: fastest start, slower decode"""
     sglang_prefill_cuda_graph: bool = False
-    """also capture prefill graphs (SGLang's default; torch.compile adds ~90 s to start-up)"""
+    """also capture prefill graphs (SGLang's default; torch.compile adds 15-45 s to start-up)"""
     sync_bucket_mb: int = 512
     """weight sync gathers and sends this many MB at a time"""
     # --- evaluation, checkpoints, logging
@@ -268,7 +268,7 @@ def check_args(args: Args, world_size: int):
 
 
 def main(args: Args):
-    t_launch = time.time()
+    t_launch = launch_time()
     rank, world_size, device = init_distributed()
     check_args(args, world_size)
     random.seed(args.seed + rank)

@@ -40,8 +40,10 @@ def start_sglang(model_path: str, gpu_id: int, mem_fraction: float, tp_size: int
     read, and a parameter that sync forgot shows up as garbage rather than as stale weights.
 
     prefill_cuda_graph=False: SGLang's default captures prefill as piecewise CUDA graphs through
-    torch.compile, which took ~90 s of a 150 s start on an H100 (bench/results/startup_smollm2.json).
-    RL prefill is one big batch of prompts per step, where graphs buy little. Decode graphs stay on.
+    torch.compile. On an H100 that made start-up ~45 s longer on a fresh machine (184 s -> 137 s to
+    the end of step 1 without) and ~15 s longer with warm caches, for no throughput we could measure
+    (bench/results/README.md, start-up). RL prefill is one big batch of prompts per step, where
+    graphs buy little. Decode graphs stay on.
     """
     import sglang  # lazy: SGLang needs CUDA; CPU runs and tests never import it
 

@@ -2,7 +2,7 @@
 # On the GPU machine of this workplace: make SGLang, tyro and $SMOLLM2 available.
 #   source bench/gpu_env.sh
 # Needs ../shared/gpu's bundle parts copied to /tmp/gpu-bundle (see ../shared/gpu/README.md) and
-# the tyro wheels carried in .whl/ (bench/README.md says how they were downloaded).
+# the wheels carried in .whl/ (bench/README.md says which and how they were downloaded).
 source /tmp/gpu-bundle/p1/install-bundle.sh || return 1
 if [ -d .whl ] && [ ! -e /tmp/site-extra/.done ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-extra .whl/*.whl \

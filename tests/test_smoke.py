@@ -183,3 +183,11 @@ def test_evaluate_script_on_a_checkpoint(trained_tiny_model_dir, tmp_path):
     assert summary["format_rate"] > 0.5  # the SFT'd tiny model answers in the '#### N' format
     completions = [json.loads(line) for line in open(tmp_path / "eval.samples.jsonl")]
     assert len(completions) == 8 and all("####" in c["completion"] for c in completions[:1])
+
+
+def test_launch_time_is_when_the_process_started():
+    """Start-up metrics count from process launch, imports included: a fresh interpreter that
+    sleeps 1 s before asking must report at least that second."""
+    code = "import time; time.sleep(1.0); import fsdp; print(time.time() - fsdp.launch_time())"
+    age = float(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    assert 1.0 <= age < 60.0
