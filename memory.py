@@ -117,8 +117,8 @@ def move_optimizer(optimizer, device):
 
     GPU -> CPU with non_blocking=True lands in pinned host memory from PyTorch's caching host
     allocator: DMA at full PCIe/NVLink-C2C speed, and from the second step on the pinned buffers
-    freed by the last reload are reused instead of allocated again. A plain .to("cpu") goes through
-    pageable memory at a fraction of the speed (bench/results/README.md, offload).
+    freed by the last reload are reused instead of allocated again (so host RAM the size of what is
+    offloaded stays pinned). A plain .to("cpu") was 7x slower at 1.5B (bench/results/README.md, memory).
     """
     for state in optimizer.state.values():
         for key, value in state.items():
