@@ -2,6 +2,7 @@
 
     python bench/report.py arith  runs/<run> --out bench/results/grpo_arith_smollm2.json --png bench/results/grpo_arith_smollm2.png
     python bench/report.py memory runs/<run> --out bench/results/grpo_memory_1p5b.json
+    python bench/report.py scaling runs/ --out bench/results/scaling_1p5b.json     # bench/run_scaling.sh's runs
     python bench/report.py arith runs/<ppo run> --out ... --compare bench/results/raw/grpo_arith_smollm2.metrics.jsonl \
         --compare-png bench/results/ppo_vs_grpo_arith_smollm2.png
 """
@@ -16,10 +17,10 @@ import tyro
 
 @dataclass
 class Args:
-    kind: tyro.conf.Positional[Literal["arith", "memory"]]
-    """arith: accuracy summary + curve; memory: per-phase memory and time"""
+    kind: tyro.conf.Positional[Literal["arith", "memory", "scaling"]]
+    """arith: accuracy summary + curve; memory: per-phase memory and time; scaling: tokens/s by GPU count"""
     run_dir: tyro.conf.Positional[str]
-    """the run folder grpo.py / ppo.py wrote"""
+    """the run folder grpo.py / ppo.py wrote (scaling: the folder holding run_scaling.sh's runs)"""
     out: str
     """JSON summary to write"""
     png: str | None = None
@@ -67,7 +68,38 @@ def load(run_dir):
     return train, [r for r in rows if "eval/strict_acc" in r], info, args
 
 
+def scaling(a: Args):
+    """Weak scaling: per-GPU work fixed, so ideal rollout tokens/s grows with the GPU count.
+    Efficiency = tokens/s at N GPUs / (N x tokens/s at the fewest GPUs, per GPU). Step 1 is left out."""
+    runs = []
+    for name in sorted(os.listdir(a.run_dir)):
+        path = os.path.join(a.run_dir, name)
+        if not os.path.isfile(os.path.join(path, "metrics.jsonl")):
+            continue
+        train, _, info, args = load(path)
+        timed = train[1:] or train
+        runs.append({"run": name, "gpus": info["world_size"], "steps": len(train), "prompts_per_step": args["prompts_per_step"],
+                     "rollout_tokens_per_s": statistics.mean(r["perf/rollout_tokens_per_s"] for r in timed),
+                     "step_s": statistics.mean(r["perf/step_s"] for r in timed),
+                     "generate_s": statistics.mean(r["time/generate"] for r in timed),
+                     "sync_s": statistics.mean(r["time/sync_weights"] for r in timed), "gpu": info["gpu"], "date": info["date"]})
+    if not runs:
+        raise SystemExit(f"{a.run_dir}: no run folders with metrics.jsonl (run bench/run_scaling.sh first)")
+    runs.sort(key=lambda r: r["gpus"])
+    base = runs[0]["rollout_tokens_per_s"] / runs[0]["gpus"]
+    for r in runs:
+        r["rollout_scaling_efficiency"] = r["rollout_tokens_per_s"] / (r["gpus"] * base)
+    out = {"gpu": runs[0]["gpu"], "date": runs[0]["date"], "command": a.command, "runs": runs}
+    if a.note:
+        out["note"] = a.note
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(json.dumps(out, indent=2))
+
+
 def main(a: Args):
+    if a.kind == "scaling":
+        return scaling(a)
     train, evals, info, args = load(a.run_dir)
     out = {"gpu": info["gpu"], "command": a.command or info["command"], "date": info["date"],
            "world_size": info["world_size"], "steps": len(train), "torch": info["torch"],
