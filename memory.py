@@ -101,8 +101,8 @@ def resume(engine, tags):
 
 def empty_cache():
     """Return PyTorch's cached, unused blocks to the driver (a no-op on CPU)."""
+    synchronize()
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
 

@@ -35,6 +35,13 @@ class Args:
     """where to draw that comparison"""
 
 
+def pyplot():
+    import matplotlib  # lazy: only the PNGs need it
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def read_metrics(path):
     return [json.loads(line) for line in open(path)]
 
@@ -50,11 +57,11 @@ def memory_summary(train):
 
 
 def eval_by_time(rows):
-    """[(updates, seconds of training so far, strict acc)] for each evaluation row."""
+    """[(updates, seconds of training so far, strict acc)] for each evaluation row. Every step row
+    counts its seconds, skipped updates and critic warm-up steps included."""
     elapsed, out = 0.0, []
     for r in rows:
-        if "train/loss" in r or "train/policy_loss" in r:
-            elapsed += r["perf/step_s"]
+        elapsed += r.get("perf/step_s", 0.0)
         if "eval/strict_acc" in r:
             out.append((r["step"], elapsed, r["eval/strict_acc"]))
     return out
@@ -64,8 +71,7 @@ def load(run_dir):
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     info = json.load(open(os.path.join(run_dir, "run_info.json")))
     args = json.load(open(os.path.join(run_dir, "args.json")))
-    train = [r for r in rows if "train/loss" in r or "train/policy_loss" in r]
-    return train, [r for r in rows if "eval/strict_acc" in r], info, args
+    return [r for r in rows if "train/loss" in r], [r for r in rows if "eval/strict_acc" in r], info, args
 
 
 def scaling(a: Args):
@@ -123,11 +129,7 @@ def main(a: Args):
             **memory_summary(train),
         })
         if a.png:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
-            fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+            fig, ax = pyplot().subplots(1, 2, figsize=(11, 4))
             steps = [r["step"] for r in train]
             ax[0].plot(steps, [r["rollout/reward_mean"] for r in train], label="reward (sampled)")
             ax[0].plot(steps, [r["rollout/strict_acc"] for r in train], label="strict acc (sampled)")
@@ -142,11 +144,7 @@ def main(a: Args):
             fig.tight_layout()
             fig.savefig(a.png, dpi=110)
         if a.compare:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
-            fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+            fig, ax = pyplot().subplots(1, 2, figsize=(11, 4))
             name = os.path.basename(a.compare).split(".")[0]
             for label, rows in ((args["run_name"], read_metrics(os.path.join(a.run_dir, "metrics.jsonl"))),
                                 (name, read_metrics(a.compare))):

@@ -102,41 +102,41 @@ def main(args: Args):
         sleep(engine, [policy], [], False, device, mem)
         return time.perf_counter() - t, [s.response_ids for s in samples], mem.metrics()
 
-    results = {"raw": [], "raw_logprob": [], "ours": [], "ours_generate": [], "sync_s": [], "same_tokens": []}
+    results = {"raw": [], "raw_logprob": [], "ours": [], "ours_generate": [], "sync_s": [], "identical": []}
     for rep in range(args.reps + 1):  # rep 0 warms every path up and is not counted
         s_ours, tok_ours, m = ours()
         wake_up(engine, policy, [policy], [], False, mem)  # awake, synced: the raw engine's state
         s_raw, tok_raw = raw(False)
         s_lp, tok_lp = raw(True)
         sleep(engine, [policy], [], False, device, mem)
-        n = sum(len(t) for t in tok_ours)
-        results["same_tokens"].append(sum(a == b for a, b in zip(tok_ours, tok_raw)) / len(ids))
-        print(f"rep {rep}: ours {n / s_ours:.0f} tok/s ({s_ours:.2f} s, generate {m['time/generate']:.2f} s, "
-              f"sync {m['time/sync_weights']:.3f} s) | raw {sum(map(len, tok_raw)) / s_raw:.0f} tok/s | "
-              f"raw+logprob {sum(map(len, tok_lp)) / s_lp:.0f} tok/s | identical responses {results['same_tokens'][-1]:.2f}", flush=True)
+        n = sum(map(len, tok_ours))
+        row = {"raw": sum(map(len, tok_raw)) / s_raw, "raw_logprob": sum(map(len, tok_lp)) / s_lp, "ours": n / s_ours,
+               "ours_generate": n / m["time/generate"], "sync_s": m["time/sync_weights"],
+               "identical": sum(a == b for a, b in zip(tok_ours, tok_raw)) / len(ids)}
+        print(f"rep {rep}: ours {row['ours']:.0f} tok/s ({s_ours:.2f} s, generate {m['time/generate']:.2f} s, "
+              f"sync {row['sync_s']:.3f} s) | raw {row['raw']:.0f} tok/s | raw+logprob {row['raw_logprob']:.0f} tok/s | "
+              f"identical responses {row['identical']:.2f}", flush=True)
         if rep == 0:
             continue
-        results["raw"].append(sum(map(len, tok_raw)) / s_raw)
-        results["raw_logprob"].append(sum(map(len, tok_lp)) / s_lp)
-        results["ours"].append(n / s_ours)
-        results["ours_generate"].append(n / m["time/generate"])
-        results["sync_s"].append(m["time/sync_weights"])
-        results["response_len_mean"] = n / len(ids)
+        for k, v in row.items():
+            results[k].append(v)
+        response_len_mean = n / len(ids)
+    mem.close()
     engine.shutdown()
-    med = {k: statistics.median(v) for k, v in results.items() if isinstance(v, list)}
+    med = {k: statistics.median(v) for k, v in results.items()}
     summary = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": os.path.basename(args.model.rstrip("/")), "params": n_params,
         "requests": len(ids), "max_new_tokens": args.max_new_tokens,
-        "response_len_mean": results["response_len_mean"], "reps": args.reps,
+        "response_len_mean": response_len_mean, "reps": args.reps,
         "raw_tokens_per_s": med["raw"], "raw_logprob_tokens_per_s": med["raw_logprob"],
         "ours_tokens_per_s": med["ours"], "ours_generate_only_tokens_per_s": med["ours_generate"],
         "rollout_efficiency": med["ours"] / med["raw"], "rollout_efficiency_vs_raw_logprob": med["ours"] / med["raw_logprob"],
-        "sync_s": med["sync_s"], "identical_responses_ours_vs_raw": statistics.mean(results["same_tokens"][1:]),
+        "sync_s": med["sync_s"], "identical_responses_ours_vs_raw": statistics.mean(results["identical"]),
         "engine_start_s": engine_s, "model_load_and_shard_s": model_s, "script_s": time.time() - t_launch,
         "engine_settings": {"mem_fraction": args.mem_fraction, "cuda_graph_max_bs": args.cuda_graph_max_bs,
                             "prefill_cuda_graph": args.prefill_cuda_graph, "attention_backend": "triton",
                             "sampling_backend": "pytorch"},
-        "all_reps": {k: v for k, v in results.items() if isinstance(v, list)},
+        "all_reps": results,
         "command": "python " + " ".join(sys.argv),
     }
     print(json.dumps(summary, indent=1))
