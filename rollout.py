@@ -4,14 +4,15 @@
     sync_weights(model, engine)                                     # FSDP2 shards -> full bf16 -> engine
     samples = generate(engine, prompt_ids, answers, seeds, max_new_tokens=256, temperature=1.0)
 
-Both engines answer the same calls, SGLang's own (`generate`, `update_weights_from_tensor`,
-`flush_cache`, `release_memory_occupation`, `resume_memory_occupation`), so the training loop and
-memory.py read the same on a laptop as on a GPU node. `HFEngine` does no memory choreography: its
-release/resume do nothing, but it refuses to generate while memory.py has it released.
+Both engines answer SGLang's calls (`generate`, `update_weights_from_tensor`, `flush_cache`,
+`release/resume_memory_occupation`), so the loop and memory.py read the same on a laptop as on a GPU
+node. `HFEngine`'s release/resume do nothing, but it refuses to generate while released.
 
 Tensor parallel size k: ranks are cut into groups of k; the first rank of each group owns an engine
 spanning the group's k GPUs, the others have `engine=None` and send their prompts to the owner.
 """
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -35,33 +36,33 @@ def start_sglang(model_path: str, gpu_id: int, mem_fraction: float, tp_size: int
     finds free, so it must see an empty GPU. `mem_fraction` is the share of the whole GPU that
     SGLang's weights + KV cache take while awake.
 
-    load_format="dummy": SGLang skips reading the checkpoint. Its weights are random until the
-    first `sync_weights`, which happens before every generation anyway, so start-up saves the
-    read, and a parameter that sync forgot shows up as garbage rather than as stale weights.
+    load_format="dummy": no checkpoint read; weights are random until the first `sync_weights`
+    (before every generation), so a parameter that sync forgot shows up as garbage, not stale.
 
-    prefill_cuda_graph=False: SGLang's default captures prefill as piecewise CUDA graphs through
-    torch.compile. On an H100 that made start-up ~45 s longer on a fresh machine (184 s -> 137 s to
-    the end of step 1 without) and ~15 s longer with warm caches, for no throughput we could measure
-    (bench/results/README.md, start-up). RL prefill is one big batch of prompts per step, where
-    graphs buy little. Decode graphs stay on.
+    prefill_cuda_graph=False: SGLang's piecewise prefill graphs (torch.compile) cost ~45 s of a
+    fresh machine's start-up and ~15 s warm, for no throughput we could measure on RL's one big
+    prefill per step (bench/results/README.md, start-up). Decode graphs stay on.
     """
     import sglang  # lazy: SGLang needs CUDA; CPU runs and tests never import it
 
-    return sglang.Engine(
-        model_path=model_path, skip_tokenizer_init=True, load_format=load_format, dtype="bfloat16",
-        enable_memory_saver=True, mem_fraction_static=mem_fraction, base_gpu_id=gpu_id, tp_size=tp_size,
-        random_seed=seed, attention_backend=attention_backend, sampling_backend=sampling_backend,
-        cuda_graph_max_bs_decode=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph, log_level=log_level,
-        cuda_graph_backend_prefill=None if prefill_cuda_graph else "disabled",
-    )
+    # Under torchrun this flag makes every TCPStore a client of torchrun's store: SGLang's schedulers
+    # inherit our environment and would wait forever for their own process group. Hide it meanwhile.
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        return sglang.Engine(
+            model_path=model_path, skip_tokenizer_init=True, load_format=load_format, dtype="bfloat16",
+            enable_memory_saver=True, mem_fraction_static=mem_fraction, base_gpu_id=gpu_id, tp_size=tp_size,
+            random_seed=seed, attention_backend=attention_backend, sampling_backend=sampling_backend,
+            cuda_graph_max_bs_decode=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph, log_level=log_level,
+            cuda_graph_backend_prefill=None if prefill_cuda_graph else "disabled")
+    finally:
+        if agent_store is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
 
 
 class HFEngine:
-    """A plain-transformers stand-in for sglang.Engine, for CPU runs, tests and notebooks.
-
-    Holds its own unsharded copy of the model (like SGLang, it is not the training model: weights
-    arrive only through `update_weights_from_tensor`). Same method names as sglang.Engine.
-    """
+    """A plain-transformers stand-in for sglang.Engine (CPU runs, tests, notebooks). Like SGLang it
+    holds its own unsharded copy of the model: weights arrive only through `update_weights_from_tensor`."""
 
     def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, seed: int = 0):
         from transformers import AutoModelForCausalLM  # lazy

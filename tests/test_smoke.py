@@ -191,3 +191,26 @@ def test_launch_time_is_when_the_process_started():
     code = "import time; time.sleep(1.0); import fsdp; print(time.time() - fsdp.launch_time())"
     age = float(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
     assert 1.0 <= age < 60.0
+
+
+def test_sglang_schedulers_start_without_torchrun_agent_store(monkeypatch):
+    """Under torchrun, TORCHELASTIC_USE_AGENT_STORE=True turns every TCPStore into a client of
+    torchrun's store, so SGLang's spawned schedulers waited forever for their own process group (4
+    GPUs, 185 s, no step). start_sglang must hide the flag while the Engine starts, then restore it."""
+    import types
+
+    import rollout
+
+    seen = {}
+
+    class FakeEngine:
+        def __init__(self, **kwargs):
+            seen["flag"] = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+            seen["tp_size"] = kwargs["tp_size"]
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    engine = rollout.start_sglang("/nowhere", gpu_id=0, mem_fraction=0.5, tp_size=2)
+    assert isinstance(engine, FakeEngine)
+    assert seen == {"flag": None, "tp_size": 2}
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
