@@ -3,7 +3,8 @@
     train, test = addition_task(seed=0)                       # built-in, no download
     train = load_examples("openai/gsm8k", "train")              # hub id (needs `datasets`)
     train = load_examples("../shared/data/gsm8k", "train")      # local folder: train.jsonl / test.parquet
-    prompts, kept, dropped = tokenize_prompts(tokenizer, train, max_prompt_len=256)
+    train, test, note = load_task("my.jsonl", None, seed=0, num_eval=256)   # one file: a held-out part
+    prompts, kept, dropped = tokenize_prompts(tokenizer, train, max_prompt_len=256, source="my.jsonl")
     sampler = PromptSampler(len(prompts), seed=0)               # epoch shuffles; resumable position
     batch = collate(samples, pad_id)                            # list[Sample] -> Batch of tensors
 
@@ -16,6 +17,8 @@ import random
 from dataclasses import dataclass, fields
 
 import torch
+
+from preflight import InputError, looks_like_path
 
 ADDITION_PROMPT = "What is {a} + {b}? Put the final answer after ####."
 GSM8K_PROMPT = "{question}\nThink step by step, then put the final answer after ####."
@@ -47,11 +50,13 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
     """(line number, row) of a .jsonl file, or (row number, row) of a .parquet file, 1-based.
     A line that is not a JSON object stops with an error naming the file and the line."""
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq  # lazy: only for parquet input
-
+        try:
+            import pyarrow.parquet as pq  # lazy: only for parquet input
+        except ImportError:
+            raise InputError(f"data file {path!r} is parquet: pip install pyarrow, or convert it to .jsonl") from None
         return list(enumerate(pq.read_table(path).to_pylist(), start=1))
     if not path.endswith(".jsonl"):
-        raise ValueError(f"data file {path!r}: expected a .jsonl or .parquet file")
+        raise InputError(f"data file {path!r}: expected a .jsonl or .parquet file")
     rows = []
     with open(path) as f:
         for line_no, line in enumerate(f, start=1):
@@ -60,32 +65,39 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {line_no}: not valid JSON ({e.msg}); fix or delete that line") from None
+                raise InputError(f"{path}, line {line_no}: not valid JSON ({e.msg}); fix or delete that line") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}, line {line_no}: expected a JSON object, got {type(row).__name__}")
+                raise InputError(f"{path}, line {line_no}: expected a JSON object, got {type(row).__name__}")
             rows.append((line_no, row))
     return rows
 
 
 def gsm8k_examples(rows: list[tuple[int, dict]], source: str) -> list[Example]:
-    """GSM8K rows (line, {"question": ..., "answer": "...reasoning...\\n#### 72"}) -> Examples.
-    A row missing a field, or an answer without '#### N', names the source and the line."""
+    """Rows (line, {"question": ..., "answer": ...}) -> Examples. The answer is GSM8K's
+    "...reasoning...\\n#### 72", or just the final number ("72" or 72).
+    An empty source, a missing field or an answer without a final number names the source and the line."""
+    if not rows:
+        raise InputError(f"{source} has no rows; each line needs {{\"question\": ..., \"answer\": ...}}")
     examples = []
     for line_no, row in rows:
-        for field in ("question", "answer"):
-            if not isinstance(row.get(field), str):
-                raise ValueError(f"{source}, line {line_no}: missing field {field!r} "
-                                 f"(found {sorted(row)}); GSM8K rows need 'question' and 'answer'")
-        if "####" not in row["answer"]:
-            raise ValueError(f"{source}, line {line_no}: field 'answer' has no '#### <number>' final answer")
-        final = row["answer"].split("####")[-1].strip().replace(",", "")
-        examples.append(Example(GSM8K_PROMPT.format(question=row["question"].strip()), final))
+        question, answer = row.get("question"), row.get("answer")
+        if not isinstance(question, str) or not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+            raise InputError(f"{source}, line {line_no}: needs a 'question' string and an 'answer' (a string ending "
+                             f"in '#### <number>', or a number); found {({k: type(v).__name__ for k, v in row.items()})}")
+        final = str(answer).split("####")[-1].strip().replace(",", "")
+        try:
+            float(final)
+        except ValueError:
+            raise InputError(f"{source}, line {line_no}: field 'answer' has no final number: "
+                             f"end it with '#### <number>' or give just the number") from None
+        examples.append(Example(GSM8K_PROMPT.format(question=question.strip()), final))
     return examples
 
 
 def load_examples(dataset: str, split: str) -> list[Example]:
     """GSM8K-format examples from a local file, a local folder holding `{split}.jsonl` or
-    `{split}.parquet`, or a Hugging Face hub id (e.g. 'openai/gsm8k')."""
+    `{split}.parquet`, or a Hugging Face hub id (e.g. 'openai/gsm8k'). Anything that looks like a
+    path (a .jsonl/.parquet name, './', '/', an existing folder) is never sent to the hub."""
     if os.path.isfile(dataset):
         return gsm8k_examples(read_rows(dataset), dataset)
     if os.path.isdir(dataset):
@@ -93,27 +105,46 @@ def load_examples(dataset: str, split: str) -> list[Example]:
             path = os.path.join(dataset, split + ext)
             if os.path.isfile(path):
                 return gsm8k_examples(read_rows(path), path)
-        raise FileNotFoundError(f"dataset folder {dataset!r} has no {split}.jsonl or {split}.parquet")
-    if dataset.startswith((".", "/")) or dataset.count("/") != 1:
-        raise FileNotFoundError(f"dataset {dataset!r} is neither a local file/folder nor a hub id like 'openai/gsm8k'")
-    from datasets import load_dataset  # lazy: only for hub datasets
-
+        raise InputError(f"dataset folder {dataset!r} has no {split}.jsonl or {split}.parquet")
+    if looks_like_path(dataset):
+        raise InputError(f"dataset {dataset!r}: no such file or folder ({os.path.abspath(dataset)}); "
+                         f"a hub dataset is named like 'openai/gsm8k'")
+    try:
+        from datasets import load_dataset  # lazy: only for hub datasets
+    except ImportError:
+        raise InputError(f"dataset {dataset!r} is a hub id: pip install datasets, or pass a local .jsonl file") from None
     rows = load_dataset(dataset, "main" if dataset.endswith("gsm8k") else None, split=split)
     return gsm8k_examples(list(enumerate(rows, start=1)), f"{dataset}[{split}]")
 
 
-def load_task(dataset: str, eval_dataset: str | None, seed: int) -> tuple[list[Example], list[Example]]:
-    """(train, held-out) examples: the addition task's seeded split, or a GSM8K-format source's
-    'train' split and `eval_dataset`'s (default: the same source's) 'test' split."""
+def load_task(dataset: str, eval_dataset: str | None, seed: int, num_eval: int):
+    """(train, held-out examples, a line saying where the held-out ones come from).
+
+    'addition': the task's seeded split. Otherwise the 'train' split of `dataset` and the 'test' split
+    of `eval_dataset` (default: of `dataset`). A single file with no --eval-dataset has no test split:
+    a seeded 1 in 10 of its rows, at most `num_eval`, is held out and never trained on."""
     if dataset == "addition":
-        return addition_task(seed)
-    return load_examples(dataset, "train"), load_examples(eval_dataset or dataset, "test")
+        train, test = addition_task(seed)
+        return train, test, f"addition: {len(test)} held-out pairs"
+    if eval_dataset is not None:
+        return load_examples(dataset, "train"), load_examples(eval_dataset, "test"), f"eval prompts from {eval_dataset}"
+    if not os.path.isfile(dataset):
+        return load_examples(dataset, "train"), load_examples(dataset, "test"), f"eval prompts from {dataset}'s test split"
+    examples = load_examples(dataset, "train")
+    held = min(num_eval, len(examples) // 10)
+    if held == 0:
+        raise InputError(f"dataset {dataset!r} has {len(examples)} rows, too few to hold 1 in 10 out for "
+                         f"evaluation: pass --eval-dataset FILE")
+    order = random.Random(seed).sample(range(len(examples)), len(examples))
+    note = (f"held out {held} of {len(examples)} rows of {dataset} for evaluation (seed {seed}; "
+            f"--eval-dataset FILE to choose them)")
+    return [examples[i] for i in order[held:]], [examples[i] for i in order[:held]], note
 
 
-def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int):
+def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int, source: str = "the dataset"):
     """Chat-template each prompt as one user turn. Prompts longer than `max_prompt_len` tokens
-    are dropped (never truncated: a cut question has a different answer) and counted.
-    Returns (token ids, kept examples, number dropped)."""
+    are dropped (never truncated: a cut question has a different answer) and counted; if every
+    prompt is dropped, an error names `source`. Returns (token ids, kept examples, number dropped)."""
     ids, kept = [], []
     for ex in examples:
         if tokenizer.chat_template is not None:
@@ -124,6 +155,9 @@ def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int):
         if len(tokens) <= max_prompt_len:
             ids.append(list(tokens))
             kept.append(ex)
+    if examples and not kept:
+        raise InputError(f"all {len(examples)} prompts of {source} are longer than --max-prompt-len "
+                         f"{max_prompt_len} tokens: raise it")
     return ids, kept, len(examples) - len(kept)
 
 

@@ -8,6 +8,7 @@ and format rate (a '#### N' answer is present), and writes every completion next
 """
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,6 +16,7 @@ import torch
 import tyro
 
 from data import addition_task, load_examples, tokenize_prompts
+from preflight import InputError, check_context, check_engine, check_flags, check_model, friendly_errors
 from reward import gsm8k_reward, int_match_reward
 from rollout import HFEngine, generate, judge, start_sglang, stop_token_ids
 
@@ -24,9 +26,9 @@ class Args:
     model: str
     """model to evaluate: hub id or local folder"""
     dataset: str = "addition"
-    """'addition', 'openai/gsm8k' or a local GSM8K file/folder"""
+    """'addition', 'openai/gsm8k', or a local GSM8K-format file (all its rows) or folder"""
     split: str = "test"
-    """split of --dataset (the addition task's held-out split is 'test')"""
+    """split of --dataset: 'test' or 'train' (a single file has no splits)"""
     num_prompts: int = 256
     """first N prompts of the split"""
     max_prompt_len: int = 256
@@ -44,16 +46,26 @@ class Args:
 
 
 def main(args: Args):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    check_flags([  # (flag, value, holds, what it must be)
+        ("--num-prompts", args.num_prompts, args.num_prompts >= 1, ">= 1"),
+        ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
+        ("--max-prompt-len", args.max_prompt_len, args.max_prompt_len >= 1, ">= 1"),
+        ("--mem-fraction", args.mem_fraction, 0 < args.mem_fraction < 1, "in (0, 1)"),
+        ("--split", args.split, args.split in ("test", "train"), "'test' or 'train'"),
+    ])
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise InputError(f"--out {args.out!r}: its folder does not exist; create it first")
+    kind = check_engine(args.engine, "--engine")
+    tokenizer, context = check_model(args.model)  # before SGLang starts
+    check_context(context, args.max_prompt_len, args.max_new_tokens)
     stop_ids = stop_token_ids(tokenizer, args.model)
     if args.dataset == "addition":
         examples, answer_fn = addition_task(args.seed)[1 if args.split == "test" else 0], int_match_reward
     else:
         examples, answer_fn = load_examples(args.dataset, args.split), gsm8k_reward
-    prompts, kept, dropped = tokenize_prompts(tokenizer, examples[:args.num_prompts], args.max_prompt_len)
-    kind = args.engine if args.engine != "auto" else ("sglang" if torch.cuda.is_available() else "hf")
+    prompts, kept, dropped = tokenize_prompts(tokenizer, examples[:args.num_prompts], args.max_prompt_len, args.dataset)
+    print(f"evaluating {len(prompts)} prompts of {args.dataset} ({dropped} dropped as longer than "
+          f"{args.max_prompt_len} tokens) with {args.model}, engine {kind}", flush=True)
     if kind == "sglang":
         engine = start_sglang(args.model, gpu_id=0, mem_fraction=args.mem_fraction, seed=args.seed,
                               load_format="auto", disable_cuda_graph=True)
@@ -81,4 +93,5 @@ def main(args: Args):
 
 
 if __name__ == "__main__":  # SGLang spawns its scheduler: keep this guard
-    main(tyro.cli(Args))
+    with friendly_errors("evaluate.py"):
+        main(tyro.cli(Args))

@@ -33,6 +33,7 @@ from data import PromptSampler, collate, load_task, shard, tokenize_prompts
 from fsdp import (RunLog, all_reduce, batch_logprobs, init_distributed, launch_time, load_model, log_line, lr_lambda, print0,
                   run_info, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
+from preflight import InputError, check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
 from reward import format_reward, gsm8k_reward, int_match_reward, score
 from rollout import evaluate, generate, logprob_gap, rollout_stats, start_engine, stop_token_ids, tp_group
 
@@ -161,6 +162,9 @@ class Args:
     """print a few sample completions (and append them to samples.jsonl) every this many steps (0: never)"""
 
 
+# Without a GPU, these replace the defaults of the flags not given: a step in about a minute on 2 cores.
+CPU_SIZES = {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 64, "num_eval_prompts": 16, "micro_batch_size": 16}
+
 # ----------------------------------------------------------------------------------------------
 # ALGO: the GRPO pieces, pure functions of tensors (tests/test_grpo_math.py checks them by hand)
 
@@ -211,18 +215,39 @@ def aggregate(values, mask, mode: str, num_seqs: float, num_tokens: float, max_l
 
 def check_args(args: Args, world_size: int):
     """Bad input fails here, before anything is loaded or written."""
-    problems = []
-    if args.prompts_per_step % world_size:
-        problems.append(f"--prompts-per-step {args.prompts_per_step} must divide by the {world_size} ranks")
-    if args.group_size < 2:
-        problems.append(f"--group-size {args.group_size}: GRPO needs at least 2 completions per prompt")
-    if args.beta < 0 or args.temperature <= 0 or not 0 < args.top_p <= 1:
-        problems.append("--beta must be >= 0, --temperature > 0 and --top-p in (0, 1]")
     per_rank = args.prompts_per_step // world_size * args.group_size
-    if args.num_minibatches < 1 or per_rank % args.num_minibatches:
-        problems.append(f"--num-minibatches {args.num_minibatches} must divide the {per_rank} samples per rank")
-    if problems:
-        raise SystemExit("grpo.py: bad arguments:\n  " + "\n  ".join(problems))
+    a = args
+    check_flags([  # (flag, value, holds, what it must be)
+        ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
+        ("--prompts-per-step", a.prompts_per_step, a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
+         f">= 1 and divide by the {world_size} ranks"),
+        ("--group-size", a.group_size, a.group_size >= 2, ">= 2: GRPO compares completions of one prompt"),
+        ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
+        ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
+        ("--lr", a.lr, a.lr > 0, "> 0"),
+        ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
+        ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
+        ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
+        ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
+        ("--num-minibatches", a.num_minibatches, a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
+         f">= 1 and divide the {per_rank} samples per rank"),
+        ("--beta", a.beta, a.beta >= 0, ">= 0"),
+        ("--temperature", a.temperature, a.temperature > 0, "> 0"),
+        ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
+        ("--clip-low", a.clip_low, 0 <= a.clip_low < 1, "in [0, 1)"),
+        ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
+        ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
+        ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
+        ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, ">= 1"),
+        ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
+        ("--rollout-tp", a.rollout_tp, a.rollout_tp >= 1 and world_size % a.rollout_tp == 0, f"divide the {world_size} ranks"),
+        ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
+        ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
+        ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
+        ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
+        ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
+        ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
+    ])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,17 +255,32 @@ def check_args(args: Args, world_size: int):
 
 def main(args: Args):
     t_launch = launch_time()
+    args = size_for_cpu(args, CPU_SIZES, "grpo.py")
     rank, world_size, device = init_distributed()
     check_args(args, world_size)
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed)  # same init on every rank
     run_name = args.run_name or f"grpo-{os.path.basename(args.model.rstrip('/'))}-{os.path.basename(args.dataset.rstrip('/'))}-s{args.seed}"
     run_dir = os.path.join(args.output_dir, run_name)
     resume_from = latest_checkpoint(run_dir) if args.resume else None
     if not args.resume and latest_checkpoint(run_dir):
-        raise SystemExit(f"{run_dir} already holds checkpoints: pass --resume to continue it, or a new --run-name")
-    engine_kind = args.rollout_engine if args.rollout_engine != "auto" else ("sglang" if torch.cuda.is_available() else "hf")
+        raise InputError(f"{run_dir} already holds checkpoints: pass --resume to continue it, or a new --run-name")
+    engine_kind = check_engine(args.rollout_engine)
+    tokenizer, context = check_model(args.model)  # before SGLang starts: a bad --model fails in one line
+    check_context(context, args.max_prompt_len, args.max_new_tokens)
+    stop_ids = stop_token_ids(tokenizer, args.model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+
+    # ---- data: before any model loads, so a bad file fails fast --------------------------------------
+    train_examples, eval_examples, eval_note = load_task(args.dataset, args.eval_dataset, args.seed, args.num_eval_prompts)
+    answer_fn = int_match_reward if args.dataset == "addition" else gsm8k_reward  # (completion, answer, mode) -> 0/1
+    prompts, train_examples, dropped = tokenize_prompts(tokenizer, train_examples, args.max_prompt_len, args.dataset)
+    eval_prompts, eval_examples, eval_dropped = tokenize_prompts(tokenizer, eval_examples[:args.num_eval_prompts],
+                                                                 args.max_prompt_len, args.eval_dataset or args.dataset)
+    sampler = PromptSampler(len(prompts), args.seed)
+    print0(f"data: {len(prompts)} train prompts, {len(eval_prompts)} eval prompts (dropped as longer than {args.max_prompt_len} "
+           f"tokens: {dropped} train, {eval_dropped} eval); {eval_note} | {world_size} ranks, engine {engine_kind}")
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed)  # same init on every rank
     startup = {}
 
     # ---- rollout engine first: SGLang sizes its KV cache from the free memory it finds ----------
@@ -255,11 +295,6 @@ def main(args: Args):
 
     # ---- models: policy (fp32 masters, bf16 compute) and, only if beta > 0, the reference ---------
     t0 = time.time()
-    from transformers import AutoTokenizer  # lazy: keeps `import grpo` (tests) fast
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    stop_ids = stop_token_ids(tokenizer, args.model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     policy = load_model(args.model, device, torch.float32, args.gradient_checkpointing, args.attn_implementation)
     shard_model(policy, param_dtype=torch.bfloat16)
     ref = None
@@ -272,15 +307,6 @@ def main(args: Args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
     train_models = [m for m in (policy, ref) if m is not None]
     startup["model_s"] = time.time() - t0
-
-    # ---- data ----------------------------------------------------------------------------------
-    train_examples, eval_examples = load_task(args.dataset, args.eval_dataset, args.seed)
-    answer_fn = int_match_reward if args.dataset == "addition" else gsm8k_reward  # (completion, answer, mode) -> 0/1
-    prompts, train_examples, dropped = tokenize_prompts(tokenizer, train_examples, args.max_prompt_len)
-    eval_prompts, eval_examples, _ = tokenize_prompts(tokenizer, eval_examples[:args.num_eval_prompts], args.max_prompt_len)
-    sampler = PromptSampler(len(prompts), args.seed)
-    print0(f"data: {len(prompts)} train prompts ({dropped} dropped as longer than {args.max_prompt_len} tokens), "
-           f"{len(eval_prompts)} eval prompts | {world_size} ranks, engine {engine_kind}")
 
     # ALGO: the reward. Any (completion, answer) -> float can go here. Credit for the format only
     # comes with a right answer, so the policy can't score by emitting '#### <guess>'.
@@ -460,4 +486,5 @@ def main(args: Args):
 
 
 if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard
-    main(tyro.cli(Args))
+    with friendly_errors("grpo.py"):
+        main(tyro.cli(Args))

@@ -36,7 +36,11 @@ class Args:
 
 
 def pyplot():
-    import matplotlib  # lazy: only the PNGs need it
+    try:
+        import matplotlib  # lazy: only the PNGs need it
+    except ImportError:
+        raise SystemExit("bench/report.py: drawing a PNG needs matplotlib: pip install matplotlib "
+                         "(requirements.txt lists it)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

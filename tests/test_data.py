@@ -7,10 +7,12 @@ import re
 import pytest
 import torch
 
-from data import (GSM8K_PROMPT, Example, PromptSampler, Sample, addition_task, collate, load_examples, read_rows,
-                  shard, tokenize_prompts)
+from data import (GSM8K_PROMPT, Example, PromptSampler, Sample, addition_task, collate, load_examples, load_task,
+                  read_rows, shard, tokenize_prompts)
+from preflight import InputError
 
-GSM8K_DIR = "/work/shared/data/gsm8k"
+# The GSM8K copy in ../shared beside the checkout (CI has it there), or wherever GSM8K_DIR points.
+GSM8K_DIR = os.environ.get("GSM8K_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k"))
 
 
 def write_jsonl(path, lines: list[str]) -> str:
@@ -84,18 +86,38 @@ def test_missing_field_line_number_counts_blank_lines(tmp_path):
         load_examples(path, "train")
 
 
-def test_answer_without_marker_raises(tmp_path):
+def test_answer_without_final_number_raises(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", [row(answer="the answer is 4")])
-    with pytest.raises(ValueError, match="line 1: field 'answer' has no '####"):
+    with pytest.raises(InputError, match="line 1: field 'answer' has no final number: end it with '#### <number>'"):
+        load_examples(path, "train")
+
+
+def test_answer_may_be_just_the_number(tmp_path):
+    """Own data: {"answer": 72} or {"answer": "72"} is the final answer itself."""
+    path = write_jsonl(tmp_path / "train.jsonl", [row(answer=72), row(answer="1,500"), row(answer=-2.5)])
+    assert [ex.answer for ex in load_examples(path, "train")] == ["72", "1500", "-2.5"]
+
+
+@pytest.mark.parametrize("answer, found", [(None, "'answer': 'NoneType'"), ([4], "'answer': 'list'"), (True, "'bool'")])
+def test_answer_of_the_wrong_type_says_what_was_found(tmp_path, answer, found):
+    path = write_jsonl(tmp_path / "train.jsonl", [row(answer=answer)])
+    with pytest.raises(InputError, match="line 1: needs a 'question' string and an 'answer'") as e:
+        load_examples(path, "train")
+    assert found in str(e.value)
+
+
+def test_empty_file_names_the_file(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", [""])
+    with pytest.raises(InputError, match=f"{path} has no rows"):
         load_examples(path, "train")
 
 
 def test_load_examples_folder(tmp_path):
-    """A folder is searched for {split}.jsonl / {split}.parquet; a missing split is a FileNotFoundError."""
+    """A folder is searched for {split}.jsonl / {split}.parquet; a missing split is an InputError."""
     write_jsonl(tmp_path / "train.jsonl", [row(), row("Why?", "#### 7")])
     examples = load_examples(str(tmp_path), "train")
     assert [ex.answer for ex in examples] == ["4", "7"]
-    with pytest.raises(FileNotFoundError, match="test.jsonl or test.parquet"):
+    with pytest.raises(InputError, match="test.jsonl or test.parquet"):
         load_examples(str(tmp_path), "test")
 
 
@@ -103,8 +125,29 @@ def test_load_examples_folder(tmp_path):
 def test_load_examples_missing_path(tmp_path, name):
     """A path that exists nowhere, and does not look like a hub id, never reaches the hub."""
     target = name if name.startswith("./") or "/" in name else str(tmp_path / name)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(InputError, match="no such file or folder"):
         load_examples(target, "train")
+
+
+def test_one_file_without_eval_dataset_holds_out_a_seeded_part(tmp_path):
+    """One file and no --eval-dataset: 1 in 10 rows (at most num_eval) are held out, never trained on,
+    the same ones for the same seed, and the note says how many."""
+    path = write_jsonl(tmp_path / "my.jsonl", [row(f"Q{i}?", f"#### {i}") for i in range(3795)])
+    train, held, note = load_task(path, None, seed=0, num_eval=256)
+    assert (len(train), len(held)) == (3795 - 256, 256) and note.startswith(f"held out 256 of 3795 rows of {path}")
+    assert not {ex.prompt for ex in train} & {ex.prompt for ex in held}
+    assert load_task(path, None, seed=0, num_eval=256)[1] == held != load_task(path, None, seed=1, num_eval=256)[1]
+    small = write_jsonl(tmp_path / "small.jsonl", [row(f"Q{i}?", f"#### {i}") for i in range(100)])
+    assert [len(part) for part in load_task(small, None, seed=0, num_eval=256)[:2]] == [90, 10]
+
+
+def test_too_small_file_or_own_eval_file(tmp_path):
+    tiny = write_jsonl(tmp_path / "tiny.jsonl", [row() for _ in range(9)])
+    with pytest.raises(InputError, match="has 9 rows, too few to hold 1 in 10 out for evaluation: pass --eval-dataset"):
+        load_task(tiny, None, seed=0, num_eval=256)
+    own = write_jsonl(tmp_path / "own.jsonl", [row("Other?", "#### 1")] * 3)
+    train, held, note = load_task(tiny, own, seed=0, num_eval=256)
+    assert (len(train), len(held)) == (9, 3) and own in note
 
 
 @pytest.mark.skipif(not os.path.isdir(GSM8K_DIR), reason=f"no local GSM8K copy at {GSM8K_DIR}")
@@ -135,7 +178,8 @@ def test_tokenize_prompts_drops_long_prompts(tiny_model_dir):
     n = len(ids[0])
     # the limit is inclusive: exactly n tokens is kept, n - 1 drops it
     assert tokenize_prompts(tokenizer, [short], max_prompt_len=n)[2] == 0
-    assert tokenize_prompts(tokenizer, [short], max_prompt_len=n - 1)[1:] == ([], 1)
+    with pytest.raises(InputError, match="all 1 prompts of my.jsonl are longer than --max-prompt-len"):
+        tokenize_prompts(tokenizer, [short], max_prompt_len=n - 1, source="my.jsonl")
 
 
 # ----------------------------------------------------------------------------------------------

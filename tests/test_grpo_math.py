@@ -8,6 +8,7 @@ from torch.testing import assert_close
 
 from fsdp import lr_lambda
 from grpo import Args, aggregate, check_args, clipped_policy_loss, group_advantages, kl_penalty
+from preflight import InputError
 
 # ----------------------------------------------------------------------------------------------
 # group_advantages
@@ -272,20 +273,20 @@ def test_check_args_accepts_defaults():
 
 
 def test_check_args_prompts_not_divisible_by_world_size():
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(InputError) as e:
         check_args(Args(prompts_per_step=6), world_size=4)
     assert "--prompts-per-step 6" in str(e.value) and "4 ranks" in str(e.value)
 
 
 def test_check_args_group_size_one():
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(InputError) as e:
         check_args(Args(group_size=1), world_size=1)
     assert "--group-size 1" in str(e.value)
 
 
 def test_check_args_lists_every_problem():
     """All problems in one message, so one failed launch shows them all."""
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(InputError) as e:
         check_args(Args(prompts_per_step=6, group_size=1, num_minibatches=0), world_size=4)
     message = str(e.value)
     assert "--prompts-per-step" in message and "--group-size" in message and "--num-minibatches" in message

@@ -8,6 +8,7 @@ import torch
 from torch.testing import assert_close
 
 from ppo import Args, adaptive_kl_coef, check_args, clipped_value_loss, gae, masked_whiten, token_rewards
+from preflight import InputError
 
 
 def test_gae_hand_example():
@@ -104,7 +105,7 @@ def test_adaptive_kl_coef():
 
 def test_check_args():
     check_args(Args(), world_size=8)
-    with pytest.raises(SystemExit, match="--gamma 1.5"):
+    with pytest.raises(InputError, match="--gamma 1.5"):
         check_args(Args(gamma=1.5), world_size=1)
-    with pytest.raises(SystemExit, match="--prompts-per-step 32 must divide by the 3 ranks"):
+    with pytest.raises(InputError, match="--prompts-per-step 32 must be >= 1 and divide by the 3 ranks"):
         check_args(Args(), world_size=3)

@@ -110,7 +110,7 @@ def test_existing_run_is_not_overwritten(trained_tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--group-size", "1"], "--group-size 1"),
-    (["--prompts-per-step", "3"], "--prompts-per-step 3 must divide"),
+    (["--prompts-per-step", "3"], "--prompts-per-step 3 must be >= 1 and divide by the 2 ranks"),
     (["--dataset", "no/such/file.jsonl"], "no/such/file.jsonl"),
 ])
 def test_bad_input_fails_clearly_and_writes_nothing(tiny_model_dir, tmp_path, extra, message):

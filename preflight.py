@@ -1,0 +1,153 @@
+"""Checks that run before anything is loaded or written, and errors that say what to do.
+
+    with friendly_errors("grpo.py"):                # an InputError ends the run in one or two lines
+        main(tyro.cli(Args))
+    check_flags([("--lr", args.lr, args.lr > 0, "> 0"), ...])
+    args = size_for_cpu(args, {"prompts_per_step": 4, ...}, "grpo.py")   # no GPU: smaller defaults
+    tokenizer, context = check_model("Qwen/Qwen2.5-0.5B-Instruct")      # before SGLang starts
+
+An InputError is bad input a person can fix: it prints its message, no traceback, and exits with
+code 2. RL_DEBUG=1 shows the traceback as well.
+"""
+
+import dataclasses
+import os
+import sys
+from contextlib import contextmanager
+
+
+class InputError(ValueError):
+    """Bad input (a flag, a file, a model folder): the message names the input and the fix."""
+
+
+@contextmanager
+def friendly_errors(script: str):
+    """Run a script's main: an InputError prints '<script>: <message>' on rank 0 and exits 2."""
+    try:
+        yield
+    except InputError as e:
+        if os.environ.get("RL_DEBUG"):
+            raise
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails the same way
+            print(f"{script}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def check_flags(rules: list[tuple[str, object, bool, str]]):
+    """rules: (flag, its value, whether it holds, what it must be). All broken rules are reported at once."""
+    problems = [f"{flag} {value} must be {must}" for flag, value, holds, must in rules if not holds]
+    if len(problems) == 1:
+        raise InputError(problems[0])
+    if problems:
+        raise InputError("bad arguments:\n  " + "\n  ".join(problems))
+
+
+def given_flags(argv: list[str]) -> set[str]:
+    """Field names of the flags on a command line: '--max-new-tokens=64' -> 'max_new_tokens'."""
+    return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+
+
+def size_for_cpu(args, sizes: dict, script: str):
+    """On a machine without a GPU, the GPU-sized defaults would take hours a step: use `sizes`
+    for every field not given on the command line, and say so in one line."""
+    import torch
+
+    if torch.cuda.is_available():
+        return args
+    changed = {k: v for k, v in sizes.items() if k not in given_flags(sys.argv[1:])}
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in changed.items())
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{script}: no GPU found (torch.cuda.is_available() is False): generating with plain transformers "
+              f"(--rollout-engine hf) on the CPU" + (f", CPU-sized defaults: {flags}" if flags else ""), flush=True)
+    return dataclasses.replace(args, **changed)
+
+
+def check_engine(kind: str, flag: str = "--rollout-engine") -> str:
+    """'auto' -> 'sglang' with a GPU, 'hf' without; SGLang must be installed and have a GPU."""
+    import importlib.util
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if kind == "sglang" and not cuda:
+        raise InputError(f"{flag} sglang needs a CUDA GPU and none was found: use {flag} hf")
+    if kind != "hf" and cuda and importlib.util.find_spec("sglang") is None:
+        raise InputError("SGLang is not installed: pip install -r requirements.txt (SGLang 0.5.16 pins torch 2.11), "
+                         f"or {flag} hf to generate with plain transformers (slow)")
+    return kind if kind != "auto" else ("sglang" if cuda else "hf")
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+TINY_MODEL_HINT = (f"for a CPU try-out build a tiny one: python "
+                   f"{os.path.relpath(os.path.join(os.path.dirname(__file__), 'tests', 'tiny_model.py'))} ./tiny-model, "
+                   f"then --model ./tiny-model")
+
+
+def looks_like_path(name: str) -> bool:
+    """A hub id is 'owner/name'; anything else that looks like a path is never sent to the hub."""
+    return (name.startswith((".", "/", "~")) or os.path.exists(name) or name.count("/") != 1
+            or name.endswith((".json", ".jsonl", ".parquet", ".safetensors", ".bin")))
+
+
+def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True):
+    """Before anything starts: the model is a folder with config.json, weights and (with_tokenizer) a
+    tokenizer, or a hub id that is cached or reachable. Returns (tokenizer or None, context length or None)."""
+    from transformers import AutoConfig, AutoTokenizer  # lazy: `import preflight` stays light
+
+    if looks_like_path(name):
+        path = os.path.expanduser(name)
+        if not os.path.isdir(path):
+            what = "is a file, not a folder" if os.path.isfile(path) else f"does not exist ({os.path.abspath(path)})"
+            raise InputError(f"{flag} {name!r} {what}: pass a folder holding config.json, the weights and the "
+                             f"tokenizer, or a hub id like Qwen/Qwen2.5-0.5B-Instruct;\n  {TINY_MODEL_HINT}")
+        files = set(os.listdir(path))
+        missing = [what for what, ok in (
+            ("config.json", "config.json" in files),
+            ("weights (*.safetensors or *.bin)", any(f.endswith((".safetensors", ".bin")) for f in files)),
+            ("tokenizer files (tokenizer.json or tokenizer_config.json)",
+             files & set(TOKENIZER_FILES) or not with_tokenizer)) if not ok]
+        if missing:
+            raise InputError(f"{flag} {name!r} has no {' and no '.join(missing)}: a model folder needs them "
+                             f"(a checkpoint's is runs/<run>/checkpoints/step_N/model); copy the missing files in")
+    else:
+        hub_reachable(name, flag)
+    try:
+        config = AutoConfig.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name) if with_tokenizer else None
+    except (OSError, ValueError, ImportError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"{flag} {name!r}: transformers could not load its config or tokenizer: {first}") from e
+    context = getattr(config, "max_position_embeddings", None)
+    return tokenizer, context
+
+
+def hub_reachable(name: str, flag: str):
+    """A hub id must be in the local cache or reachable: one quick request, not a minute of retries."""
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return  # cached: transformers reads it without the network
+    try:
+        HfApi().model_info(name, timeout=10)
+    except GatedRepoError:
+        raise InputError(f"{flag} {name!r} is gated on the hub: accept its licence on its page and log in "
+                         f"(hf auth login), or pass a local folder") from None
+    except RepositoryNotFoundError:
+        raise InputError(f"{flag} {name!r}: no such model on the hub (check the spelling; private models need "
+                         f"hf auth login), and no such local folder") from None
+    except Exception as e:  # no network, DNS, proxy, timeout: all mean the same here
+        raise InputError(f"{flag} {name!r} is not a local folder, not in the Hugging Face cache, and the hub "
+                         f"can't be reached ({type(e).__name__}: {e});\n  pass a local folder, or "
+                         f"{TINY_MODEL_HINT}") from None
+
+
+def check_context(context: int | None, max_prompt_len: int, max_new_tokens: int, flag: str = "--max-prompt-len"):
+    """A prompt of max_prompt_len tokens plus max_new_tokens must fit the model's context."""
+    if context is not None and max_prompt_len + max_new_tokens > context:
+        raise InputError(f"{flag} {max_prompt_len} + --max-new-tokens {max_new_tokens} = "
+                         f"{max_prompt_len + max_new_tokens} tokens, more than the model's context of {context} "
+                         f"(max_position_embeddings): lower one of them")

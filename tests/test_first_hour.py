@@ -1,0 +1,243 @@
+"""A newcomer's first hour, on a CPU machine with no model hub: each mistake ends in one or two lines
+that name the input and the fix, exit code 2, no traceback, and nothing written.
+
+Every run here is a subprocess, as a person would start it. The hub is made unreachable
+(HF_ENDPOINT on a closed local port, an empty cache) so the tests behave the same on any machine.
+The README's install commands themselves run in bench/fresh_machine.sh (a fresh virtualenv).
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(script: str, *args, cwd=ROOT, tmp=None, timeout=300):
+    """Run `python <script> args` like a person would; returns (exit code, stdout + stderr, seconds)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": str(tmp / "hf-cache") if tmp else "/nonexistent"}
+    env.pop("RL_DEBUG", None)
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr, time.time() - t0
+
+
+def last_lines(output: str, n: int = 2) -> str:
+    return "\n".join(output.strip().splitlines()[-n:])
+
+
+def assert_clean_failure(code: int, output: str, *expected: str):
+    """Exit 2, no traceback, and the last one or two lines hold every expected piece."""
+    assert code == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    tail = last_lines(output)
+    for piece in expected:
+        assert piece in tail, f"{piece!r} not in the last lines:\n{tail}"
+
+
+def write_rows(path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+
+
+def test_no_hub_fails_fast_naming_the_model_and_a_way_out(tmp_path):
+    """A hub id that is not cached, with no hub: one request, then the way out (a local folder, the tiny model)."""
+    code, out, seconds = run("grpo.py", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--output-dir", tmp_path / "runs",
+                             tmp=tmp_path)
+    assert_clean_failure(code, out, "'HuggingFaceTB/SmolLM2-135M-Instruct' is not a local folder",
+                         "the hub can't be reached", "tests/tiny_model.py ./tiny-model")
+    assert seconds < 30 and not (tmp_path / "runs").exists()
+
+
+def test_readme_cpu_line_relative_folder(tiny_model_dir, tmp_path):
+    """`--model ./tiny-model` is a folder relative to where you stand: missing, it says where it looked
+    and how to build one; present, the run starts (it was taken for a hub id before)."""
+    code, out, _ = run("grpo.py", "--model", "./tiny-model", "--output-dir", tmp_path / "runs", cwd=tmp_path, tmp=tmp_path)
+    assert_clean_failure(code, out, f"'./tiny-model' does not exist ({tmp_path / 'tiny-model'})", "tests/tiny_model.py")
+    assert not (tmp_path / "runs").exists()
+    shutil.copytree(tiny_model_dir, tmp_path / "tiny-model")
+    code, out, _ = run("grpo.py", "--model", "./tiny-model", "--steps", "1", "--eval-every", "0", "--save-every", "-1",
+                       "--output-dir", tmp_path / "runs", cwd=tmp_path, tmp=tmp_path)
+    assert code == 0 and "step 1 |" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("remove, missing", [
+    (["tokenizer.json", "tokenizer_config.json"], "has no tokenizer files"),
+    (["config.json"], "has no config.json"),
+    (["model.safetensors"], "has no weights"),
+])
+def test_model_folder_missing_files(tiny_model_dir, tmp_path, remove, missing):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    for name in remove:
+        (folder / name).unlink()
+    for script, out_flag in (("grpo.py", ["--output-dir", tmp_path / "runs"]), ("evaluate.py", ["--out", tmp_path / "e.json"])):
+        code, out, _ = run(script, "--model", folder, *out_flag, tmp=tmp_path)
+        assert_clean_failure(code, out, f"--model '{folder}' {missing}")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "e.json").exists()
+
+
+def test_prompt_plus_new_tokens_longer_than_the_context(tiny_model_dir, tmp_path):
+    """The tiny model's context is 512: 256 + 300 tokens is refused with the numbers, before loading."""
+    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--max-new-tokens", 300, "--output-dir", tmp_path / "runs")
+    assert_clean_failure(code, out, "--max-prompt-len 256 + --max-new-tokens 300 = 556 tokens",
+                         "the model's context of 512")
+    assert not (tmp_path / "runs").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# A machine without a GPU
+
+
+def test_cpu_machine_says_so_and_sizes_the_run_for_it(tiny_model_dir, tmp_path):
+    """No GPU: one line says so, names the engine and the CPU-sized flags it chose; flags given win."""
+    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--steps", "1", "--eval-every", "0", "--group-size", "2",
+                       "--output-dir", tmp_path / "runs", "--run-name", "r")
+    assert code == 0, out[-3000:]
+    line = next(x for x in out.splitlines() if "no GPU found" in x)
+    assert "--rollout-engine hf" in line and "--prompts-per-step 4" in line and "--max-new-tokens 64" in line
+    assert "--group-size" not in line  # given on the command line
+    args = json.loads((tmp_path / "runs" / "r" / "args.json").read_text())
+    assert (args["prompts_per_step"], args["group_size"], args["max_new_tokens"]) == (4, 2, 64)
+    assert "step 1 |" in out
+
+
+def test_sglang_asked_for_without_a_gpu(tiny_model_dir, tmp_path):
+    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--rollout-engine", "sglang", "--output-dir", tmp_path / "runs")
+    assert_clean_failure(code, out, "--rollout-engine sglang needs a CUDA GPU", "use --rollout-engine hf")
+    assert not (tmp_path / "runs").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Flags: checked before anything is loaded or written, in grpo.py, ppo.py and evaluate.py alike
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+@pytest.mark.parametrize("flag, value, message", [
+    ("--lr", "-1e-4", "--lr -0.0001 must be > 0"),
+    ("--max-new-tokens", "0", "--max-new-tokens 0 must be >= 1"),
+    ("--prompts-per-step", "0", "--prompts-per-step 0 must be >= 1"),
+    ("--micro-batch-size", "0", "--micro-batch-size 0 must be >= 1"),
+    ("--steps", "0", "--steps 0 must be >= 1 (to only evaluate a model: python evaluate.py)"),
+])
+def test_bad_flag_fails_before_anything_loads(tmp_path, script, flag, value, message):
+    """The model does not even exist: the flag is reported first, and no run folder appears."""
+    code, out, seconds = run(script, "--model", tmp_path / "no-model", flag, value, "--output-dir", tmp_path / "runs")
+    assert_clean_failure(code, out, message)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_several_bad_flags_are_listed_together(tmp_path):
+    code, out, _ = run("grpo.py", "--lr", "-1", "--micro-batch-size", "0", "--output-dir", tmp_path / "runs")
+    assert code == 2 and "Traceback" not in out
+    assert out.strip().splitlines()[-3:] == ["grpo.py: bad arguments:", "  --lr -1.0 must be > 0",
+                                             "  --micro-batch-size 0 must be >= 1"]
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--num-prompts", "0", "--num-prompts 0 must be >= 1"),
+    ("--max-new-tokens", "0", "--max-new-tokens 0 must be >= 1"),
+    ("--out", "no/such/dir/eval.json", "--out 'no/such/dir/eval.json': its folder does not exist"),
+])
+def test_evaluate_bad_flags(tmp_path, flag, value, message):
+    code, out, _ = run("evaluate.py", "--model", tmp_path / "no-model", flag, value, cwd=tmp_path)
+    assert_clean_failure(code, out, message)
+    assert os.listdir(tmp_path) == []
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    env_run = subprocess.run([sys.executable, "grpo.py", "--steps", "0"], cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, "RL_DEBUG": "1"}, timeout=120)
+    assert env_run.returncode != 0 and "Traceback" in env_run.stderr and "InputError" in env_run.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+
+
+def test_one_dataset_file_holds_out_an_eval_part_and_says_so(tiny_model_dir, tmp_path):
+    """One file, no --eval-dataset: a seeded held-out part, printed, never trained on; answers may be numbers."""
+    data = write_rows(tmp_path / "my.jsonl", [{"question": f"What is {i} + 1?", "answer": i + 1} for i in range(40)])
+    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--dataset", data, "--steps", "1", "--eval-every", "1",
+                       "--num-eval-prompts", "8", "--save-every", "-1", "--output-dir", tmp_path / "runs")
+    assert code == 0, out[-3000:]
+    assert f"held out 4 of 40 rows of {data} for evaluation" in out
+    assert "data: 36 train prompts, 4 eval prompts" in out
+
+
+def test_dropped_eval_prompts_are_counted(tiny_model_dir, tmp_path):
+    data = write_rows(tmp_path / "train.jsonl", [{"question": f"What is {i} + 1?", "answer": i + 1} for i in range(8)])
+    evals = write_rows(tmp_path / "eval.jsonl", [{"question": "What is 1 + 1?", "answer": 2},
+                                                 {"question": "long " * 300, "answer": 1}])
+    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--dataset", data, "--eval-dataset", evals, "--steps", "1",
+                       "--eval-every", "0", "--save-every", "-1", "--output-dir", tmp_path / "runs")
+    assert code == 0, out[-3000:]
+    assert "data: 8 train prompts, 1 eval prompts (dropped as longer than 256 tokens: 0 train, 1 eval)" in out
+
+
+@pytest.mark.parametrize("dataset, rows, message", [
+    ("data/train.jsonl", None, "dataset 'data/train.jsonl': no such file or folder"),
+    ("empty.jsonl", [], "empty.jsonl has no rows"),
+    ("bad.jsonl", [{"question": "Q?", "answer": [1]}], "bad.jsonl, line 1: needs a 'question' string and an 'answer'"),
+    ("long.jsonl", [{"question": "long " * 300, "answer": 1}] * 20, "all 18 prompts of"),
+])
+def test_dataset_errors_name_the_file(tiny_model_dir, tmp_path, dataset, rows, message):
+    """A missing relative path is never tried as a hub id; an empty or malformed file is named."""
+    if rows is not None:
+        write_rows(tmp_path / dataset, rows)
+    code, out, seconds = run("grpo.py", "--model", tiny_model_dir, "--dataset", dataset, "--output-dir", "runs",
+                             cwd=tmp_path)
+    assert_clean_failure(code, out, message)
+    assert seconds < 60 and not (tmp_path / "runs").exists()
+
+
+def test_existing_checkpoints_refuse_before_loading(tmp_path):
+    (tmp_path / "runs" / "r" / "checkpoints" / "step_000001").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "checkpoints" / "step_000001" / "trainer.pt").write_bytes(b"")
+    code, out, _ = run("grpo.py", "--model", tmp_path / "no-model", "--output-dir", tmp_path / "runs", "--run-name", "r")
+    assert_clean_failure(code, out, "already holds checkpoints: pass --resume to continue it, or a new --run-name")
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment
+
+
+def test_requirements_do_not_fight():
+    """requirements-test.txt only adds to what the main job installs: every package it names with a
+    version rule is either absent from requirements.txt's chain or named there with the same rule.
+    (.ci/check_requirements.py lets pip resolve both for real.)"""
+    def pins(name):
+        out = {}
+        for line in open(os.path.join(ROOT, name)):
+            line = line.split("#")[0].strip()
+            if line.startswith("-r "):
+                out.update(pins(line[3:].strip()))
+            elif line:
+                package = re.match(r"[A-Za-z0-9_.\-\[\]]+", line).group(0).lower()
+                out[package] = line[len(package):].strip()
+        return out
+
+    main, test = pins("requirements.txt"), pins("requirements-test.txt")
+    assert main["sglang"] == "==0.5.16" and "pytest" in test
+    assert all(main.get(p, rule) == rule for p, rule in test.items()), (main, test)
+    assert "matplotlib" in main  # bench/report.py's plots
+
+
+def test_report_without_matplotlib_says_what_to_install():
+    code = ("import sys; sys.modules['matplotlib'] = None; sys.path.insert(0, 'bench'); "
+            "import report; report.pyplot()")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "bench/report.py: drawing a PNG needs matplotlib: pip install matplotlib (requirements.txt lists it)"
