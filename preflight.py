@@ -13,6 +13,7 @@ code 2. RL_DEBUG=1 shows the traceback as well.
 import dataclasses
 import os
 import sys
+import time
 from contextlib import contextmanager
 
 
@@ -30,6 +31,8 @@ def friendly_errors(script: str):
             raise
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails the same way
             print(f"{script}: {e}", file=sys.stderr, flush=True)
+        else:  # torchrun stops all ranks when the first exits: let rank 0 print first
+            time.sleep(5)
         raise SystemExit(2) from None
 
 
@@ -121,6 +124,9 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(f"{flag} {name!r}: transformers could not load its config or tokenizer: {first}") from e
     context = getattr(config, "max_position_embeddings", None)
+    if with_tokenizer and os.environ.get("RANK", "0") == "0":
+        template = "chat template" if tokenizer.chat_template else "no chat template: prompts go in as raw text"
+        print(f"model {name}: {(config.architectures or ['?'])[0]}, context {context}, {template}", flush=True)
     return tokenizer, context
 
 
