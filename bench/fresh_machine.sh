@@ -29,9 +29,11 @@ for i in "${!commands[@]}"; do
   start=$(date +%s)
   bash -c "$cmd" > "$work/command$((i + 1)).log" 2>&1
   code=$?
-  echo "exit $code after $(( $(date +%s) - start )) s; log $work/command$((i + 1)).log; its last lines (pip's lines left out):"
-  grep -v -E '^(WARNING: Location|Requirement already satisfied|  (Downloading|Using cached|Obtaining)|Collecting )' \
-    "$work/command$((i + 1)).log" | tail -n 6 | cut -c1-400 | sed 's/^/  | /'
+  log="$work/command$((i + 1)).log"
+  echo "exit $code after $(( $(date +%s) - start )) s; log $log; pip installed" \
+    "$(grep -m1 '^Successfully installed' "$log" | wc -w | awk '{print ($1 > 2 ? $1 - 2 : 0)}') packages; the last lines:"
+  grep -v -E '^(WARNING: Location|Requirement already satisfied|Processing |Installing collected|Successfully installed|Collecting |  (Downloading|Using cached|Obtaining))' \
+    "$log" | tail -n 6 | cut -c1-400 | sed 's/^/  | /'
   [ "$i" -eq 0 ] || [ "$code" -eq 0 ] || status=1   # command 1 may stop at the hub on a machine without one
 done
 echo; echo "=== pip check"
