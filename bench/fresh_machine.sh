@@ -32,7 +32,7 @@ for i in "${!commands[@]}"; do
   log="$work/command$((i + 1)).log"
   echo "exit $code after $(( $(date +%s) - start )) s; log $log; pip installed" \
     "$(grep -m1 '^Successfully installed' "$log" | wc -w | awk '{print ($1 > 2 ? $1 - 2 : 0)}') packages; the last lines:"
-  grep -v -E '^(WARNING: Location|Requirement already satisfied|Processing |Installing collected|Successfully installed|Collecting |  (Downloading|Using cached|Obtaining))' \
+  grep -v -E '^(WARNING: Location|Requirement already satisfied|Processing |Installing collected|Successfully installed|Collecting |Looking in |  (Downloading|Using cached|Obtaining)| +━)' \
     "$log" | tail -n 6 | cut -c1-400 | sed 's/^/  | /'
   [ "$i" -eq 0 ] || [ "$code" -eq 0 ] || status=1   # command 1 may stop at the hub on a machine without one
 done
