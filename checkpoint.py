@@ -2,6 +2,7 @@
 
     save_checkpoint(out_dir, step, {"policy": (model, optimizer)}, {"model": model}, tokenizer=tok, state={...})
     path = latest_checkpoint(out_dir)        # highest complete step, or None
+    path = checkpoint_to_resume(out_dir, resume=True)   # the highest readable one; damaged ones moved aside
     state = load_checkpoint(path, {"policy": (model, optimizer)})
 
 Layout of one checkpoint, `out_dir/checkpoints/step_000100/`:
@@ -29,6 +30,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from preflight import InputError
+
 
 def checkpoint_dir(out_dir: str, step: int) -> str:
     return os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
@@ -39,6 +42,50 @@ def latest_checkpoint(out_dir: str) -> str | None:
     done = [p for p in glob.glob(os.path.join(out_dir, "checkpoints", "step_*"))
             if re.fullmatch(r"step_\d+", os.path.basename(p)) and os.path.isfile(os.path.join(p, "trainer.pt"))]
     return max(done, key=lambda p: int(p.rsplit("_", 1)[1])) if done else None
+
+
+def damage(path: str) -> str | None:
+    """What makes a complete-looking checkpoint unreadable, or None: trainer.pt and every rank's RNG
+    file load, and every shard file that the DCP metadata names is there and long enough."""
+    try:
+        state = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
+        for r in range(state.get("world_size", 1)):
+            torch.load(os.path.join(path, f"rng_rank{r}.pt"), weights_only=False)
+        meta = dcp.FileSystemReader(os.path.join(path, "state")).read_metadata()
+        need = {}  # shard file -> bytes it must hold
+        for info in meta.storage_data.values():
+            need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in sorted(need.items()):
+            file = os.path.join(path, "state", name)
+            have = os.path.getsize(file) if os.path.exists(file) else -1
+            if have < size:
+                return f"state/{name} is " + ("missing" if have < 0 else f"{have} bytes, expected {size}")
+    except Exception as e:  # noqa: BLE001 -- any unreadable file means the same: not resumable
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def checkpoint_to_resume(run_dir: str, resume: bool) -> str | None:
+    """With `resume`: the newest checkpoint of run_dir that `damage` finds nothing wrong with. A
+    damaged newer one is renamed step_N.damaged (kept, never resumed or rotated away) and named in a
+    line. Without `resume`, run_dir must hold no earlier run: nothing is overwritten silently."""
+    if not resume:
+        if latest_checkpoint(run_dir) or os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            raise InputError(f"{run_dir} holds an earlier run: pass --resume to continue it, or a new --run-name")
+        return None
+    damaged = []
+    while (path := latest_checkpoint(run_dir)) is not None:
+        problem = damage(path)
+        if problem is None:
+            return path
+        dist.barrier()  # every rank has read it before rank 0 moves it
+        if dist.get_rank() == 0:
+            os.rename(path, path + ".damaged")
+            print(f"checkpoint {path} is damaged ({problem}): moved aside to {path}.damaged", flush=True)
+        dist.barrier()
+        damaged.append(path)
+    raise InputError(f"--resume: {run_dir} has no " + (f"intact checkpoint (damaged: {', '.join(damaged)})" if damaged else
+                     "checkpoint (check --output-dir and --run-name, or drop --resume to start fresh)"))
 
 
 def save_hf_model(model, tokenizer, path: str, dtype: torch.dtype = torch.bfloat16):

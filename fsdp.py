@@ -186,13 +186,15 @@ def lr_lambda(warmup_steps: int, schedule: str, min_lr_ratio: float, total_steps
 
 
 class RunLog:
-    """A run's folder on rank 0: args.json, run_info.json, metrics.jsonl (+ wandb with `track`).
+    """A run's folder on rank 0: args.json, run_info.json, metrics.jsonl, samples.jsonl (+ wandb with `track`).
 
-    On resume, rows of steps after the checkpoint are dropped from metrics.jsonl: they are redone.
+    On resume from step N, rows of steps after N are dropped from metrics.jsonl and samples.jsonl
+    (they are redone), and so is the eval row of step N if the run evaluates it again (`eval_redone`).
+    A line cut short by a kill is dropped too.
     """
 
     def __init__(self, run_dir: str, config: dict, start_step: int, track: bool, project: str, run_name: str,
-                 info: dict):
+                 info: dict, eval_redone: bool = False):
         self.rank0, self.path, self.wandb = dist.get_rank() == 0, os.path.join(run_dir, "metrics.jsonl"), None
         if not self.rank0:
             return
@@ -200,11 +202,16 @@ class RunLog:
         for name, content in (("args.json", config), ("run_info.json", info)):
             with open(os.path.join(run_dir, name), "w") as f:
                 json.dump(content, f, indent=2)
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if json.loads(line).get("step", 0) <= start_step]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
+        def redone(row: dict) -> bool:
+            return row["step"] > start_step or (row["step"] == start_step and eval_redone
+                                                and any(k.startswith("eval/") for k in row))
+
+        for path in (self.path, os.path.join(run_dir, "samples.jsonl")):
+            if os.path.exists(path):
+                with open(path) as f:
+                    kept = [line for line in f if (row := parse_row(line)) is not None and not redone(row)]
+                with open(path, "w") as f:
+                    f.writelines(kept)
         if track:
             import wandb  # lazy: only with --track
 
@@ -234,6 +241,14 @@ class RunLog:
     def finish(self):
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def parse_row(line: str) -> dict | None:
+    """A metrics/samples row, or None for a line a kill cut short."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
 
 
 def launch_time() -> float:

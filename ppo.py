@@ -30,12 +30,12 @@ import torch.distributed as dist
 import tyro
 from tqdm import tqdm
 
-from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import PromptSampler, collate, load_task, shard, tokenize_prompts
 from fsdp import (RunLog, all_reduce, batch_logprobs, batch_values, init_distributed, launch_time, load_model, log_line, lr_lambda,
                   print0, run_info, shard_model, token_logprobs, token_values)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
-from preflight import InputError, check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
+from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
 from reward import format_reward, gsm8k_reward, int_match_reward, score
 from rollout import evaluate, generate, logprob_gap, rollout_stats, start_engine, stop_token_ids, tp_group
 
@@ -306,9 +306,7 @@ def main(args: Args):
     check_args(args, world_size)
     run_name = args.run_name or f"ppo-{os.path.basename(args.model.rstrip('/'))}-{os.path.basename(args.dataset.rstrip('/'))}-s{args.seed}"
     run_dir = os.path.join(args.output_dir, run_name)
-    resume_from = latest_checkpoint(run_dir) if args.resume else None
-    if not args.resume and latest_checkpoint(run_dir):
-        raise InputError(f"{run_dir} already holds checkpoints: pass --resume to continue it, or a new --run-name")
+    resume_from = checkpoint_to_resume(run_dir, args.resume)
     engine_kind = check_engine(args.rollout_engine)
     tokenizer, context = check_model(args.model)  # before SGLang starts: a bad --model fails in one line
     if args.critic_model:
@@ -387,7 +385,12 @@ def main(args: Args):
         critic_scheduler.load_state_dict(state["critic_scheduler"])
         start_step, kl_coef = state["step"], state["kl_coef"]
         print0(f"resumed from {resume_from}: step {start_step}, data epoch {sampler.epoch} index {sampler.index}")
-    log = RunLog(run_dir, asdict(args), start_step, args.track, args.wandb_project, run_name, run_info(world_size, engine_kind))
+    def eval_due(done: int) -> bool:
+        """Evaluate after `done` updates (at the start of step done + 1)?"""
+        return bool(args.eval_every) and done % args.eval_every == 0 and (done > 0 or args.eval_before_train)
+
+    log = RunLog(run_dir, asdict(args), start_step, args.track, args.wandb_project, run_name, run_info(world_size, engine_kind),
+                 eval_redone=start_step < args.steps and eval_due(start_step))
     mem = MemoryLog()
 
     def progress(items, desc: str):
@@ -406,7 +409,7 @@ def main(args: Args):
 
         # -- 1. wake SGLang up with the actor's weights (memory.py: the first half of the diagram)
         wake_up(engine, policy, train_models, optimizers, args.offload, mem, args.sync_bucket_mb << 20)
-        if args.eval_every and (step - 1) % args.eval_every == 0 and (step > 1 or args.eval_before_train):
+        if eval_due(step - 1):
             with mem.phase("eval"):
                 evaluate_now(step - 1)  # after step-1 updates
 

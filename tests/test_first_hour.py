@@ -207,7 +207,7 @@ def test_existing_checkpoints_refuse_before_loading(tmp_path):
     (tmp_path / "runs" / "r" / "checkpoints" / "step_000001").mkdir(parents=True)
     (tmp_path / "runs" / "r" / "checkpoints" / "step_000001" / "trainer.pt").write_bytes(b"")
     code, out, _ = run("grpo.py", "--model", tmp_path / "no-model", "--output-dir", tmp_path / "runs", "--run-name", "r")
-    assert_clean_failure(code, out, "already holds checkpoints: pass --resume to continue it, or a new --run-name")
+    assert_clean_failure(code, out, "holds an earlier run: pass --resume to continue it, or a new --run-name")
 
 
 # ----------------------------------------------------------------------------------------------
