@@ -221,7 +221,7 @@ class Sample:
     answer: str = ""               # reference answer of the prompt
     text: str = ""                 # decoded response
     reward: float = 0.0
-    reward_error: bool = False     # the reward function raised (scored 0.0)
+    reward_error: str = ""         # what the reward function raised ("" if it did not; scored 0.0)
 
 
 @dataclass

@@ -15,8 +15,10 @@ What it simplifies: every rank loads the full checkpoint on CPU before sharding;
 right-padded per micro-batch (no packing); one Adam for the whole model.
 """
 
+import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -34,6 +36,7 @@ from fsdp import (RunLog, all_reduce, batch_logprobs, init_distributed, launch_t
                   run_info, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
+from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
 from reward import format_reward, gsm8k_reward, int_match_reward, score
 from rollout import evaluate, generate, logprob_gap, rollout_stats, start_engine, stop_token_ids, tp_group
 
@@ -148,6 +151,12 @@ class Args:
     """checkpoint every this many steps (0: only at the end; -1: never, for benchmarks)"""
     keep_checkpoints: int = 2
     """newest checkpoints kept (0: all)"""
+    save_on_sigterm: bool = True
+    """on SIGTERM (preemption: Slurm, Kubernetes, torchrun), save the finished steps before exiting"""
+    max_nonfinite_steps: int = 3
+    """stop after this many steps in a row that skipped updates for a NaN/inf loss or gradient (a NaN reward makes one)"""
+    dist_timeout_minutes: float = 30.0
+    """how long a rank waits at a collective for the others (a slow generation, or a dead rank) before failing"""
     output_dir: str = "runs"
     """runs are written to output_dir/run_name"""
     run_name: str | None = None
@@ -247,6 +256,8 @@ def check_args(args: Args, world_size: int):
         ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
         ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
         ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
+        ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
+        ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
     ])
 
 
@@ -255,8 +266,9 @@ def check_args(args: Args, world_size: int):
 
 def main(args: Args):
     t_launch = launch_time()
+    handle_signals()  # Ctrl-C and SIGTERM stop the run between phases (stop.py)
     args = size_for_cpu(args, CPU_SIZES, "grpo.py")
-    rank, world_size, device = init_distributed()
+    rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     check_args(args, world_size)
     run_name = args.run_name or f"grpo-{os.path.basename(args.model.rstrip('/'))}-{os.path.basename(args.dataset.rstrip('/'))}-s{args.seed}"
     run_dir = os.path.join(args.output_dir, run_name)
@@ -283,11 +295,14 @@ def main(args: Args):
 
     # ---- rollout engine first: SGLang sizes its KV cache from the free memory it finds ----------
     t0 = time.time()
+    mem = MemoryLog()
+    allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
     group, owner = tp_group(args.rollout_tp)
     engine = start_engine(engine_kind, args.model, args.seed, args.sglang_mem_fraction, args.rollout_tp,
                           args.sglang_attention_backend, args.sglang_sampling_backend, args.sglang_cuda_graph_max_bs,
                           args.sglang_disable_cuda_graph, args.sglang_prefill_cuda_graph) if rank == owner else None
     release(engine, ALL_TAGS)  # until the first weight sync
+    watch = EngineWatch(getattr(engine, "processes", []), phase=lambda: mem.current)  # a dead engine ends the run
     dist.barrier()  # no rank loads its model before every engine has measured free memory
     startup["engine_s"] = time.time() - t0
 
@@ -329,15 +344,43 @@ def main(args: Args):
 
     log = RunLog(run_dir, asdict(args), start_step, args.track, args.wandb_project, run_name, run_info(world_size, engine_kind),
                  eval_redone=start_step < args.steps and eval_due(start_step))
-    mem = MemoryLog()
+    allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
+    last_saved, nonfinite = start_step, NonFinite(args.max_nonfinite_steps)
+
+    def save(step: int, sampler_state: dict):
+        nonlocal last_saved
+        t0 = time.time()
+        path = save_checkpoint(run_dir, step, {"policy": (policy, optimizer)}, {"model": policy}, tokenizer,
+                               {"step": step, "sampler": sampler_state, "scheduler": scheduler.state_dict(),
+                                "args": asdict(args)}, args.keep_checkpoints)
+        last_saved = step
+        print0(f"saved {path} ({time.time() - t0:.1f}s)")
+
+    def stop_now(signum: int, done: int, sampler_state: dict):
+        """Every rank, after agreeing on a signal: engine down, training state back on the GPU, a
+        checkpoint if SIGTERM (preemption) left finished steps unsaved, then exit 128 + signum."""
+        stop_engine(engine, watch)
+        sleep(None, train_models, [optimizer], args.offload, device, mem)  # offloaded state back (no-op otherwise)
+        if signum == signal.SIGTERM and args.save_on_sigterm and args.save_every >= 0 and done > last_saved:
+            save(done, sampler_state)
+        launcher = f"torchrun --nproc_per_node={world_size}" if "RANK" in os.environ else "python"
+        resume = (f"continue with: {launcher} {' '.join(sys.argv)}{'' if args.resume else ' --resume'}" if last_saved else
+                  f"no checkpoint yet: start again with a new --run-name or after deleting {run_dir}")
+        print0(f"stopped by {signal.Signals(signum).name} after step {done}; {resume}")
+        log.finish()
+        dist.destroy_process_group()
+        raise SystemExit(128 + signum)
 
     def progress(items, desc: str):
         """A progress bar over micro-batches on rank 0, when a person is watching (stderr is a TTY)."""
         return tqdm(items, desc=desc, leave=False, disable=rank != 0 or not sys.stderr.isatty())
 
     def evaluate_now(step: int):
-        log.log({"step": step, **evaluate(engine, eval_prompts, [e.answer for e in eval_examples], answer_fn,
-                                          args.max_new_tokens, stop_ids, tokenizer, step, group, owner)})
+        out = evaluate(engine, eval_prompts, [e.answer for e in eval_examples], answer_fn, args.max_new_tokens, stop_ids,
+                       tokenizer, step, group, owner)
+        if out is None:  # a signal cut the evaluation short: not logged
+            stop_now(agreed_signal(), step, sampler.state_dict())
+        log.log({"step": step, **out})
 
     # ---- the loop ----------------------------------------------------------------------------------
     local_prompts = args.prompts_per_step // world_size
@@ -345,6 +388,7 @@ def main(args: Args):
         t_step = time.time()
         mem.reset()
         metrics = {"step": step}
+        sampler_state = sampler.state_dict()  # the data position after step - 1, for a save if stopped mid-step
 
         # -- 1. wake SGLang up with the current weights (memory.py: the first half of the diagram)
         wake_up(engine, policy, train_models, [optimizer], args.offload, mem, args.sync_bucket_mb << 20)
@@ -376,6 +420,8 @@ def main(args: Args):
             # every rank must train on the same number of groups (FSDP collectives must match)
             n_groups = int(all_reduce(min(len(kept), local_prompts), dist.ReduceOp.MIN))
             kept = kept[:n_groups]
+        if signum := agreed_signal():  # a signal during generation: stop before anything is trained on
+            stop_now(signum, step - 1, sampler_state)
 
         # -- 3. SGLang sleeps, training state comes back
         sleep(engine, train_models, [optimizer], args.offload, device, mem)
@@ -437,8 +483,9 @@ def main(args: Args):
                             sums["tokens"] += float(m.sum())
                         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                         grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
-                        optimizer.step()
-                        scheduler.step()
+                        if math.isfinite(grad_norms[-1]):  # a NaN/inf loss or reward never reaches the weights
+                            optimizer.step()
+                            scheduler.step()
                         optimizer.zero_grad(set_to_none=True)
 
             # train metrics
@@ -448,7 +495,7 @@ def main(args: Args):
                 "train/loss": red[0] / n_opt, "train/clip_frac": red[1] / red[5].clamp(min=1),
                 "train/kl": red[2] / red[5].clamp(min=1), "train/entropy": red[3] / red[5].clamp(min=1),
                 "train/approx_kl": red[4] / red[5].clamp(min=1), "train/grad_norm": sum(grad_norms) / len(grad_norms),
-                "train/lr": scheduler.get_last_lr()[0],
+                "train/lr": scheduler.get_last_lr()[0], "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms),
                 "perf/tokens_per_s": all_reduce(batch.attention_mask.sum()) / (time.time() - t_step),
             })
 
@@ -466,24 +513,25 @@ def main(args: Args):
             ("ent", "train/entropy", ".3f"), ("gnorm", "train/grad_norm", ".3f"), ("lr", "train/lr", ".1e"),
             ("rollout s", "time/generate", ".1f"), ("sync s", "time/sync_weights", ".2f"),
             ("logp s", "time/logprob", ".1f"), ("update s", "time/update", ".1f"), ("step s", "perf/step_s", ".1f"),
-            ("tok/s", "perf/rollout_tokens_per_s", ".0f")]))
+            ("tok/s", "perf/rollout_tokens_per_s", ".0f"),
+            *([("reward errors", "rollout/reward_errors", ".0f")] if metrics["rollout/reward_errors"] else [])]))
         log.log(metrics)
+        if warning := nonfinite.after_step(step, int(metrics.get("train/nonfinite_skips", 0)), args.epochs * args.num_minibatches,
+                                           int(metrics["rollout/reward_nonfinite"])):
+            print0(warning)
         if args.log_samples_every and step % args.log_samples_every == 0:
             log.samples(step, seen)
         if args.save_every >= 0 and ((args.save_every and step % args.save_every == 0) or step == args.steps):
-            t0 = time.time()
-            path = save_checkpoint(run_dir, step, {"policy": (policy, optimizer)}, {"model": policy}, tokenizer,
-                                   {"step": step, "sampler": sampler.state_dict(), "scheduler": scheduler.state_dict(),
-                                    "args": asdict(args)}, args.keep_checkpoints)
-            print0(f"saved {path} ({time.time() - t0:.1f}s)")
+            save(step, sampler.state_dict())
+        if signum := agreed_signal():
+            stop_now(signum, step, sampler.state_dict())
 
     # ---- final evaluation and cleanup --------------------------------------------------------------
     if args.eval_every and start_step < args.steps:
         wake_up(engine, policy, train_models, [optimizer], args.offload, mem, args.sync_bucket_mb << 20)
         evaluate_now(args.steps)
     mem.close()
-    if engine is not None:
-        engine.shutdown()
+    stop_engine(engine, watch)
     log.finish()
     dist.destroy_process_group()
 

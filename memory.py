@@ -144,6 +144,7 @@ class MemoryLog:
         self.cuda = torch.cuda.is_available()
         self.seconds: dict[str, float] = {}
         self.gib: dict[str, dict[str, float]] = {}
+        self.current = "start-up"  # the phase running now, or the last one (for error messages)
         self._device_peak, self._stop = 0, threading.Event()
         if self.cuda:
             self._device = torch.cuda.current_device()
@@ -165,6 +166,7 @@ class MemoryLog:
             free, total = torch.cuda.mem_get_info()
             self._device_peak = total - free
         t0 = time.perf_counter()
+        self.current = name
         yield
         if self.cuda:
             torch.cuda.synchronize()

@@ -12,13 +12,19 @@ code 2. RL_DEBUG=1 shows the traceback as well.
 
 import dataclasses
 import os
+import signal
 import sys
 import time
 from contextlib import contextmanager
 
 
 class InputError(ValueError):
-    """Bad input (a flag, a file, a model folder): the message names the input and the fix."""
+    """Bad input (a flag, a file, a model folder), or a run that can't usefully go on: the message
+    names the input and the fix."""
+
+
+class Interrupted(Exception):
+    """A signal cut a wait short (start-up or generation); args[0] is the signal number (stop.py)."""
 
 
 @contextmanager
@@ -26,6 +32,10 @@ def friendly_errors(script: str):
     """Run a script's main: an InputError prints '<script>: <message>' on rank 0 and exits 2."""
     try:
         yield
+    except Interrupted as e:  # a signal during start-up: nothing was trained, nothing to save
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{script}: stopped by {signal.Signals(e.args[0]).name} during start-up", file=sys.stderr, flush=True)
+        raise SystemExit(128 + e.args[0]) from None
     except InputError as e:
         if os.environ.get("RL_DEBUG"):
             raise

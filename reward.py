@@ -3,7 +3,7 @@
     gsm8k_reward(completion, "72")              # 1.0 if the extracted number equals 72
     int_match_reward(completion, "122")         # built-in addition task: exact integer match
     format_reward(completion)                   # 1.0 if the completion gives a "#### <number>" answer
-    score(reward_fn, completion, answer)        # never raises: (reward, error) with 0.0 on error
+    score(reward_fn, completion, answer)        # never raises: (reward, "") or (0.0, "ValueError: ...")
 
 Two ways to find the final answer, as in lm-evaluation-harness's GSM8K:
   strict:   the number after the last "####"      ("... so 5 + 7 = 12.\n#### 12" -> "12")
@@ -78,13 +78,13 @@ def format_reward(completion: str) -> float:
     return float(extract_strict(completion) is not None)
 
 
-def score(reward_fn, completion: str, answer: str) -> tuple[float, bool]:
-    """Call a reward function; a function that raises scores 0.0 and reports error=True.
+def score(reward_fn, completion: str, answer: str) -> tuple[float, str]:
+    """Call a reward function; a function that raises scores 0.0 and reports what it raised.
 
     A buggy or unlucky reward function (a regex on a pathological string, a parser that chokes)
     must never stop a training run: the caller counts the errors in its metrics instead.
     """
     try:
-        return float(reward_fn(completion, answer)), False
-    except Exception:  # noqa: BLE001 -- deliberately broad: any reward bug becomes a counted 0
-        return 0.0, True
+        return float(reward_fn(completion, answer)), ""
+    except Exception as e:  # noqa: BLE001 -- deliberately broad: any reward bug becomes a counted 0
+        return 0.0, f"{type(e).__name__}: {e}"

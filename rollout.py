@@ -12,6 +12,8 @@ Tensor parallel size k: ranks are cut into groups of k; the first rank of each g
 spanning the group's k GPUs, the others have `engine=None` and send their prompts to the owner.
 """
 
+import math
+import multiprocessing
 import os
 
 import torch
@@ -19,7 +21,9 @@ import torch.distributed as dist
 
 from data import Sample
 from fsdp import all_reduce, log_line, print0
+from preflight import Interrupted
 from reward import format_reward, score
+from stop import interruptible, requested
 
 # ----------------------------------------------------------------------------------------------
 # Engines
@@ -124,13 +128,18 @@ class HFEngine:
 def start_engine(kind: str, model_path: str, seed: int, mem_fraction: float = 0.6, tp_size: int = 1,
                  attention_backend: str | None = "triton", sampling_backend: str | None = "pytorch",
                  cuda_graph_max_bs: int | None = None, disable_cuda_graph: bool = False, prefill_cuda_graph: bool = False):
-    """'sglang' (on this rank's GPU) or 'hf' (CPU stand-in)."""
+    """'sglang' (on this rank's GPU) or 'hf' (CPU stand-in). `engine.processes` lists the child
+    processes it started (SGLang's scheduler and detokenizer), for stop.EngineWatch."""
+    before = set(multiprocessing.active_children())
     if kind == "sglang":
-        return start_sglang(model_path, gpu_id=torch.cuda.current_device(), mem_fraction=mem_fraction, tp_size=tp_size,
-                            seed=seed, attention_backend=attention_backend, sampling_backend=sampling_backend,
-                            cuda_graph_max_bs=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph,
-                            prefill_cuda_graph=prefill_cuda_graph)
-    return HFEngine(model_path, seed=seed)
+        engine = start_sglang(model_path, gpu_id=torch.cuda.current_device(), mem_fraction=mem_fraction, tp_size=tp_size,
+                              seed=seed, attention_backend=attention_backend, sampling_backend=sampling_backend,
+                              cuda_graph_max_bs=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph,
+                              prefill_cuda_graph=prefill_cuda_graph)
+    else:
+        engine = HFEngine(model_path, seed=seed)
+    engine.processes = [p for p in multiprocessing.active_children() if p not in before]
+    return engine
 
 
 def stop_token_ids(tokenizer, model_path: str) -> list[int]:
@@ -217,7 +226,11 @@ def generate(engine, prompt_ids: list[list[int]], answers: list[str], seeds: lis
     if engine is not None:
         params = [{"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
                    "stop_token_ids": stop_ids, "sampling_seed": seed} for seed in requests[1]]
-        outputs = engine.generate(input_ids=requests[0], sampling_params=params, return_logprob=True)
+        try:
+            with interruptible():
+                outputs = engine.generate(input_ids=requests[0], sampling_params=params, return_logprob=True)
+        except Interrupted:  # Ctrl-C or SIGTERM: no samples; the loop stops at its next check
+            outputs = [None] * len(requests[0])
     if group is not None:
         if dist.get_rank() == owner:
             sizes = [len(g[0]) for g in gathered]
@@ -229,6 +242,8 @@ def generate(engine, prompt_ids: list[list[int]], answers: list[str], seeds: lis
 
     samples = []
     for prompt, answer, out in zip(prompt_ids, answers, outputs):
+        if out is None:
+            continue
         finish = out["meta_info"]["finish_reason"]
         if finish["type"] == "abort":
             raise RuntimeError(f"SGLang aborted a request: {finish.get('message')}; a prompt of {len(prompt)} "
@@ -259,12 +274,15 @@ def judge(samples: list[Sample], answer_fn) -> list[float]:
 
 def evaluate(engine, prompt_ids, answers, answer_fn, max_new_tokens: int, stop_ids, tokenizer, step: int,
              group=None, owner: int = 0) -> dict:
-    """Greedy accuracy on held-out prompts (engine awake), split over ranks; one console line."""
+    """Greedy accuracy on held-out prompts (engine awake), split over ranks; one console line.
+    None if a signal cut it short on any rank (nothing to log)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = list(range(rank, len(prompt_ids), world))
     samples = generate(engine, [prompt_ids[i] for i in mine], [answers[i] for i in mine], [0] * len(mine),
                        max_new_tokens, 0.0, 1.0, stop_ids, tokenizer, group, owner)
-    sums = all_reduce(torch.tensor(judge(samples, answer_fn) + [len(samples)]))
+    sums = all_reduce(torch.tensor(judge(samples, answer_fn) + [len(samples), requested()]))
+    if sums[4]:
+        return None
     out = {"eval/strict_acc": float(sums[0] / sums[3]), "eval/flexible_acc": float(sums[1] / sums[3]),
            "eval/format_rate": float(sums[2] / sums[3])}
     print0(log_line(step, out, [("eval strict acc", "eval/strict_acc", ".3f"), ("flexible acc", "eval/flexible_acc", ".3f"),
@@ -278,13 +296,16 @@ def rollout_stats(samples: list[Sample], answer_fn, seconds: float) -> dict:
     tot = all_reduce(torch.tensor([
         len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples), acc, fmt,
         sum(len(s.response_ids) for s in samples), sum(s.truncated for s in samples),
-        sum(s.reward_error for s in samples)], dtype=torch.float64))
+        sum(bool(s.reward_error) for s in samples), sum(not math.isfinite(s.reward) for s in samples)], dtype=torch.float64))
     n, mean = tot[0], tot[1] / tot[0]
+    if tot[7] > n / 2:  # a broken reward function: say so on the console, not only in the metrics
+        first = next((s.reward_error for s in samples if s.reward_error), "")
+        print0(f"warning: the reward function raised on {int(tot[7])} of {int(n)} samples (scored 0)" + (f", e.g. {first}" if first else ""))
     return {"rollout/reward_mean": mean, "rollout/reward_std": (tot[2] / n - mean**2).clamp(min=0).sqrt(),
             "rollout/strict_acc": tot[3] / n, "rollout/format_rate": tot[4] / n,
             "rollout/response_len_mean": tot[5] / n,
             "rollout/response_len_max": all_reduce(max(len(s.response_ids) for s in samples), dist.ReduceOp.MAX),
-            "rollout/truncated_frac": tot[6] / n, "rollout/reward_errors": tot[7],
+            "rollout/truncated_frac": tot[6] / n, "rollout/reward_errors": tot[7], "rollout/reward_nonfinite": tot[8],
             "perf/rollout_tokens_per_s": tot[5] / seconds}
 
 

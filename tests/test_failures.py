@@ -4,6 +4,10 @@ signals and a dead engine (CPU, HF engine, subprocess runs of grpo.py and ppo.py
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from test_smoke import metrics, run_grpo
@@ -94,3 +98,165 @@ def test_every_checkpoint_damaged_refuses_naming_them(trained_tiny_model_dir, tm
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--resume", *QUIET, expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "has no intact checkpoint (damaged: " in proc.stderr and "step_000001" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Non-finite numbers and broken rewards
+
+
+def patched(mode, model, out_dir, *extra, script="grpo.py", env=None, expect_ok=True):
+    """run_grpo through tests/patched_run.py MODE."""
+    return run_grpo(model, out_dir, *extra, script=script, expect_ok=expect_ok,
+                    launch=[os.path.join("tests", "patched_run.py"), mode], env=env)
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+def test_a_nan_reward_skips_the_update_and_never_reaches_the_weights(trained_tiny_model_dir, tmp_path, script):
+    """Step 2's rewards are NaN: its updates are skipped and said so; the run goes on and the saved
+    weights are finite."""
+    proc = patched("nan_reward", trained_tiny_model_dir, tmp_path, "--steps", "3", *QUIET, script=script,
+                   env={"PATCH_FROM": "2", "PATCH_UNTIL": "2"})
+    train = {r["step"]: r for r in rows(tmp_path) if "train/nonfinite_skips" in r}
+    assert train[1]["train/nonfinite_skips"] == 0 and train[2]["train/nonfinite_skips"] > 0 and train[3]["train/nonfinite_skips"] == 0
+    assert train[2]["rollout/reward_nonfinite"] == 16
+    assert "step 2: " in proc.stdout and "updates skipped for a NaN/inf loss or gradient (16 rewards were NaN/inf" in proc.stdout
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "r" / "checkpoints" / "step_000003" / "model" / "model.safetensors")
+    assert all(t.float().isfinite().all() for t in weights.values())
+
+
+def test_nan_rewards_step_after_step_stop_the_run(trained_tiny_model_dir, tmp_path):
+    proc = patched("nan_reward", trained_tiny_model_dir, tmp_path, "--steps", "6", "--max-nonfinite-steps", "2", *QUIET,
+                   expect_ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "steps 1-2 each skipped updates for a NaN/inf loss or gradient (16 rewards were NaN/inf" in proc.stderr
+    assert "Likely causes: a reward function returning NaN/inf" in proc.stderr
+
+
+def test_a_nan_loss_skips_one_update(trained_tiny_model_dir, tmp_path):
+    proc = patched("nan_loss", trained_tiny_model_dir, tmp_path, "--steps", "2", *QUIET)
+    train = metrics(tmp_path)[0]
+    assert [r["train/nonfinite_skips"] for r in train] == [1, 0] and "step 1: 1 of 1 updates skipped" in proc.stdout
+
+
+def test_a_reward_that_always_raises_is_on_the_console(trained_tiny_model_dir, tmp_path):
+    proc = patched("raising_reward", trained_tiny_model_dir, tmp_path, "--steps", "1", *QUIET)
+    assert "reward errors 16" in proc.stdout
+    assert "warning: the reward function raised on 16 of 16 samples (scored 0), e.g. RuntimeError: a buggy reward" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Signals and a dead engine
+
+
+def start(model, out_dir, *extra, script="grpo.py", launch=(), nproc=1):
+    """Start a run in the background, its output going to out_dir/console.txt."""
+    from test_smoke import COMMON, PER_SCRIPT, ROOT
+
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={nproc}"]
+    cmd = launcher + [*launch, script, "--model", model, "--output-dir", str(out_dir), "--run-name", "r", *COMMON,
+                      *PER_SCRIPT[script], *extra]
+    os.makedirs(out_dir, exist_ok=True)
+    console = open(os.path.join(out_dir, "console.txt"), "w")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def wait_for(out_dir, text: str, proc, timeout: float = 120) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        console = open(os.path.join(out_dir, "console.txt")).read()
+        if text in console:
+            return console
+        assert proc.poll() is None, f"exited {proc.returncode} before {text!r}:\n{console[-3000:]}"
+        time.sleep(0.05)
+    raise AssertionError(f"no {text!r} in {timeout} s")
+
+
+def stop_with(proc, signum, timeout: float = 30) -> float:
+    """Send signum, return the seconds the process took to exit."""
+    t0 = time.time()
+    proc.send_signal(signum)
+    proc.wait(timeout=timeout)
+    return time.time() - t0
+
+
+def console_lines(out_dir) -> list[str]:
+    return open(os.path.join(out_dir, "console.txt")).read().strip().splitlines()
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+@pytest.mark.parametrize("when", ["start-up", "step 1 |", "step 2 |"])
+def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp_path, script, when):
+    """SIGINT during start-up or anywhere in a step: out in seconds, exit code 130, a last line
+    that says so; no checkpoint is written for Ctrl-C, and no traceback."""
+    proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "3", script=script)
+    wait_for(tmp_path, "model " if when == "start-up" else when, proc)
+    seconds = stop_with(proc, signal.SIGINT)
+    lines = console_lines(tmp_path)
+    assert proc.returncode == 130 and seconds < 30, lines[-5:]
+    assert not any("Traceback" in x for x in lines)
+    if when == "start-up":
+        assert lines[-1] in (f"{script}: stopped by SIGINT during start-up",) or lines[-1].startswith("stopped by SIGINT after step 0")
+    else:
+        assert lines[-1].startswith("stopped by SIGINT after step ") and "no checkpoint yet" in lines[-1]
+    assert not (tmp_path / "r" / "checkpoints").exists() or not os.listdir(tmp_path / "r" / "checkpoints")
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(trained_tiny_model_dir, tmp_path, script):
+    """Preemption: SIGTERM mid-run saves the finished steps, exit code 143; --resume's next step has
+    the numbers of a run that never stopped."""
+    stopped, straight = tmp_path / "stopped", tmp_path / "straight"
+    args = ["--eval-every", "0", "--save-every", "100", "--log-samples-every", "0"]
+    proc = start(trained_tiny_model_dir, stopped, "--steps", "8", *args, script=script)
+    wait_for(stopped, "step 3 |", proc)
+    seconds = stop_with(proc, signal.SIGTERM)
+    lines = console_lines(stopped)
+    assert proc.returncode == 143 and seconds < 30, lines[-5:]
+    done = int(lines[-1].split("after step ")[1].split(";")[0])
+    assert lines[-1].startswith("stopped by SIGTERM after step") and lines[-1].endswith("--resume")
+    assert f"saved {stopped / 'r' / 'checkpoints' / f'step_{done:06d}'}" in "\n".join(lines)
+    run_grpo(trained_tiny_model_dir, stopped, "--steps", str(done + 1), "--resume", *args, script=script)
+    run_grpo(trained_tiny_model_dir, straight, "--steps", str(done + 1), *args, script=script)
+    keep = ("rollout/", "train/", "critic/")
+    a = {k: v for k, v in rows(straight)[-1].items() if k.startswith(keep)}
+    b = {k: v for k, v in rows(stopped)[-1].items() if k.startswith(keep)}
+    assert rows(stopped)[-1]["step"] == done + 1 and a == pytest.approx(b, rel=1e-6, abs=1e-9)
+
+
+def test_sigterm_under_torchrun_stops_every_rank_and_saves(trained_tiny_model_dir, tmp_path):
+    proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "0", "--save-every", "100",
+                 nproc=2)
+    wait_for(tmp_path, "step 2 |", proc, timeout=240)
+    seconds = stop_with(proc, signal.SIGTERM, timeout=60)
+    console = "\n".join(console_lines(tmp_path))
+    assert seconds < 30 and "stopped by SIGTERM after step" in console
+    ckpts = os.listdir(tmp_path / "r" / "checkpoints")
+    assert len(ckpts) == 1 and ckpts[0].startswith("step_") and not ckpts[0].endswith(".tmp")
+
+
+def test_a_killed_save_is_never_resumed(trained_tiny_model_dir, tmp_path):
+    """A save killed half-way leaves step_N.tmp: --resume takes the older complete checkpoint."""
+    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", *QUIET)
+    ckpts = tmp_path / "r" / "checkpoints"
+    shutil.copytree(ckpts / "step_000001", ckpts / "step_000002.tmp")
+    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--resume", *QUIET)
+    assert "resumed from" in proc.stdout and "step_000001: step 1" in proc.stdout
+
+
+def test_a_dead_engine_process_ends_the_run_naming_it(trained_tiny_model_dir, tmp_path):
+    """The engine's child process (SGLang's scheduler on a GPU) is killed: the run exits within
+    60 s, naming the process, its exit code and the phase, instead of waiting forever."""
+    proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "0",
+                 launch=[os.path.join("tests", "patched_run.py"), "engine_child"])
+    console = wait_for(tmp_path, "step 2 |", proc)
+    pid = int(console.split("engine child pid ")[1].split()[0])
+    t0 = time.time()
+    os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    lines = console_lines(tmp_path)
+    assert proc.returncode == 1 and time.time() - t0 < 60
+    assert f"the rollout engine's process scheduler-stand-in (pid {pid}) died with exit code -9 during " in lines[-1]

@@ -124,13 +124,14 @@ def test_format_reward(completion, expected):
 
 
 def test_score_normal_and_raising_reward():
-    """score() returns (reward, False), or (0.0, True) when the reward function raises."""
-    assert score(lambda c, a: 0.75, "x", "y") == (0.75, False)
-    assert score(gsm8k_reward, "#### 5", "5") == (1.0, False)
+    """score() returns (reward, ""), or (0.0, what it raised) when the reward function raises."""
+    assert score(lambda c, a: 0.75, "x", "y") == (0.75, "")
+    assert score(gsm8k_reward, "#### 5", "5") == (1.0, "")
 
     def broken(completion, answer):
         raise RuntimeError("a buggy reward")
 
-    assert score(broken, "#### 5", "5") == (0.0, True)
+    assert score(broken, "#### 5", "5") == (0.0, "RuntimeError: a buggy reward")
     # a real failure: int('seven') in int_match_reward
-    assert score(int_match_reward, "#### 5", "seven") == (0.0, True)
+    value, error = score(int_match_reward, "#### 5", "seven")
+    assert value == 0.0 and error.startswith("ValueError: ")

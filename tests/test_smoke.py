@@ -19,12 +19,13 @@ COMMON = ["--prompts-per-step", "4", "--max-new-tokens", "24", "--micro-batch-si
 PER_SCRIPT = {"grpo.py": ["--group-size", "4"], "ppo.py": ["--samples-per-prompt", "4", "--critic-lr", "1e-3"]}
 
 
-def run_grpo(model, out_dir, *extra, nproc=1, expect_ok=True, script="grpo.py"):
+def run_grpo(model, out_dir, *extra, nproc=1, expect_ok=True, script="grpo.py", launch=(), env=None):
+    """Run a script as a person would; `launch` goes between python and the script (a wrapper)."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={nproc}"]
-    cmd = launcher + [script, "--model", model, "--output-dir", str(out_dir), "--run-name", "r", *COMMON,
+    cmd = launcher + [*launch, script, "--model", model, "--output-dir", str(out_dir), "--run-name", "r", *COMMON,
                       *PER_SCRIPT[script], *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

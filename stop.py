@@ -1,0 +1,150 @@
+"""Stopping a run cleanly: Ctrl-C and SIGTERM, a dead engine, non-finite numbers.
+
+    handle_signals()                   # SIGINT/SIGTERM are remembered; a second Ctrl-C exits at once
+    allow_interrupt(True)              # start-up: a signal ends the run at once (nothing to save yet)
+    with interruptible():              # a wait on the engine (generation) is cut short by a signal
+        outputs = engine.generate(...)
+    if (signum := agreed_signal()):    # every rank, at the same places: did any rank get a signal?
+        ...save if SIGTERM, shut the engine down, exit 128 + signum
+    watch_engine(processes, phase=lambda: mem.current)   # an engine process that dies ends the run
+    nonfinite = NonFinite(limit=3)     # K steps in a row with NaN/inf: stop, naming the likely causes
+
+A signal never lands in the middle of an update, a weight sync or a save: outside `interruptible()`
+it is only remembered, and the loop stops at its next check, between phases. Generation is the one
+long wait, and a signal cuts it short (it changes no training state).
+"""
+
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+from fsdp import all_reduce
+from preflight import InputError, Interrupted
+
+
+_state = {"signum": 0, "interruptible": False, "first_at": 0.0}
+
+
+def handle_signals():
+    """Install the handlers (again: SGLang's event loop installs its own SIGTERM handler when it
+    starts, and would swallow the signal while it drains requests)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(s) is not _on_signal:
+            signal.signal(s, _on_signal)
+
+
+def _on_signal(signum, frame):
+    # A second Ctrl-C exits now, whatever is running. One within a second of the first is the same
+    # Ctrl-C again: in a terminal the whole process group gets it, and torchrun forwards its own copy.
+    if _state["signum"] and signum == signal.SIGINT and time.time() - _state["first_at"] > 1.0:
+        os.write(2, b"\nsecond Ctrl-C: exiting now\n")
+        os._exit(128 + signum)  # SGLang's child processes die with their parent (PR_SET_PDEATHSIG)
+    first = not _state["signum"]
+    if first:
+        _state["first_at"] = time.time()
+    _state["signum"] = max(_state["signum"], signum)  # SIGTERM after SIGINT (torchrun forwarding): save too
+    if first and os.environ.get("RANK", "0") == "0":
+        os.write(2, f"\n{signal.Signals(signum).name} received: stopping at the next safe point "
+                    f"(Ctrl-C again to exit at once)\n".encode())
+    if _state["interruptible"]:
+        raise Interrupted(signum)
+
+
+def requested() -> int:
+    """The signal this rank got, 0 if none."""
+    return _state["signum"]
+
+
+def allow_interrupt(on: bool):
+    """While on, a signal raises Interrupted wherever the main thread is: only for code whose
+    interruption changes no training state (start-up, generation)."""
+    if on and _state["signum"]:
+        raise Interrupted(_state["signum"])
+    _state["interruptible"] = on
+    if not on:
+        handle_signals()
+
+
+@contextmanager
+def interruptible():
+    allow_interrupt(True)
+    try:
+        yield
+    finally:
+        allow_interrupt(False)
+
+
+def agreed_signal() -> int:
+    """The signal any rank got (SIGTERM wins), 0 if none. A collective: every rank calls it at the
+    same places, so all ranks stop together and can save together."""
+    return int(all_reduce(_state["signum"], dist.ReduceOp.MAX)) if dist.is_initialized() else _state["signum"]
+
+
+# ----------------------------------------------------------------------------------------------
+# A dead engine
+
+
+class EngineWatch:
+    """A thread that ends the run when one of the engine's processes dies (killed, out of memory, a
+    crash): the trainer would otherwise wait on it forever. It names the process, its exit code and
+    the phase, then exits the whole process (exit code 1); `--resume` continues from the last
+    checkpoint. `close()` before shutting the engine down on purpose."""
+
+    def __init__(self, processes: list, phase, interval: float = 2.0):
+        self.processes, self.phase, self._done = processes, phase, threading.Event()
+        if processes:
+            threading.Thread(target=self._watch, args=(interval,), daemon=True).start()
+
+    def _watch(self, interval: float):
+        while not self._done.wait(interval):
+            dead = [p for p in self.processes if not p.is_alive()]
+            if dead and not self._done.is_set():
+                p = dead[0]
+                os.write(2, f"\nthe rollout engine's process {p.name} (pid {p.pid}) died with exit code {p.exitcode} "
+                            f"during {self.phase()}: stopping (out of GPU or host memory? killed?); --resume continues "
+                            f"from the last checkpoint\n".encode())
+                for q in self.processes:
+                    if q.is_alive():
+                        q.kill()
+                os._exit(1)
+
+    def close(self):
+        self._done.set()
+
+
+def stop_engine(engine, watch: EngineWatch | None):
+    if watch is not None:
+        watch.close()
+    if engine is not None:
+        engine.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------
+# Non-finite numbers
+
+
+class NonFinite:
+    """Counts steps whose update was skipped for a NaN/inf loss or gradient norm (a NaN reward
+    becomes one through the advantages); `limit` such steps in a row stop the run."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row = limit, 0
+
+    def after_step(self, step: int, skipped: int, total: int, nonfinite_rewards: int) -> str | None:
+        """A console line if this step skipped updates; raises after `limit` bad steps in a row."""
+        if not skipped:
+            self.in_a_row = 0
+            return None
+        self.in_a_row += 1
+        why = f"{nonfinite_rewards} rewards were NaN/inf; " if nonfinite_rewards else ""
+        if self.in_a_row >= self.limit:
+            raise InputError(f"steps {step - self.limit + 1}-{step} each skipped updates for a NaN/inf loss or gradient "
+                             f"({why}the skipped updates never reached the weights).\n  Likely causes: a reward "
+                             f"function returning NaN/inf, a learning rate too high (--lr), a model that overflows "
+                             f"in bf16; --max-nonfinite-steps sets how many in a row are tolerated")
+        return (f"step {step}: {skipped} of {total} updates skipped for a NaN/inf loss or gradient ({why}"
+                f"the weights are unchanged; {self.limit - self.in_a_row} more such steps in a row stop the run)")

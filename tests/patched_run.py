@@ -1,0 +1,69 @@
+"""Run grpo.py or ppo.py with one thing broken on purpose, for tests/test_failures.py:
+
+    python tests/patched_run.py MODE grpo.py --model ... (the script's flags)
+
+MODE: engine_child  the HF engine owns a child process (a stand-in for SGLang's scheduler) and prints its pid
+      nan_reward    every reward is NaN from step N (PATCH_FROM, default 1) to step M (PATCH_UNTIL, default: always)
+      raising_reward  the reward function raises on every sample
+      nan_loss      the first update's log-probs (with gradient) are NaN
+"""
+
+import multiprocessing
+import os
+import runpy
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+mode, script = sys.argv[1], sys.argv[2]
+
+if mode == "engine_child":
+    import rollout
+
+    class EngineWithChild(rollout.HFEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,), daemon=True,
+                                                                      name="scheduler-stand-in")
+            self.child.start()
+            print(f"engine child pid {self.child.pid}", flush=True)
+
+    rollout.HFEngine = EngineWithChild
+elif mode in ("nan_reward", "raising_reward"):
+    import reward
+    import rollout  # noqa: F401 -- imported first, its accuracy metrics keep the real reward functions
+
+    calls = {"n": 0}
+    per_step = int(os.environ.get("PATCH_SAMPLES_PER_STEP", "16"))
+
+    def format_reward(completion: str) -> float:  # reward_fn adds format_weight * this: NaN * 0 is NaN
+        calls["n"] += 1
+        if mode == "raising_reward":
+            raise RuntimeError("a buggy reward")
+        step = (calls["n"] - 1) // per_step + 1
+        nan = int(os.environ.get("PATCH_FROM", "1")) <= step <= int(os.environ.get("PATCH_UNTIL", "1000000"))
+        return float("nan") if nan else 0.0
+
+    reward.format_reward = format_reward
+elif mode == "nan_loss":
+    import torch
+
+    import fsdp
+
+    real, calls = fsdp.token_logprobs, {"n": 0}
+
+    def token_logprobs(*args, **kwargs):
+        logp, entropy = real(*args, **kwargs)
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] == 1:
+                logp = logp * float("nan")
+        return logp, entropy
+
+    fsdp.token_logprobs = token_logprobs
+else:
+    raise SystemExit(f"unknown mode {mode!r}")
+
+sys.argv = [script, *sys.argv[3:]]
+runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
