@@ -41,7 +41,8 @@ def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int, torch.dev
     if "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
     else:  # plain python: a one-process group, no port needed
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                device_id=device if use_cuda else None)
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -130,6 +130,10 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True):
     try:
         config = AutoConfig.from_pretrained(name)
         tokenizer = AutoTokenizer.from_pretrained(name) if with_tokenizer else None
+        backend = type(getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)).__name__
+        if tokenizer is not None and tokenizer.clean_up_tokenization_spaces and backend == "BPE":
+            # transformers ignores it for BPE tokenizers and warns at every decode: say False outright
+            tokenizer.clean_up_tokenization_spaces = False
     except (OSError, ValueError, ImportError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(f"{flag} {name!r}: transformers could not load its config or tokenizer: {first}") from e

@@ -15,6 +15,7 @@ spanning the group's k GPUs, the others have `engine=None` and send their prompt
 import math
 import multiprocessing
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,10 @@ def start_sglang(model_path: str, gpu_id: int, mem_fraction: float, tp_size: int
     # Under torchrun this flag makes every TCPStore a client of torchrun's store: SGLang's schedulers
     # inherit our environment and would wait forever for their own process group. Hide it meanwhile.
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    # Ctrl-C in a terminal reaches the whole process group: SGLang's processes must not die of it (a
+    # crashed scheduler, then SGLang's SIGQUIT), the trainer stops them itself (stop.stop_engine). A
+    # spawned child keeps an ignored SIGINT, and Python then installs no KeyboardInterrupt handler.
+    sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         return sglang.Engine(
             model_path=model_path, skip_tokenizer_init=True, load_format=load_format, dtype="bfloat16",
@@ -60,6 +65,7 @@ def start_sglang(model_path: str, gpu_id: int, mem_fraction: float, tp_size: int
             cuda_graph_max_bs_decode=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph, log_level=log_level,
             cuda_graph_backend_prefill=None if prefill_cuda_graph else "disabled")
     finally:
+        signal.signal(signal.SIGINT, sigint)
         if agent_store is not None:
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
 

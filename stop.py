@@ -14,6 +14,8 @@ it is only remembered, and the loop stops at its next check, between phases. Gen
 long wait, and a signal cuts it short (it changes no training state).
 """
 
+import atexit
+import contextlib
 import os
 import signal
 import threading
@@ -117,10 +119,28 @@ class EngineWatch:
 
 
 def stop_engine(engine, watch: EngineWatch | None):
+    """Stop the engine's processes (and theirs), on purpose: the watch first, so it does not report them.
+
+    Not sglang.Engine.shutdown(): it kills every child of this process, multiprocessing's resource
+    tracker too, and the tracker relaunched at exit prints a KeyError traceback for each semaphore
+    it never saw. So its atexit hook goes too."""
     if watch is not None:
         watch.close()
-    if engine is not None:
-        engine.shutdown()
+    if engine is None:
+        return
+    processes = list(getattr(engine, "processes", []))
+    with contextlib.suppress(ImportError):
+        import psutil  # SGLang depends on it; the CPU stand-in engine has no grandchildren
+
+        for p in list(processes):
+            with contextlib.suppress(psutil.Error):
+                processes += psutil.Process(p.pid).children(recursive=True)
+    for p in processes:
+        with contextlib.suppress(Exception):  # gone already
+            p.kill()
+    for p in getattr(engine, "processes", []):
+        p.join(timeout=10)
+    atexit.unregister(engine.shutdown)
 
 
 # ----------------------------------------------------------------------------------------------

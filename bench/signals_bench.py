@@ -1,0 +1,139 @@
+"""How a GRPO run on SGLang ends when it is told to stop, or when its engine dies (GPU).
+
+    python bench/signals_bench.py --model $SMOLLM2 --out bench/results/signals_h100.json
+
+Each case starts `grpo.py` in a session of its own, waits for the step line it names, then:
+  sigint_group      SIGINT to the whole process group (Ctrl-C in a terminal)
+  sigterm_parent    SIGTERM to the main process only (Slurm, Kubernetes, torchrun)
+  sigkill_parent    SIGKILL to the main process
+  killed_scheduler  SIGKILL to SGLang's scheduler process
+  normal_end        nothing: the run ends by itself (a clean exit has no traceback)
+and records the seconds to exit, the exit code, the session's processes still alive 5 s later,
+the GPU memory in use then, and the run's last console line.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = ("sigint_group", "sigterm_parent", "sigkill_parent", "killed_scheduler", "normal_end")
+
+
+@dataclass
+class Args:
+    model: str
+    """a local model folder (SmolLM2-135M-Instruct)"""
+    out: str
+    """JSON to write, one entry per case"""
+    logs: str = "/tmp/signals"
+    """where each case's run folder and console log go"""
+    cases: tuple[str, ...] = CASES
+    """which cases to run"""
+    wait_for: str = "step 2 |"
+    """the console text after which the signal is sent"""
+    grpo_flags: str = "--sglang-disable-cuda-graph"
+    """more grpo.py flags (no CUDA graphs: a faster engine start)"""
+
+
+def session_processes(sid: int) -> list[str]:
+    """'pid name' of every live process in session `sid`."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: session id
+                out.append(f"{pid} {name}")
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def gpu_mem_used_mib() -> int:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout
+    return int(out.split()[0])
+
+
+def children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the direct children of pid."""
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                stat = f.read()
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+                with open(f"/proc/{p}/cmdline") as f:
+                    found.append((int(p), f.read().replace("\0", " ")))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def run_case(case: str, args: Args) -> dict:
+    out_dir = os.path.join(args.logs, case)
+    os.makedirs(out_dir, exist_ok=True)
+    steps = "3" if case == "normal_end" else "500"
+    cmd = [sys.executable, "grpo.py", "--model", args.model, "--steps", steps, "--lr", "1e-5", "--micro-batch-size", "128",
+           "--eval-every", "0", "--save-every", "100", "--output-dir", out_dir, "--run-name", "r", *args.grpo_flags.split()]
+    console_path = os.path.join(out_dir, "console.txt")
+    console = open(console_path, "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    sid, t_start = proc.pid, time.time()
+    if case != "normal_end":
+        while args.wait_for not in open(console_path).read():
+            if proc.poll() is not None or time.time() - t_start > 300:
+                break
+            time.sleep(0.2)
+    t0 = time.time()
+    if case == "sigint_group":
+        os.killpg(proc.pid, signal.SIGINT)
+    elif case == "sigterm_parent":
+        proc.send_signal(signal.SIGTERM)
+    elif case == "sigkill_parent":
+        proc.send_signal(signal.SIGKILL)
+    elif case == "killed_scheduler":
+        schedulers = [p for p, cmdline in children(proc.pid) if "scheduler" in cmdline.lower()]
+        victims = schedulers or [p for p, _ in children(proc.pid)]
+        os.kill(victims[0], signal.SIGKILL)
+    try:
+        code = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        code = None
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    seconds = time.time() - t0
+    time.sleep(5)
+    text = open(console_path).read()
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return {"case": case, "seconds_to_exit": round(seconds, 1), "exit_code": code,
+            "leftover_processes": session_processes(sid), "gpu_mem_after_mib": gpu_mem_used_mib(),
+            "traceback_in_output": "Traceback" in text, "last_line": lines[-1] if lines else "",
+            "checkpoints": sorted(os.listdir(os.path.join(out_dir, "r", "checkpoints")))
+            if os.path.isdir(os.path.join(out_dir, "r", "checkpoints")) else []}
+
+
+def main(args: Args):
+    results = []
+    for case in args.cases:
+        results.append(run_case(case, args))
+        print(json.dumps(results[-1]), flush=True)
+        for leftover in results[-1]["leftover_processes"]:  # nothing carries over into the next case
+            os.kill(int(leftover.split()[0]), signal.SIGKILL)
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    with open(args.out, "w") as f:
+        json.dump({"gpu": gpu.stdout.strip(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
+                   "command": " ".join(sys.argv), "cases": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
