@@ -124,15 +124,15 @@ def run_case(case: str, args: Args) -> dict:
 
 def main(args: Args):
     results = []
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
     for case in args.cases:
         results.append(run_case(case, args))
         print(json.dumps(results[-1]), flush=True)
         for leftover in results[-1]["leftover_processes"]:  # nothing carries over into the next case
             os.kill(int(leftover.split()[0]), signal.SIGKILL)
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
-    with open(args.out, "w") as f:
-        json.dump({"gpu": gpu.stdout.strip(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
-                   "command": " ".join(sys.argv), "cases": results}, f, indent=2)
+        with open(args.out, "w") as f:  # after every case: a run cut short keeps what it measured
+            json.dump({"gpu": gpu.stdout.strip(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
+                       "command": " ".join(sys.argv), "cases": results}, f, indent=2)
 
 
 if __name__ == "__main__":
