@@ -19,6 +19,7 @@ from data import addition_task, load_examples, tokenize_prompts
 from preflight import InputError, check_context, check_engine, check_flags, check_model, friendly_errors
 from reward import gsm8k_reward, int_match_reward
 from rollout import HFEngine, generate, judge, start_sglang, stop_token_ids
+from stop import stop_engine
 
 
 @dataclass
@@ -89,7 +90,7 @@ def main(args: Args):
         with open(args.out.removesuffix(".json") + ".samples.jsonl", "w") as f:
             for e, s in zip(kept, samples):
                 f.write(json.dumps({"prompt": e.prompt, "answer": e.answer, "completion": s.text}) + "\n")
-    engine.shutdown()
+    stop_engine(engine, None)
 
 
 if __name__ == "__main__":  # SGLang spawns its scheduler: keep this guard

@@ -302,7 +302,7 @@ def main(args: Args):
                           args.sglang_attention_backend, args.sglang_sampling_backend, args.sglang_cuda_graph_max_bs,
                           args.sglang_disable_cuda_graph, args.sglang_prefill_cuda_graph) if rank == owner else None
     release(engine, ALL_TAGS)  # until the first weight sync
-    watch = EngineWatch(getattr(engine, "processes", []), phase=lambda: mem.current)  # a dead engine ends the run
+    watch = EngineWatch(engine, phase=lambda: mem.current)  # a dead engine ends the run
     dist.barrier()  # no rank loads its model before every engine has measured free memory
     startup["engine_s"] = time.time() - t0
 
@@ -338,13 +338,14 @@ def main(args: Args):
         scheduler.load_state_dict(state["scheduler"])
         start_step = state["step"]
         print0(f"resumed from {resume_from}: step {start_step}, data epoch {sampler.epoch} index {sampler.index}")
+
     def eval_due(done: int) -> bool:
         """Evaluate after `done` updates (at the start of step done + 1)?"""
         return bool(args.eval_every) and done % args.eval_every == 0 and (done > 0 or args.eval_before_train)
 
+    allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
     log = RunLog(run_dir, asdict(args), start_step, args.track, args.wandb_project, run_name, run_info(world_size, engine_kind),
                  eval_redone=start_step < args.steps and eval_due(start_step))
-    allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
     last_saved, nonfinite = start_step, NonFinite(args.max_nonfinite_steps)
 
     def save(step: int, sampler_state: dict):
@@ -367,6 +368,7 @@ def main(args: Args):
         resume = (f"continue with: {launcher} {' '.join(sys.argv)}{'' if args.resume else ' --resume'}" if last_saved else
                   f"no checkpoint yet: start again with a new --run-name or after deleting {run_dir}")
         print0(f"stopped by {signal.Signals(signum).name} after step {done}; {resume}")
+        mem.close()
         log.finish()
         dist.destroy_process_group()
         raise SystemExit(128 + signum)

@@ -20,6 +20,7 @@ Rules: never resume a region that was not released; always empty PyTorch's cache
 GPU memory it ended with and peaked at, as the training process and the whole device see it.
 """
 
+import atexit
 import threading
 import time
 from contextlib import contextmanager
@@ -150,6 +151,9 @@ class MemoryLog:
             self._device = torch.cuda.current_device()
             self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
             self._thread.start()
+            # stopped before exit on every path: a thread still inside a CUDA call while CUDA tears
+            # down can abort the process ("terminate called without an active exception")
+            atexit.register(self.close)
 
     def _sample(self, interval):
         torch.cuda.set_device(self._device)
@@ -191,3 +195,5 @@ class MemoryLog:
 
     def close(self):
         self._stop.set()
+        if self.cuda and self._thread.is_alive():
+            self._thread.join(timeout=1.0)

@@ -12,6 +12,7 @@ Tensor parallel size k: ranks are cut into groups of k; the first rank of each g
 spanning the group's k GPUs, the others have `engine=None` and send their prompts to the owner.
 """
 
+import functools
 import math
 import multiprocessing
 import os
@@ -24,7 +25,7 @@ from data import Sample
 from fsdp import all_reduce, log_line, print0
 from preflight import Interrupted
 from reward import format_reward, score
-from stop import interruptible, requested
+from stop import interruptible, requested, stop_engine
 
 # ----------------------------------------------------------------------------------------------
 # Engines
@@ -50,24 +51,42 @@ def start_sglang(model_path: str, gpu_id: int, mem_fraction: float, tp_size: int
     """
     import sglang  # lazy: SGLang needs CUDA; CPU runs and tests never import it
 
+    # The object first, then its start: a start cut short (Ctrl-C, a failure) still leaves an
+    # engine whose processes can be stopped, and whose atexit shutdown can be taken back.
+    engine = sglang.Engine.__new__(sglang.Engine)
+    engine.run_scheduler_process_func = functools.partial(run_without_signals, sglang.Engine.run_scheduler_process_func)
+    engine.run_detokenizer_process_func = functools.partial(run_without_signals, sglang.Engine.run_detokenizer_process_func)
     # Under torchrun this flag makes every TCPStore a client of torchrun's store: SGLang's schedulers
     # inherit our environment and would wait forever for their own process group. Hide it meanwhile.
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    # Ctrl-C in a terminal reaches the whole process group: SGLang's processes must not die of it (a
-    # crashed scheduler, then SGLang's SIGQUIT), the trainer stops them itself (stop.stop_engine). A
-    # spawned child keeps an ignored SIGINT, and Python then installs no KeyboardInterrupt handler.
-    sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    before = set(multiprocessing.active_children())
     try:
-        return sglang.Engine(
+        engine.__init__(
             model_path=model_path, skip_tokenizer_init=True, load_format=load_format, dtype="bfloat16",
             enable_memory_saver=True, mem_fraction_static=mem_fraction, base_gpu_id=gpu_id, tp_size=tp_size,
             random_seed=seed, attention_backend=attention_backend, sampling_backend=sampling_backend,
             cuda_graph_max_bs_decode=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph, log_level=log_level,
             cuda_graph_backend_prefill=None if prefill_cuda_graph else "disabled")
+    except BaseException:  # Ctrl-C during start-up, or a failed start: stop what was started
+        engine.processes = [p for p in multiprocessing.active_children() if p not in before]
+        stop_engine(engine, None)
+        raise
     finally:
-        signal.signal(signal.SIGINT, sigint)
         if agent_store is not None:
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
+    engine.processes = [p for p in multiprocessing.active_children() if p not in before]  # scheduler(s), detokenizer
+    return engine
+
+
+def run_without_signals(target, *args, **kwargs):
+    """An SGLang process (scheduler, detokenizer) that ignores Ctrl-C and SIGTERM. In a terminal,
+    Ctrl-C reaches the whole process group, and Slurm signals every process of a job: the engine
+    must not die of them (that would look like a crash), the trainer stops it itself when it has
+    saved what it should (stop.stop_engine). A Ctrl-C in the few seconds before this line runs (the
+    child importing the script) can still end the child, with its KeyboardInterrupt traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return target(*args, **kwargs)
 
 
 class HFEngine:
@@ -81,6 +100,7 @@ class HFEngine:
         self.params = dict(self.model.named_parameters())
         self.released: set[str] = set()  # kept by memory.release/resume, as for sglang.Engine
         self.seed = seed
+        self.processes = []  # it runs in this process (SGLang's Engine: its scheduler and detokenizer)
 
     def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True):
         for name, tensor in named_tensors:
@@ -136,16 +156,12 @@ def start_engine(kind: str, model_path: str, seed: int, mem_fraction: float = 0.
                  cuda_graph_max_bs: int | None = None, disable_cuda_graph: bool = False, prefill_cuda_graph: bool = False):
     """'sglang' (on this rank's GPU) or 'hf' (CPU stand-in). `engine.processes` lists the child
     processes it started (SGLang's scheduler and detokenizer), for stop.EngineWatch."""
-    before = set(multiprocessing.active_children())
     if kind == "sglang":
-        engine = start_sglang(model_path, gpu_id=torch.cuda.current_device(), mem_fraction=mem_fraction, tp_size=tp_size,
-                              seed=seed, attention_backend=attention_backend, sampling_backend=sampling_backend,
-                              cuda_graph_max_bs=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph,
-                              prefill_cuda_graph=prefill_cuda_graph)
-    else:
-        engine = HFEngine(model_path, seed=seed)
-    engine.processes = [p for p in multiprocessing.active_children() if p not in before]
-    return engine
+        return start_sglang(model_path, gpu_id=torch.cuda.current_device(), mem_fraction=mem_fraction, tp_size=tp_size,
+                            seed=seed, attention_backend=attention_backend, sampling_backend=sampling_backend,
+                            cuda_graph_max_bs=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph,
+                            prefill_cuda_graph=prefill_cuda_graph)
+    return HFEngine(model_path, seed=seed)
 
 
 def stop_token_ids(tokenizer, model_path: str) -> list[int]:

@@ -6,7 +6,8 @@
         outputs = engine.generate(...)
     if (signum := agreed_signal()):    # every rank, at the same places: did any rank get a signal?
         ...save if SIGTERM, shut the engine down, exit 128 + signum
-    watch_engine(processes, phase=lambda: mem.current)   # an engine process that dies ends the run
+    watch = EngineWatch(engine, phase=lambda: mem.current)   # an engine that fails ends the run, naming the phase
+    stop_engine(engine, watch)         # on purpose (also at exit, whatever way the trainer exits)
     nonfinite = NonFinite(limit=3)     # K steps in a row with NaN/inf: stop, naming the likely causes
 
 A signal never lands in the middle of an update, a weight sync or a save: outside `interruptible()`
@@ -20,20 +21,18 @@ import os
 import signal
 import threading
 import time
-from contextlib import contextmanager
 
 import torch.distributed as dist
+from tqdm import tqdm
 
 from fsdp import all_reduce
 from preflight import InputError, Interrupted
-
 
 _state = {"signum": 0, "interruptible": False, "first_at": 0.0}
 
 
 def handle_signals():
-    """Install the handlers (again: SGLang's event loop installs its own SIGTERM handler when it
-    starts, and would swallow the signal while it drains requests)."""
+    """Install the handlers (again after anything that may have replaced them)."""
     for s in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(s) is not _on_signal:
             signal.signal(s, _on_signal)
@@ -71,7 +70,7 @@ def allow_interrupt(on: bool):
         handle_signals()
 
 
-@contextmanager
+@contextlib.contextmanager
 def interruptible():
     allow_interrupt(True)
     try:
@@ -91,28 +90,60 @@ def agreed_signal() -> int:
 
 
 class EngineWatch:
-    """A thread that ends the run when one of the engine's processes dies (killed, out of memory, a
-    crash): the trainer would otherwise wait on it forever. It names the process, its exit code and
-    the phase, then exits the whole process (exit code 1); `--resume` continues from the last
-    checkpoint. `close()` before shutting the engine down on purpose."""
+    """Ends the run when the engine fails, which the trainer would otherwise wait on forever: one of
+    its processes dies (killed, out of memory, a crash), or its scheduler reports an error (SGLang's
+    scheduler prints its traceback, then sends this process SIGQUIT). It names the process and the
+    phase, stops the engine's processes and exits with code 1; `--resume` continues from the last
+    checkpoint. Whatever way the trainer exits, stop_engine runs (atexit).
 
-    def __init__(self, processes: list, phase, interval: float = 2.0):
-        self.processes, self.phase, self._done = processes, phase, threading.Event()
-        if processes:
+    PLUMBING: SGLang's Engine brings its own ways to end this process, and they are replaced here:
+    its subprocess watchdog (a dead child -> SIGQUIT -> SIGKILL of the whole process tree, no word on
+    the phase) and the signal handlers of its event loop (SIGTERM: drain the requests, then kill the
+    process tree without a checkpoint; SIGQUIT: kill the process tree). Attribute names: SGLang 0.5.16.
+    """
+
+    def __init__(self, engine, phase, interval: float = 2.0):
+        self.processes, self.phase, self._done = getattr(engine, "processes", []), phase, threading.Event()
+        self.names = {p.pid: p.name for p in self.processes}
+        if engine is None:
+            return
+        # tqdm's default lock is a multiprocessing semaphore; once SGLang has made "spawn" the start
+        # method, multiprocessing's resource tracker warns about it at every exit that skips clean-up
+        # (a dead engine, a second Ctrl-C, SIGKILL). A thread lock serves the progress bars as well.
+        tqdm.set_lock(threading.RLock())
+        manager = getattr(engine, "tokenizer_manager", None)  # SGLang's; the HF stand-in has none
+        if manager is not None:
+            manager.auto_create_handle_loop()  # its event loop and handlers now, not at the first request
+            for s in (signal.SIGTERM, signal.SIGQUIT):
+                manager.event_loop.remove_signal_handler(s)
+            sglang_watch = manager._subprocess_watchdog
+            if sglang_watch is not None:
+                sglang_watch.stop()
+                self.names.update({p.pid: name for p, name in zip(sglang_watch._processes, sglang_watch._names)})
+            signal.signal(signal.SIGQUIT, lambda signum, frame: self.fail(
+                "the rollout engine reported an error (its traceback is above)"))
+            handle_signals()
+        if self.processes:
             threading.Thread(target=self._watch, args=(interval,), daemon=True).start()
+        atexit.unregister(engine.shutdown)  # see stop_engine
+        atexit.register(stop_engine, engine, self)
 
     def _watch(self, interval: float):
         while not self._done.wait(interval):
             dead = [p for p in self.processes if not p.is_alive()]
-            if dead and not self._done.is_set():
+            if dead:
                 p = dead[0]
-                os.write(2, f"\nthe rollout engine's process {p.name} (pid {p.pid}) died with exit code {p.exitcode} "
-                            f"during {self.phase()}: stopping (out of GPU or host memory? killed?); --resume continues "
-                            f"from the last checkpoint\n".encode())
-                for q in self.processes:
-                    if q.is_alive():
-                        q.kill()
-                os._exit(1)
+                self.fail(f"the rollout engine's process {self.names[p.pid]} (pid {p.pid}) died with exit code {p.exitcode}")
+
+    def fail(self, what: str):
+        """Say what failed and in which phase, stop the engine's processes, exit 1 (from any thread)."""
+        if self._done.is_set():  # stopping the engine on purpose
+            return
+        self._done.set()
+        os.write(2, f"\n{what} during {self.phase()}: stopping (out of GPU or host memory? "
+                    f"killed?); --resume continues from the last checkpoint\n".encode())
+        kill(self.processes)
+        os._exit(1)
 
     def close(self):
         self._done.set()
@@ -123,24 +154,29 @@ def stop_engine(engine, watch: EngineWatch | None):
 
     Not sglang.Engine.shutdown(): it kills every child of this process, multiprocessing's resource
     tracker too, and the tracker relaunched at exit prints a KeyError traceback for each semaphore
-    it never saw. So its atexit hook goes too."""
+    it never saw. Safe to call twice."""
     if watch is not None:
         watch.close()
     if engine is None:
         return
-    processes = list(getattr(engine, "processes", []))
+    atexit.unregister(engine.shutdown)
+    kill(getattr(engine, "processes", []))
+
+
+def kill(processes: list):
+    """SIGKILL these multiprocessing processes and all of their children; wait for them."""
+    victims = list(processes)
     with contextlib.suppress(ImportError):
         import psutil  # SGLang depends on it; the CPU stand-in engine has no grandchildren
 
-        for p in list(processes):
+        for p in processes:
             with contextlib.suppress(psutil.Error):
-                processes += psutil.Process(p.pid).children(recursive=True)
-    for p in processes:
+                victims += psutil.Process(p.pid).children(recursive=True)
+    for p in victims:
         with contextlib.suppress(Exception):  # gone already
             p.kill()
-    for p in getattr(engine, "processes", []):
+    for p in processes:
         p.join(timeout=10)
-    atexit.unregister(engine.shutdown)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from data import load_task, tokenize_prompts  # noqa: E402
 from fsdp import init_distributed, load_model, shard_model  # noqa: E402
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up  # noqa: E402
 from rollout import HFEngine, generate, start_sglang, stop_token_ids  # noqa: E402
+from stop import stop_engine  # noqa: E402
 
 
 @dataclass
@@ -122,7 +123,7 @@ def main(args: Args):
             results[k].append(v)
         response_len_mean = n / len(ids)
     mem.close()
-    engine.shutdown()
+    stop_engine(engine, None)
     med = {k: statistics.median(v) for k, v in results.items()}
     summary = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": os.path.basename(args.model.rstrip("/")), "params": n_params,

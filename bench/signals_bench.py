@@ -2,14 +2,18 @@
 
     python bench/signals_bench.py --model $SMOLLM2 --out bench/results/signals_h100.json
 
-Each case starts `grpo.py` in a session of its own, waits for the step line it names, then:
-  sigint_group      SIGINT to the whole process group (Ctrl-C in a terminal)
-  sigterm_parent    SIGTERM to the main process only (Slurm, Kubernetes, torchrun)
-  sigkill_parent    SIGKILL to the main process
-  killed_scheduler  SIGKILL to SGLang's scheduler process
-  normal_end        nothing: the run ends by itself (a clean exit has no traceback)
+Each case starts `grpo.py` in a session of its own, waits for the step line it names (`--wait-for`), then:
+  normal_end         nothing: the run ends by itself after 2 steps (a clean exit has no traceback)
+  sigint_startup     SIGINT to the whole process group while SGLang starts (5 s after the 'data:' line)
+  sigint_group       SIGINT to the whole process group (Ctrl-C in a terminal)
+  sigterm_parent     SIGTERM to the main process only (Kubernetes, torchrun)
+  sigterm_group      SIGTERM to every process of the session (Slurm signals every process of a job)
+  sigkill_parent     SIGKILL to the main process
+  killed_scheduler   SIGKILL to SGLang's scheduler process
+  crashed_scheduler  nothing: the scheduler raises an exception mid-generation (SGLang's own crash test,
+                     SGLANG_TEST_CRASH_AFTER_STREAM_OUTPUTS), prints it and sends the trainer SIGQUIT
 and records the seconds to exit, the exit code, the session's processes still alive 5 s later,
-the GPU memory in use then, and the run's last console line.
+the GPU memory in use then, and the run's last console line. Every run's console goes into one file.
 """
 
 import json
@@ -23,7 +27,8 @@ from dataclasses import dataclass
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = ("sigint_group", "sigterm_parent", "sigkill_parent", "killed_scheduler", "normal_end")
+CASES = ("normal_end", "sigint_startup", "sigint_group", "sigterm_parent", "sigterm_group", "sigkill_parent",
+         "killed_scheduler", "crashed_scheduler")
 
 
 @dataclass
@@ -36,8 +41,10 @@ class Args:
     """where each case's run folder and console log go"""
     cases: tuple[str, ...] = CASES
     """which cases to run"""
-    wait_for: str = "step 2 |"
+    wait_for: str = "step 1 |"
     """the console text after which the signal is sent"""
+    consoles: str | None = None
+    """also write every case's console output into this one file"""
     grpo_flags: str = "--sglang-disable-cuda-graph"
     """more grpo.py flags (no CUDA graphs: a faster engine start)"""
 
@@ -78,27 +85,35 @@ def children(pid: int) -> list[tuple[int, str]]:
     return found
 
 
-def run_case(case: str, args: Args) -> dict:
-    out_dir = os.path.join(args.logs, case)
+def run_case(case: str, args: Args, index: int) -> dict:
+    out_dir = os.path.join(args.logs, f"{index}-{case}")
     os.makedirs(out_dir, exist_ok=True)
-    steps = "3" if case == "normal_end" else "500"
+    steps = "2" if case == "normal_end" else "500"
     cmd = [sys.executable, "grpo.py", "--model", args.model, "--steps", steps, "--lr", "1e-5", "--micro-batch-size", "128",
            "--eval-every", "0", "--save-every", "100", "--output-dir", out_dir, "--run-name", "r", *args.grpo_flags.split()]
     console_path = os.path.join(out_dir, "console.txt")
     console = open(console_path, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if case == "crashed_scheduler":  # the scheduler raises after this many output batches: in step 2 or 3
+        env["SGLANG_TEST_CRASH_AFTER_STREAM_OUTPUTS"] = "400"
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     sid, t_start = proc.pid, time.time()
-    if case != "normal_end":
-        while args.wait_for not in open(console_path).read():
+    wait_for = {"normal_end": None, "crashed_scheduler": "Scheduler hit an exception", "sigint_startup": "data:"}.get(
+        case, args.wait_for)  # crashed_scheduler: seconds to exit count from the scheduler's error line
+    if wait_for:
+        while wait_for not in open(console_path).read():
             if proc.poll() is not None or time.time() - t_start > 300:
                 break
             time.sleep(0.2)
+    if case == "sigint_startup":
+        time.sleep(5)  # SGLang's scheduler is starting (it takes 15-100 s)
     t0 = time.time()
-    if case == "sigint_group":
+    if case in ("sigint_group", "sigint_startup"):
         os.killpg(proc.pid, signal.SIGINT)
     elif case == "sigterm_parent":
         proc.send_signal(signal.SIGTERM)
+    elif case == "sigterm_group":
+        os.killpg(proc.pid, signal.SIGTERM)
     elif case == "sigkill_parent":
         proc.send_signal(signal.SIGKILL)
     elif case == "killed_scheduler":
@@ -106,7 +121,7 @@ def run_case(case: str, args: Args) -> dict:
         victims = schedulers or [p for p, _ in children(proc.pid)]
         os.kill(victims[0], signal.SIGKILL)
     try:
-        code = proc.wait(timeout=120)
+        code = proc.wait(timeout=300 if case in ("normal_end", "crashed_scheduler") else 120)
     except subprocess.TimeoutExpired:
         code = None
         os.killpg(proc.pid, signal.SIGKILL)
@@ -125,9 +140,12 @@ def run_case(case: str, args: Args) -> dict:
 def main(args: Args):
     results = []
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
-    for case in args.cases:
-        results.append(run_case(case, args))
+    for index, case in enumerate(args.cases):  # a case may be named more than once: each run is kept
+        results.append(run_case(case, args, index))
         print(json.dumps(results[-1]), flush=True)
+        if args.consoles:
+            with open(args.consoles, "a") as f, open(os.path.join(args.logs, f"{index}-{case}", "console.txt")) as c:
+                f.write(f"===== {case}\n{c.read()}\n")
         for leftover in results[-1]["leftover_processes"]:  # nothing carries over into the next case
             os.kill(int(leftover.split()[0]), signal.SIGKILL)
         with open(args.out, "w") as f:  # after every case: a run cut short keeps what it measured

@@ -23,6 +23,7 @@ from data import addition_task, collate, tokenize_prompts  # noqa: E402
 from fsdp import init_distributed, load_model, shard_model, token_logprobs  # noqa: E402
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up  # noqa: E402
 from rollout import HFEngine, generate, logprob_gap, start_sglang, stop_token_ids  # noqa: E402
+from stop import stop_engine  # noqa: E402
 
 
 @dataclass
@@ -102,7 +103,7 @@ def main(args: Args):
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     log.close()
-    engine.shutdown()
+    stop_engine(engine, None)
 
 
 if __name__ == "__main__":

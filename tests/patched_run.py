@@ -27,6 +27,7 @@ if mode == "engine_child":
             self.child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,), daemon=True,
                                                                       name="scheduler-stand-in")
             self.child.start()
+            self.processes = [self.child]
             print(f"engine child pid {self.child.pid}", flush=True)
 
     rollout.HFEngine = EngineWithChild

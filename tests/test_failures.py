@@ -260,3 +260,95 @@ def test_a_dead_engine_process_ends_the_run_naming_it(trained_tiny_model_dir, tm
     lines = console_lines(tmp_path)
     assert proc.returncode == 1 and time.time() - t0 < 60
     assert f"the rollout engine's process scheduler-stand-in (pid {pid}) died with exit code -9 during " in lines[-1]
+
+
+def ignored_signals(pid: int) -> int:
+    """The mask of signals process `pid` ignores (bit n-1 for signal n)."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+
+
+def test_a_start_cut_short_stops_the_engine_it_started(monkeypatch):
+    """Ctrl-C while SGLang starts: the trainer gets it (the engine's own processes ignore Ctrl-C and
+    SIGTERM), and the processes the start had begun are stopped before the exception goes on."""
+    import multiprocessing
+    import types
+
+    import rollout
+    from preflight import Interrupted
+
+    seen = {}
+
+    class FakeEngine:
+        run_scheduler_process_func = run_detokenizer_process_func = staticmethod(time.sleep)
+
+        def __init__(self, **kwargs):
+            child = multiprocessing.get_context("fork").Process(target=self.run_scheduler_process_func, args=(600,))
+            child.start()
+            deadline = time.time() + 10
+            both = 1 << (signal.SIGINT - 1) | 1 << (signal.SIGTERM - 1)
+            while ignored_signals(child.pid) & both != both and time.time() < deadline:
+                time.sleep(0.01)
+            os.kill(child.pid, signal.SIGINT)
+            os.kill(child.pid, signal.SIGTERM)
+            time.sleep(0.2)
+            seen["child"], seen["alive after SIGINT and SIGTERM"] = child, child.is_alive()
+            raise Interrupted(signal.SIGINT)  # what stop._on_signal raises during start-up
+
+        def shutdown(self):
+            seen["shutdown"] = True
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine))
+    with pytest.raises(Interrupted):
+        rollout.start_sglang("/nowhere", gpu_id=0, mem_fraction=0.5)
+    assert seen["alive after SIGINT and SIGTERM"] and seen["child"].exitcode == -signal.SIGKILL
+    assert "shutdown" not in seen  # stop_engine, not Engine.shutdown (see stop.stop_engine)
+
+
+FAKE_SGLANG = """
+import asyncio, multiprocessing, os, signal, sys, time, types
+import stop
+
+class Watchdog:  # SGLang's SubprocessWatchdog: it would SIGQUIT the trainer when a child dies
+    def __init__(self, processes):
+        self._processes, self._names, self.stopped = processes, ["scheduler_0"], False
+    def stop(self):
+        self.stopped = True
+
+child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,), daemon=True)
+child.start()
+loop = asyncio.new_event_loop()
+manager = types.SimpleNamespace(event_loop=None, _subprocess_watchdog=Watchdog([child]))
+def auto_create_handle_loop():  # as SGLang's TokenizerManager: its loop, with its signal handlers
+    if manager.event_loop is None:
+        manager.event_loop = loop
+        loop.add_signal_handler(signal.SIGTERM, print, "SGLang drains its requests, then kills the trainer")
+        loop.add_signal_handler(signal.SIGQUIT, print, "SGLang kills the process tree")
+manager.auto_create_handle_loop = auto_create_handle_loop
+engine = types.SimpleNamespace(tokenizer_manager=manager, processes=[child], shutdown=lambda: None)
+stop.handle_signals()
+watch = stop.EngineWatch(engine, phase=lambda: "generate", interval=0.1)
+assert manager._subprocess_watchdog.stopped and not loop._signal_handlers
+assert signal.getsignal(signal.SIGTERM) is stop._on_signal
+if sys.argv[1] == "sigquit":  # the scheduler hit an exception, printed it and sent SIGQUIT
+    os.kill(os.getpid(), signal.SIGQUIT)
+else:  # the scheduler was killed
+    os.kill(child.pid, signal.SIGKILL)
+time.sleep(10)
+print("still running")
+"""
+
+
+@pytest.mark.parametrize("how", ["sigquit", "killed"])
+def test_the_engine_watch_takes_over_from_sglang(how):
+    """SGLang's own watchdog and event-loop handlers would SIGKILL the trainer without a word on the
+    phase (or, for SIGTERM, without a checkpoint); the watch replaces them and names what failed."""
+    from test_smoke import ROOT
+
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-c", FAKE_SGLANG, how], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and time.time() - t0 < 10 and "still running" not in proc.stdout, proc.stderr
+    expected = {"sigquit": "the rollout engine reported an error (its traceback is above) during generate: stopping",
+                "killed": "the rollout engine's process scheduler_0 (pid "}[how]
+    assert expected in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert "SGLang" not in proc.stdout  # neither of SGLang's handlers ran

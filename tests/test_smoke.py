@@ -205,9 +205,14 @@ def test_sglang_schedulers_start_without_torchrun_agent_store(monkeypatch):
     seen = {}
 
     class FakeEngine:
+        run_scheduler_process_func = run_detokenizer_process_func = staticmethod(print)
+
         def __init__(self, **kwargs):
             seen["flag"] = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
             seen["tp_size"] = kwargs["tp_size"]
+
+        def shutdown(self):
+            pass
 
     monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine))
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
