@@ -49,13 +49,13 @@ def start_sglang(model_path: str, gpu_id: int, mem_fraction: float, tp_size: int
     fresh machine's start-up and ~15 s warm, for no throughput we could measure on RL's one big
     prefill per step (bench/results/README.md, start-up). Decode graphs stay on.
     """
-    import sglang  # lazy: SGLang needs CUDA; CPU runs and tests never import it
+    from sglang.srt.entrypoints.engine import Engine  # lazy: SGLang needs CUDA; CPU runs and tests never import it
 
     # The object first, then its start: a start cut short (Ctrl-C, a failure) still leaves an
     # engine whose processes can be stopped, and whose atexit shutdown can be taken back.
-    engine = sglang.Engine.__new__(sglang.Engine)
-    engine.run_scheduler_process_func = functools.partial(run_without_signals, sglang.Engine.run_scheduler_process_func)
-    engine.run_detokenizer_process_func = functools.partial(run_without_signals, sglang.Engine.run_detokenizer_process_func)
+    engine = Engine.__new__(Engine)
+    engine.run_scheduler_process_func = functools.partial(run_without_signals, Engine.run_scheduler_process_func)
+    engine.run_detokenizer_process_func = functools.partial(run_without_signals, Engine.run_detokenizer_process_func)
     # Under torchrun this flag makes every TCPStore a client of torchrun's store: SGLang's schedulers
     # inherit our environment and would wait forever for their own process group. Hide it meanwhile.
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)

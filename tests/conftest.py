@@ -26,3 +26,13 @@ def trained_tiny_model_dir(tmp_path_factory) -> str:
     from tiny_model import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny-model-sft")), sft_steps=150)
+
+
+def install_fake_sglang(monkeypatch, engine_class):
+    """Make `from sglang.srt.entrypoints.engine import Engine` give `engine_class` (SGLang is not
+    installed on CPU machines)."""
+    import types
+
+    for name in ("sglang", "sglang.srt", "sglang.srt.entrypoints"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.entrypoints.engine", types.SimpleNamespace(Engine=engine_class))

@@ -272,9 +272,9 @@ def test_a_start_cut_short_stops_the_engine_it_started(monkeypatch):
     """Ctrl-C while SGLang starts: the trainer gets it (the engine's own processes ignore Ctrl-C and
     SIGTERM), and the processes the start had begun are stopped before the exception goes on."""
     import multiprocessing
-    import types
 
     import rollout
+    from conftest import install_fake_sglang
     from preflight import Interrupted
 
     seen = {}
@@ -298,7 +298,7 @@ def test_a_start_cut_short_stops_the_engine_it_started(monkeypatch):
         def shutdown(self):
             seen["shutdown"] = True
 
-    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine))
+    install_fake_sglang(monkeypatch, FakeEngine)
     with pytest.raises(Interrupted):
         rollout.start_sglang("/nowhere", gpu_id=0, mem_fraction=0.5)
     assert seen["alive after SIGINT and SIGTERM"] and seen["child"].exitcode == -signal.SIGKILL
@@ -352,3 +352,4 @@ def test_the_engine_watch_takes_over_from_sglang(how):
                 "killed": "the rollout engine's process scheduler_0 (pid "}[how]
     assert expected in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert "SGLang" not in proc.stdout  # neither of SGLang's handlers ran
+

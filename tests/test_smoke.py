@@ -198,9 +198,8 @@ def test_sglang_schedulers_start_without_torchrun_agent_store(monkeypatch):
     """Under torchrun, TORCHELASTIC_USE_AGENT_STORE=True turns every TCPStore into a client of
     torchrun's store, so SGLang's spawned schedulers waited forever for their own process group (4
     GPUs, 185 s, no step). start_sglang must hide the flag while the Engine starts, then restore it."""
-    import types
-
     import rollout
+    from conftest import install_fake_sglang
 
     seen = {}
 
@@ -214,7 +213,7 @@ def test_sglang_schedulers_start_without_torchrun_agent_store(monkeypatch):
         def shutdown(self):
             pass
 
-    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine))
+    install_fake_sglang(monkeypatch, FakeEngine)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     engine = rollout.start_sglang("/nowhere", gpu_id=0, mem_fraction=0.5, tp_size=2)
     assert isinstance(engine, FakeEngine)
