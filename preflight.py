@@ -23,8 +23,10 @@ class InputError(ValueError):
     names the input and the fix."""
 
 
-class Interrupted(Exception):
-    """A signal cut a wait short (start-up or generation); args[0] is the signal number (stop.py)."""
+class Interrupted(BaseException):
+    """A signal cut a wait short (start-up or generation); args[0] is the signal number (stop.py).
+    A BaseException, like KeyboardInterrupt: library code that catches Exception (an optional import
+    in SGLang's 20 s of imports, say) must not swallow it."""
 
 
 @contextmanager
@@ -33,17 +35,27 @@ def friendly_errors(script: str):
     try:
         yield
     except Interrupted as e:  # a signal during start-up: nothing was trained, nothing to save
+        leave_process_group()
         if os.environ.get("RANK", "0") == "0":
             print(f"{script}: stopped by {signal.Signals(e.args[0]).name} during start-up", file=sys.stderr, flush=True)
         raise SystemExit(128 + e.args[0]) from None
     except InputError as e:
         if os.environ.get("RL_DEBUG"):
             raise
+        leave_process_group()
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails the same way
             print(f"{script}: {e}", file=sys.stderr, flush=True)
         else:  # torchrun stops all ranks when the first exits: let rank 0 print first
             time.sleep(5)
         raise SystemExit(2) from None
+
+
+def leave_process_group():
+    """Destroy the process group if there is one: else NCCL's warning that nobody did is the last line."""
+    import torch.distributed as dist  # lazy: nothing here needs torch before a process group exists
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def check_flags(rules: list[tuple[str, object, bool, str]]):
@@ -109,7 +121,10 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True):
     """Before anything starts: the model is a folder with config.json, weights and (with_tokenizer) a
     tokenizer, or a hub id that is cached or reachable. Returns (tokenizer or None, context length or None)."""
     from transformers import AutoConfig, AutoTokenizer  # lazy: `import preflight` stays light
+    from transformers.utils import logging
 
+    # transformers' bars at every model load and save fill log files; the run prints its own lines
+    logging.disable_progress_bar()
     if looks_like_path(name):
         path = os.path.expanduser(name)
         if not os.path.isdir(path):

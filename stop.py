@@ -49,8 +49,8 @@ def _on_signal(signum, frame):
         _state["first_at"] = time.time()
     _state["signum"] = max(_state["signum"], signum)  # SIGTERM after SIGINT (torchrun forwarding): save too
     if first and os.environ.get("RANK", "0") == "0":
-        os.write(2, f"\n{signal.Signals(signum).name} received: stopping at the next safe point "
-                    f"(Ctrl-C again to exit at once)\n".encode())
+        when = "now" if _state["interruptible"] else "at the next safe point"
+        os.write(2, f"\n{signal.Signals(signum).name} received: stopping {when} (Ctrl-C again to exit at once)\n".encode())
     if _state["interruptible"]:
         raise Interrupted(signum)
 

@@ -353,3 +353,19 @@ def test_the_engine_watch_takes_over_from_sglang(how):
     assert expected in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert "SGLang" not in proc.stdout  # neither of SGLang's handlers ran
 
+
+def test_an_error_or_a_start_cut_short_leaves_the_process_group(monkeypatch, capsys):
+    """On GPUs, NCCL warns at exit that destroy_process_group() was never called, and that warning
+    was the last line under our own (seen on an H100): friendly_errors leaves the group first."""
+    import torch.distributed as dist
+
+    from preflight import InputError, Interrupted, friendly_errors
+
+    monkeypatch.delenv("RL_DEBUG", raising=False)
+    for error, code in ((Interrupted(signal.SIGINT), 130), (InputError("--lr 0 must be > 0"), 2)):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        with pytest.raises(SystemExit) as exit_info:
+            with friendly_errors("grpo.py"):
+                raise error
+        assert exit_info.value.code == code and not dist.is_initialized()
+    assert capsys.readouterr().err.splitlines() == ["grpo.py: stopped by SIGINT during start-up", "grpo.py: --lr 0 must be > 0"]
