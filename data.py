@@ -3,7 +3,7 @@
     train, test = addition_task(seed=0)                       # built-in, no download
     train = load_examples("openai/gsm8k", "train")              # hub id (needs `datasets`)
     train = load_examples("../shared/data/gsm8k", "train")      # local folder: train.jsonl / test.parquet
-    train, test, note = load_task("my.jsonl", None, seed=0, num_eval=256)   # one file: a held-out part
+    train, test, note = load_task("my.jsonl", None, seed=0, num_eval=256, template=GSM8K_PROMPT)  # one file: a held-out part
     prompts, kept, dropped = tokenize_prompts(tokenizer, train, max_prompt_len=256, source="my.jsonl")
     sampler = PromptSampler(len(prompts), seed=0)               # epoch shuffles; resumable position
     batch = collate(samples, pad_id)                            # list[Sample] -> Batch of tensors
@@ -11,16 +11,18 @@
 `Sample` is the one record that travels from the rollout to the loss.
 """
 
+import copy
 import json
 import os
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from preflight import InputError, looks_like_path
 
-ADDITION_PROMPT = "What is {a} + {b}? Put the final answer after ####."
+# The default prompt templates ({question} is the row's question); the scripts pick one next to their reward
+ADDITION_PROMPT = "{question} Put the final answer after ####."
 GSM8K_PROMPT = "{question}\nThink step by step, then put the final answer after ####."
 
 
@@ -34,15 +36,15 @@ class Example:
 # Tasks
 
 
-def addition_task(seed: int, num_test: int = 500) -> tuple[list[Example], list[Example]]:
-    """Two-digit addition, 'What is a + b? ...' for a, b in 10..99 (8100 pairs).
+def addition_task(seed: int, num_test: int = 500, template: str = ADDITION_PROMPT) -> tuple[list[Example], list[Example]]:
+    """Two-digit addition, 'What is a + b?' for a, b in 10..99 (8100 pairs), asked through `template`.
 
     A seeded shuffle of all pairs; the first `num_test` are the held-out split, so the split is
     the same on every rank and in every run with the same seed, and no test pair is trained on.
     """
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
     random.Random(seed).shuffle(pairs)
-    examples = [Example(ADDITION_PROMPT.format(a=a, b=b), str(a + b)) for a, b in pairs]
+    examples = [Example(template.format(question=f"What is {a} + {b}?"), str(a + b)) for a, b in pairs]
     return examples[num_test:], examples[:num_test]
 
 
@@ -72,8 +74,8 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
     return rows
 
 
-def gsm8k_examples(rows: list[tuple[int, dict]], source: str) -> list[Example]:
-    """Rows (line, {"question": ..., "answer": ...}) -> Examples. The answer is GSM8K's
+def gsm8k_examples(rows: list[tuple[int, dict]], source: str, template: str = GSM8K_PROMPT) -> list[Example]:
+    """Rows (line, {"question": ..., "answer": ...}) -> Examples, asked through `template`. The answer is GSM8K's
     "...reasoning...\\n#### 72", or just the final number ("72" or 72).
     An empty source, a missing field or an answer without a final number names the source and the line."""
     if not rows:
@@ -90,21 +92,21 @@ def gsm8k_examples(rows: list[tuple[int, dict]], source: str) -> list[Example]:
         except ValueError:
             raise InputError(f"{source}, line {line_no}: field 'answer' has no final number: "
                              f"end it with '#### <number>' or give just the number") from None
-        examples.append(Example(GSM8K_PROMPT.format(question=question.strip()), final))
+        examples.append(Example(template.format(question=question.strip()), final))
     return examples
 
 
-def load_examples(dataset: str, split: str) -> list[Example]:
+def load_examples(dataset: str, split: str, template: str = GSM8K_PROMPT) -> list[Example]:
     """GSM8K-format examples from a local file, a local folder holding `{split}.jsonl` or
     `{split}.parquet`, or a Hugging Face hub id (e.g. 'openai/gsm8k'). Anything that looks like a
     path (a .jsonl/.parquet name, './', '/', an existing folder) is never sent to the hub."""
     if os.path.isfile(dataset):
-        return gsm8k_examples(read_rows(dataset), dataset)
+        return gsm8k_examples(read_rows(dataset), dataset, template)
     if os.path.isdir(dataset):
         for ext in (".jsonl", ".parquet"):
             path = os.path.join(dataset, split + ext)
             if os.path.isfile(path):
-                return gsm8k_examples(read_rows(path), path)
+                return gsm8k_examples(read_rows(path), path, template)
         raise InputError(f"dataset folder {dataset!r} has no {split}.jsonl or {split}.parquet")
     if looks_like_path(dataset):
         raise InputError(f"dataset {dataset!r}: no such file or folder ({os.path.abspath(dataset)}); "
@@ -114,23 +116,27 @@ def load_examples(dataset: str, split: str) -> list[Example]:
     except ImportError:
         raise InputError(f"dataset {dataset!r} is a hub id: pip install datasets, or pass a local .jsonl file") from None
     rows = load_dataset(dataset, "main" if dataset.endswith("gsm8k") else None, split=split)
-    return gsm8k_examples(list(enumerate(rows, start=1)), f"{dataset}[{split}]")
+    return gsm8k_examples(list(enumerate(rows, start=1)), f"{dataset}[{split}]", template)
 
 
-def load_task(dataset: str, eval_dataset: str | None, seed: int, num_eval: int):
-    """(train, held-out examples, a line saying where the held-out ones come from).
+def load_task(dataset: str, eval_dataset: str | None, *, seed: int, num_eval: int, template: str | None = None):
+    """(train, held-out examples, a line saying where the held-out ones come from), every question
+    asked through `template` (a string with {question}; None: ADDITION_PROMPT or GSM8K_PROMPT).
 
     'addition': the task's seeded split. Otherwise the 'train' split of `dataset` and the 'test' split
     of `eval_dataset` (default: of `dataset`). A single file with no --eval-dataset has no test split:
     a seeded 1 in 10 of its rows, at most `num_eval`, is held out and never trained on."""
     if dataset == "addition":
-        train, test = addition_task(seed)
+        train, test = addition_task(seed, template=template or ADDITION_PROMPT)
         return train, test, f"addition: {len(test)} held-out pairs"
+    template = template or GSM8K_PROMPT
     if eval_dataset is not None:
-        return load_examples(dataset, "train"), load_examples(eval_dataset, "test"), f"eval prompts from {eval_dataset}"
+        return (load_examples(dataset, "train", template), load_examples(eval_dataset, "test", template),
+                f"eval prompts from {eval_dataset}")
     if not os.path.isfile(dataset):
-        return load_examples(dataset, "train"), load_examples(dataset, "test"), f"eval prompts from {dataset}'s test split"
-    examples = load_examples(dataset, "train")
+        return (load_examples(dataset, "train", template), load_examples(dataset, "test", template),
+                f"eval prompts from {dataset}'s test split")
+    examples = load_examples(dataset, "train", template)
     held = min(num_eval, len(examples) // 10)
     if held == 0:
         raise InputError(f"dataset {dataset!r} has {len(examples)} rows, too few to hold 1 in 10 out for "
@@ -222,6 +228,7 @@ class Sample:
     text: str = ""                 # decoded response
     reward: float = 0.0
     reward_error: str = ""         # what the reward function raised ("" if it did not; scored 0.0)
+    group_id: int = -1             # the samples of one prompt share it (GRPO's groups)
 
 
 @dataclass
@@ -229,34 +236,41 @@ class Batch:
     """Padded tensors for a list of samples (right padding).
 
     Token t of `input_ids` is predicted at position t-1, so every per-token tensor is [B, T-1] and
-    lines up with `input_ids[:, 1:]`. The optional fields are filled in by the training script.
+    lines up with `input_ids[:, 1:]`. The script fills in what its loss needs: the fields below, or
+    its own (`batch.values = ...` in ppo.py). `select` and `to` carry every tensor field along, cut
+    by its shape: [B, T], [B, T-1] or [B].
     """
-    input_ids: torch.Tensor        # [B, T]   prompt + response token ids, then pad
-    attention_mask: torch.Tensor   # [B, T]   1 on real tokens
-    response_mask: torch.Tensor    # [B, T-1] 1.0 where the target token is a response token
+    input_ids: torch.Tensor         # [B, T]   prompt + response token ids, then pad
+    attention_mask: torch.Tensor    # [B, T]   1 on real tokens
+    response_mask: torch.Tensor     # [B, T-1] 1.0 where the target token is a response token
+    rollout_logprobs: torch.Tensor  # [B, T-1] the sampler's log-prob of each response token, 0 elsewhere
     loss_mask: torch.Tensor | None = None      # [B, T-1] response tokens that count in the loss
     old_logprobs: torch.Tensor | None = None   # [B, T-1] log-probs under the policy that sampled
     ref_logprobs: torch.Tensor | None = None   # [B, T-1] log-probs under the reference model
     advantages: torch.Tensor | None = None     # [B, T-1]
-    values: torch.Tensor | None = None         # [B, T-1] critic values (PPO)
-    returns: torch.Tensor | None = None        # [B, T-1] value targets (PPO)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, idx) -> "Batch":
-        """Rows `idx`, with the columns cut to their longest sequence (less padding per micro-batch)."""
-        t = int(self.attention_mask[idx].sum(-1).max())
-        cut = {}
-        for f in fields(self):
-            x = getattr(self, f.name)
-            if x is not None:
-                cut[f.name] = x[idx, :t] if x.shape[1] == self.input_ids.shape[1] else x[idx, :t - 1]
-        return Batch(**cut)
+    def select(self, rows: torch.Tensor) -> "Batch":
+        """Rows `rows`, with the columns cut to their longest sequence (less padding per micro-batch)."""
+        T, t = self.input_ids.shape[1], int(self.attention_mask[rows].sum(-1).max())
+
+        def cut(x):
+            x = x[rows]
+            return x if x.dim() == 1 else x[:, :t] if x.shape[1] == T else x[:, :t - 1]
+        return self.apply(cut)
 
     def to(self, device) -> "Batch":
-        return Batch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                        for f in fields(self)})
+        return self.apply(lambda x: x.to(device))
+
+    def apply(self, fn) -> "Batch":
+        """A copy with fn applied to every tensor field, the script's own included."""
+        out = copy.copy(self)
+        for name, x in vars(self).items():
+            if isinstance(x, torch.Tensor):
+                setattr(out, name, fn(x))
+        return out
 
 
 def collate(samples: list[Sample], pad_id: int) -> Batch:
@@ -265,9 +279,11 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
     input_ids = torch.full((len(samples), T), pad_id, dtype=torch.long)  # [B, T]
     attention_mask = torch.zeros(len(samples), T, dtype=torch.long)      # [B, T]
     response_mask = torch.zeros(len(samples), T - 1)                     # [B, T-1]
+    rollout_logprobs = torch.zeros(len(samples), T - 1)                  # [B, T-1]
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, :p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         attention_mask[i, :p + r] = 1
         response_mask[i, p - 1:p - 1 + r] = 1.0  # targets input_ids[p : p+r] sit at positions p-1 ...
-    return Batch(input_ids, attention_mask, response_mask)
+        rollout_logprobs[i, p - 1:p - 1 + r] = torch.tensor(s.rollout_logprobs)
+    return Batch(input_ids, attention_mask, response_mask, rollout_logprobs)

@@ -18,7 +18,8 @@ import tyro
 from data import addition_task, load_examples, tokenize_prompts
 from preflight import InputError, check_context, check_engine, check_flags, check_model, friendly_errors
 from reward import gsm8k_reward, int_match_reward
-from rollout import HFEngine, generate, judge, start_sglang, stop_token_ids
+from reward import judge
+from rollout import HFEngine, SGLangOptions, Sampling, generate, start_sglang, stop_token_ids
 from stop import stop_engine
 
 
@@ -68,17 +69,18 @@ def main(args: Args):
     print(f"evaluating {len(prompts)} prompts of {args.dataset} ({dropped} dropped as longer than "
           f"{args.max_prompt_len} tokens) with {args.model}, engine {kind}", flush=True)
     if kind == "sglang":
-        engine = start_sglang(args.model, gpu_id=0, mem_fraction=args.mem_fraction, seed=args.seed,
-                              load_format="auto", disable_cuda_graph=True)
+        engine = start_sglang(args.model, gpu_id=0, seed=args.seed, options=SGLangOptions(
+            mem_fraction=args.mem_fraction, load_format="auto", disable_cuda_graph=True))
     else:
         engine = HFEngine(args.model)
-    samples = generate(engine, prompts, [e.answer for e in kept], [args.seed] * len(prompts), args.max_new_tokens,
-                       0.0, 1.0, stop_ids, tokenizer)
-    n = len(samples)
-    strict, flexible, formatted = judge(samples, answer_fn)
+    greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)
+    samples = generate(engine, prompts, [args.seed] * len(prompts), sampling=greedy, tokenizer=tokenizer)
+    for s, e in zip(samples, kept):
+        s.answer = e.answer
+    n, counts = len(samples), judge(samples, answer_fn)
     summary = {
         "model": args.model, "dataset": args.dataset, "split": args.split, "prompts": n, "dropped": dropped,
-        "strict_acc": strict / n, "flexible_acc": flexible / n, "format_rate": formatted / n,
+        "strict_acc": counts["strict"] / n, "flexible_acc": counts["flexible"] / n, "format_rate": counts["format"] / n,
         "truncated_frac": sum(s.truncated for s in samples) / n,
         "response_len_mean": sum(len(s.response_ids) for s in samples) / n,
         "engine": kind, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

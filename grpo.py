@@ -28,17 +28,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from tqdm import tqdm
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
-from data import PromptSampler, collate, load_task, shard, tokenize_prompts
-from fsdp import (RunLog, all_reduce, batch_logprobs, init_distributed, launch_time, load_model, log_line, lr_lambda, print0,
-                  run_info, shard_model, token_logprobs)
+from data import ADDITION_PROMPT, GSM8K_PROMPT, PromptSampler, collate, load_task, shard, tokenize_prompts
+from fsdp import all_reduce, batch_logprobs, init_distributed, load_model, lr_lambda, shard_model, token_logprobs
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
+from reward import EVAL_LINE, eval_stats, format_reward, gsm8k_reward, int_match_reward, rollout_stats, score
+from rollout import SGLangOptions, Sampling, generate, logprob_gap, start_engine, stop_token_ids, tp_group
+from runlog import RunLog, launch_time, log_line, print0, progress, run_info
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
-from reward import format_reward, gsm8k_reward, int_match_reward, score
-from rollout import evaluate, generate, logprob_gap, rollout_stats, start_engine, stop_token_ids, tp_group
 
 
 @dataclass
@@ -278,10 +277,27 @@ def main(args: Args):
     check_context(context, args.max_prompt_len, args.max_new_tokens)
     stop_ids = stop_token_ids(tokenizer, args.model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p)
+    greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)  # evaluation
+
+    # ---- ALGO: the task. How a question is asked (a template with {question}, then the chat template)
+    # and what a completion earns: any (completion, answer) -> float can be the reward.
+    addition = args.dataset == "addition"
+    template = ADDITION_PROMPT if addition else GSM8K_PROMPT
+    answer_fn = int_match_reward if addition else gsm8k_reward  # (completion, answer, mode) -> 0/1
+
+    def reward_fn(completion: str, answer: str) -> float:
+        """Credit for the format only comes with a right answer, so the policy can't score by
+        emitting '#### <guess>'."""
+        if answer_fn(completion, answer, "strict"):
+            correct = 1.0
+        else:
+            correct = args.unformatted_credit * answer_fn(completion, answer, "flexible")
+        return correct + args.format_weight * format_reward(completion)
 
     # ---- data: before any model loads, so a bad file fails fast --------------------------------------
-    train_examples, eval_examples, eval_note = load_task(args.dataset, args.eval_dataset, args.seed, args.num_eval_prompts)
-    answer_fn = int_match_reward if args.dataset == "addition" else gsm8k_reward  # (completion, answer, mode) -> 0/1
+    train_examples, eval_examples, eval_note = load_task(args.dataset, args.eval_dataset, seed=args.seed,
+                                                         num_eval=args.num_eval_prompts, template=template)
     prompts, train_examples, dropped = tokenize_prompts(tokenizer, train_examples, args.max_prompt_len, args.dataset)
     eval_prompts, eval_examples, eval_dropped = tokenize_prompts(tokenizer, eval_examples[:args.num_eval_prompts],
                                                                  args.max_prompt_len, args.eval_dataset or args.dataset)
@@ -297,10 +313,12 @@ def main(args: Args):
     t0 = time.time()
     mem = MemoryLog()
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
-    group, owner = tp_group(args.rollout_tp)
-    engine = start_engine(engine_kind, args.model, args.seed, args.sglang_mem_fraction, args.rollout_tp,
-                          args.sglang_attention_backend, args.sglang_sampling_backend, args.sglang_cuda_graph_max_bs,
-                          args.sglang_disable_cuda_graph, args.sglang_prefill_cuda_graph) if rank == owner else None
+    tp = tp_group(args.rollout_tp)
+    sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=args.rollout_tp,
+                           attention_backend=args.sglang_attention_backend, sampling_backend=args.sglang_sampling_backend,
+                           cuda_graph_max_bs=args.sglang_cuda_graph_max_bs, disable_cuda_graph=args.sglang_disable_cuda_graph,
+                           prefill_cuda_graph=args.sglang_prefill_cuda_graph)
+    engine = start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang) if rank == tp.owner else None
     release(engine, ALL_TAGS)  # until the first weight sync
     watch = EngineWatch(engine, phase=lambda: mem.current)  # a dead engine ends the run
     dist.barrier()  # no rank loads its model before every engine has measured free memory
@@ -321,15 +339,6 @@ def main(args: Args):
     train_models = [m for m in (policy, ref) if m is not None]
     startup["model_s"] = time.time() - t0
 
-    # ALGO: the reward. Any (completion, answer) -> float can go here. Credit for the format only
-    # comes with a right answer, so the policy can't score by emitting '#### <guess>'.
-    def reward_fn(completion: str, answer: str) -> float:
-        if answer_fn(completion, answer, "strict"):
-            correct = 1.0
-        else:
-            correct = args.unformatted_credit * answer_fn(completion, answer, "flexible")
-        return correct + args.format_weight * format_reward(completion)
-
     # ---- resume ----------------------------------------------------------------------------------
     start_step = 0
     if resume_from:
@@ -344,8 +353,8 @@ def main(args: Args):
         return bool(args.eval_every) and done % args.eval_every == 0 and (done > 0 or args.eval_before_train)
 
     allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
-    log = RunLog(run_dir, asdict(args), start_step, args.track, args.wandb_project, run_name, run_info(world_size, engine_kind),
-                 eval_redone=start_step < args.steps and eval_due(start_step))
+    log = RunLog(run_dir, config=asdict(args), start_step=start_step, info=run_info(world_size, engine_kind), track=args.track,
+                 project=args.wandb_project, run_name=run_name, eval_redone=start_step < args.steps and eval_due(start_step))
     last_saved, nonfinite = start_step, NonFinite(args.max_nonfinite_steps)
 
     def save(step: int, sampler_state: dict):
@@ -361,7 +370,7 @@ def main(args: Args):
         """Every rank, after agreeing on a signal: engine down, training state back on the GPU, a
         checkpoint if SIGTERM (preemption) left finished steps unsaved, then exit 128 + signum."""
         stop_engine(engine, watch)
-        sleep(None, train_models, [optimizer], args.offload, device, mem)  # offloaded state back (no-op otherwise)
+        sleep(None, models=train_models, optimizers=[optimizer], offload=args.offload, mem=mem, device=device)  # state back
         if signum == signal.SIGTERM and args.save_on_sigterm and args.save_every >= 0 and done > last_saved:
             save(done, sampler_state)
         launcher = f"torchrun --nproc_per_node={world_size}" if "RANK" in os.environ else "python"
@@ -373,15 +382,16 @@ def main(args: Args):
         dist.destroy_process_group()
         raise SystemExit(128 + signum)
 
-    def progress(items, desc: str):
-        """A progress bar over micro-batches on rank 0, when a person is watching (stderr is a TTY)."""
-        return tqdm(items, desc=desc, leave=False, disable=rank != 0 or not sys.stderr.isatty())
-
-    def evaluate_now(step: int):
-        out = evaluate(engine, eval_prompts, [e.answer for e in eval_examples], answer_fn, args.max_new_tokens, stop_ids,
-                       tokenizer, step, group, owner)
-        if out is None:  # a signal cut the evaluation short: not logged
-            stop_now(agreed_signal(), step, sampler.state_dict())
+    def evaluate(step: int):
+        """Greedy accuracy on the held-out prompts (engine awake), each rank a strided share."""
+        share = range(rank, len(eval_prompts), world_size)
+        samples = generate(engine, [eval_prompts[i] for i in share], [0] * len(share), sampling=greedy, tokenizer=tokenizer, tp=tp)
+        if signum := agreed_signal():  # a signal cut the evaluation short: not logged
+            stop_now(signum, step, sampler.state_dict())
+        for s, i in zip(samples, share):
+            s.answer = eval_examples[i].answer
+        out = eval_stats(samples, answer_fn)
+        print0(log_line(f"eval after step {step}", out, EVAL_LINE))
         log.log({"step": step, **out})
 
     # ---- the loop ----------------------------------------------------------------------------------
@@ -393,24 +403,25 @@ def main(args: Args):
         sampler_state = sampler.state_dict()  # the data position after step - 1, for a save if stopped mid-step
 
         # -- 1. wake SGLang up with the current weights (memory.py: the first half of the diagram)
-        wake_up(engine, policy, train_models, [optimizer], args.offload, mem, args.sync_bucket_mb << 20)
+        wake_up(engine, policy=policy, models=train_models, optimizers=[optimizer], offload=args.offload, mem=mem,
+                bucket_bytes=args.sync_bucket_mb << 20)
         if eval_due(step - 1):
             with mem.phase("eval"):
-                evaluate_now(step - 1)  # after step-1 updates
+                evaluate(step - 1)  # after step-1 updates
 
         # -- 2. rollout: group_size samples per prompt, scored; dynamic sampling refills dropped groups
         with mem.phase("generate"):
             kept, seen, rounds = [], [], 0
             while True:
-                idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)
+                prompt_idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)  # this rank's prompts
+                sample_idx = [i for i in prompt_idx for _ in range(args.group_size)]     # each prompt G times in a row
                 rng = random.Random(f"{args.seed}-{step}-{rounds}-{rank}")
-                samples = generate(engine, [prompts[i] for i in idx for _ in range(args.group_size)],
-                                   [train_examples[i].answer for i in idx for _ in range(args.group_size)],
-                                   [rng.getrandbits(31) for _ in range(len(idx) * args.group_size)],
-                                   args.max_new_tokens, args.temperature, args.top_p, stop_ids, tokenizer, group, owner)
-                for s in samples:
+                samples = generate(engine, [prompts[i] for i in sample_idx], [rng.getrandbits(31) for _ in sample_idx],
+                                   sampling=sampling, tokenizer=tokenizer, tp=tp)
+                for k, (s, i) in enumerate(zip(samples, sample_idx)):
+                    s.answer, s.group_id = train_examples[i].answer, (len(seen) + k) // args.group_size  # one id a prompt
                     s.reward, s.reward_error = score(reward_fn, s.text, s.answer)
-                groups = [samples[g * args.group_size:(g + 1) * args.group_size] for g in range(len(idx))]
+                groups = [samples[g * args.group_size:(g + 1) * args.group_size] for g in range(len(prompt_idx))]
                 seen += samples
                 rounds += 1
                 if args.dynamic_sampling:  # ALGO: a group of equal rewards has zero advantage: no signal
@@ -426,7 +437,7 @@ def main(args: Args):
             stop_now(signum, step - 1, sampler_state)
 
         # -- 3. SGLang sleeps, training state comes back
-        sleep(engine, train_models, [optimizer], args.offload, device, mem)
+        sleep(engine, models=train_models, optimizers=[optimizer], offload=args.offload, mem=mem, device=device)
 
         metrics.update(rollout_stats(seen, answer_fn, mem.seconds["generate"]))  # every sample generated
         metrics.update({"rollout/kept_groups": all_reduce(len(kept)), "rollout/sampling_rounds": rounds})
@@ -442,12 +453,14 @@ def main(args: Args):
                 batch.loss_mask[torch.tensor([s.truncated for s in flat])] = 0.0
             with mem.phase("logprob"):
                 batch.old_logprobs = batch_logprobs(policy, batch, args.micro_batch_size, args.temperature, device,
-                                                    lambda x: progress(x, "log-probs"))
+                                                    lambda x: progress(x, "log-probs", rank))
                 if ref is not None:
                     batch.ref_logprobs = batch_logprobs(ref, batch, args.micro_batch_size, args.temperature, device)
-            metrics["rollout/logprob_abs_diff"] = logprob_gap(flat, batch)  # sampler vs trainer: sync check
+            metrics["rollout/logprob_abs_diff"] = logprob_gap(batch)  # sampler vs trainer: sync check
 
             # -- 5. advantages
+            group_ids = torch.tensor([s.group_id for s in flat]).view(-1, args.group_size)  # [groups, G]
+            assert (group_ids == group_ids[:, :1]).all(), "a row of the reshape mixes samples of two prompts"
             rewards = torch.tensor([s.reward for s in flat]).view(-1, args.group_size)     # [groups, G]
             if ref is not None and args.kl_in_reward:  # ALGO: KL as a reward penalty, per sequence
                 seq_kl = (kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1") * batch.response_mask).sum(-1)
@@ -466,8 +479,8 @@ def main(args: Args):
                         # global counts: every rank normalizes by the whole mini-batch
                         num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
                         num_seqs = float(all_reduce((batch.loss_mask[mini].sum(-1) > 0).sum()))  # filtered don't count
-                        for idx in progress(mini.split(args.micro_batch_size), f"update {epoch + 1}/{args.epochs}"):
-                            mb = batch.select(idx).to(device)
+                        for rows in progress(mini.split(args.micro_batch_size), f"update {epoch + 1}/{args.epochs}", rank):
+                            mb = batch.select(rows).to(device)
                             logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature, with_entropy=True)
                             token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, args.clip_low, args.clip_high)
                             if ref is not None and not args.kl_in_reward:
@@ -508,7 +521,7 @@ def main(args: Args):
         if step == start_step + 1:
             metrics["time/startup_to_first_step_s"] = time.time() - t_launch
             metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
-        print0(log_line(step, metrics, [
+        print0(log_line(f"step {step}", metrics, [
             ("reward", "rollout/reward_mean", ".3f"), ("acc", "rollout/strict_acc", ".3f"),
             ("format", "rollout/format_rate", ".2f"), ("len", "rollout/response_len_mean", ".0f"),
             ("trunc", "rollout/truncated_frac", ".2f"), ("kl", "train/kl", ".4f"), ("clip", "train/clip_frac", ".3f"),
@@ -530,8 +543,9 @@ def main(args: Args):
 
     # ---- final evaluation and cleanup --------------------------------------------------------------
     if args.eval_every and start_step < args.steps:
-        wake_up(engine, policy, train_models, [optimizer], args.offload, mem, args.sync_bucket_mb << 20)
-        evaluate_now(args.steps)
+        wake_up(engine, policy=policy, models=train_models, optimizers=[optimizer], offload=args.offload, mem=mem,
+                bucket_bytes=args.sync_bucket_mb << 20)
+        evaluate(args.steps)
     mem.close()
     stop_engine(engine, watch)
     log.finish()

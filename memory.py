@@ -3,14 +3,14 @@
 A step, as the GPU memory sees it ("multi-stage awake"):
 
     [update]   params + grads + optimizer state + activations       SGLang: nothing
-    wake_up(...)
+    wake_up(engine, policy=..., models=..., optimizers=..., offload=..., mem=...)
       1. free_grads        grads -> None; optimizer state -> CPU (offload)
       2. resume_weights    empty the cache; SGLang gets its weight memory back
       3. sync_weights      FSDP2 shards -> full bf16 tensors (one bucket at a time) -> SGLang
       4. offload_model     the gathered copies are gone; training params -> CPU (offload)
       5. resume_kv_cache   empty the cache; SGLang gets its KV cache (and CUDA graphs) back
     [generate]             SGLang: weights + KV cache          training: params unless offloaded
-    sleep(...)
+    sleep(engine, models=..., optimizers=..., offload=..., mem=..., device=...)
       6. release           SGLang frees KV cache, weights and graphs
       7. reload            training params and optimizer state -> GPU (offload)
     [log-probs, update]
@@ -28,7 +28,6 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from rollout import sync_weights
 
 ALL_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory regions
 GiB = 1024**3
@@ -38,33 +37,34 @@ GiB = 1024**3
 # The two halves of the step
 
 
-def wake_up(engine, policy, models, optimizers, offload: bool, log, bucket_bytes: int = 512 << 20):
+def wake_up(engine, *, policy, models: list, optimizers: list, offload: bool, mem: "MemoryLog",
+            bucket_bytes: int = 512 << 20):
     """Training state -> rollout. `models` are all training-side FSDP2 models (policy, reference,
     critic); `optimizers` their optimizers. `engine` is None on non-owner ranks of a TP group."""
-    with log.phase("free_grads"):
+    with mem.phase("free_grads"):
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         if offload:
             for opt in optimizers:
                 move_optimizer(opt, "cpu")
-    with log.phase("resume_weights"):
+    with mem.phase("resume_weights"):
         resume(engine, ["weights"])
-    with log.phase("sync_weights"):
+    with mem.phase("sync_weights"):
         sync_weights(policy, engine, bucket_bytes)
-    with log.phase("offload_model"):
+    with mem.phase("offload_model"):
         if offload:
             for model in models:
                 model.to("cpu", non_blocking=True)  # into pinned host memory (see move_optimizer)
             synchronize()
-    with log.phase("resume_kv_cache"):
+    with mem.phase("resume_kv_cache"):
         resume(engine, ["kv_cache", "cuda_graph"])
 
 
-def sleep(engine, models, optimizers, offload: bool, device, log):
-    """Rollout -> training state."""
-    with log.phase("release"):
+def sleep(engine, *, models: list, optimizers: list, offload: bool, mem: "MemoryLog", device):
+    """Rollout -> training state (`engine` None: only bring the training state back)."""
+    with mem.phase("release"):
         release(engine, ALL_TAGS)
-    with log.phase("reload"):
+    with mem.phase("reload"):
         if offload:
             for model in models:
                 model.to(device, non_blocking=True)
@@ -74,6 +74,34 @@ def sleep(engine, models, optimizers, offload: bool, device, log):
 
 # ----------------------------------------------------------------------------------------------
 # The pieces
+
+
+@torch.no_grad()
+def sync_weights(model, engine, bucket_bytes: int = 512 << 20):
+    """Push the FSDP2 model's weights into the engine, in buckets of about `bucket_bytes`.
+
+    Every rank all-gathers every parameter (`full_tensor()` is a collective: all ranks, same
+    order); ranks that own an engine hand the full bf16 tensors to it, by CUDA IPC for SGLang,
+    with no copy through the CPU. Buckets bound the extra memory to one bucket of gathered
+    weights. The prefix cache holds KV computed with the old weights: flush it once, at the end.
+    """
+    bucket, size = [], 0
+    for name, param in model.named_parameters():
+        full = param.detach().to(torch.bfloat16)  # cast the shard first: half the bytes to gather
+        full = full.full_tensor() if hasattr(full, "full_tensor") else full
+        if engine is None:
+            continue  # a non-owner rank of a TP group: it only helps gather
+        bucket.append((name, full))
+        size += full.numel() * full.element_size()
+        if size >= bucket_bytes:
+            engine.update_weights_from_tensor(bucket, flush_cache=False)
+            bucket, size = [], 0
+    if engine is not None:
+        if bucket:
+            engine.update_weights_from_tensor(bucket, flush_cache=False)
+        engine.flush_cache()
+
+
 
 
 def release(engine, tags):

@@ -4,14 +4,23 @@
     int_match_reward(completion, "122")         # built-in addition task: exact integer match
     format_reward(completion)                   # 1.0 if the completion gives a "#### <number>" answer
     score(reward_fn, completion, answer)        # never raises: (reward, "") or (0.0, "ValueError: ...")
+    rollout_stats(samples, answer_fn, seconds)  # a step's reward, accuracy, lengths, over all ranks
+    eval_stats(samples, answer_fn)              # held-out accuracy, over all ranks
 
 Two ways to find the final answer, as in lm-evaluation-harness's GSM8K:
   strict:   the number after the last "####"      ("... so 5 + 7 = 12.\n#### 12" -> "12")
   flexible: strict if present, else the last number in the text ("The answer is 1,234." -> "1234")
 """
 
+import math
 import re
 from decimal import Decimal, InvalidOperation
+
+import torch
+import torch.distributed as dist
+
+from fsdp import all_reduce
+from runlog import print0
 
 # A number: optional sign, digits with optional thousands commas, optional decimals; or ".5".
 _NUM = r"-?(?:[0-9][0-9,]*(?:\.[0-9]+)?|\.[0-9]+)"
@@ -88,3 +97,47 @@ def score(reward_fn, completion: str, answer: str) -> tuple[float, str]:
         return float(reward_fn(completion, answer)), ""
     except Exception as e:  # noqa: BLE001 -- deliberately broad: any reward bug becomes a counted 0
         return 0.0, f"{type(e).__name__}: {e}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Task metrics, summed over ranks. answer_fn(completion, answer, mode) -> 0/1, mode "strict" or "flexible".
+
+
+def judge(samples, answer_fn) -> dict[str, float]:
+    """Sums over this rank's samples: strict accuracy ('#### N' right), flexible accuracy (else the
+    last number), format ('#### N' present)."""
+    return {"strict": sum(score(lambda c, a: answer_fn(c, a, "strict"), s.text, s.answer)[0] for s in samples),
+            "flexible": sum(score(lambda c, a: answer_fn(c, a, "flexible"), s.text, s.answer)[0] for s in samples),
+            "format": sum(format_reward(s.text) for s in samples)}
+
+
+def rollout_stats(samples, answer_fn, seconds: float) -> dict:
+    """Reward, accuracy, format, length, truncation and tokens/s of a step's samples, over all ranks.
+    A reward function that raised on most samples is also said on the console."""
+    counts = judge(samples, answer_fn)
+    tot = all_reduce(torch.tensor([
+        len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples), counts["strict"],
+        counts["format"], sum(len(s.response_ids) for s in samples), sum(s.truncated for s in samples),
+        sum(bool(s.reward_error) for s in samples), sum(not math.isfinite(s.reward) for s in samples)], dtype=torch.float64))
+    n, mean = tot[0], tot[1] / tot[0]
+    if tot[7] > n / 2:  # a broken reward function: say so on the console, not only in the metrics
+        first = next((s.reward_error for s in samples if s.reward_error), "")
+        print0(f"warning: the reward function raised on {int(tot[7])} of {int(n)} samples (scored 0)" + (f", e.g. {first}" if first else ""))
+    return {"rollout/reward_mean": mean, "rollout/reward_std": (tot[2] / n - mean**2).clamp(min=0).sqrt(),
+            "rollout/strict_acc": tot[3] / n, "rollout/format_rate": tot[4] / n,
+            "rollout/response_len_mean": tot[5] / n,
+            "rollout/response_len_max": all_reduce(max(len(s.response_ids) for s in samples), dist.ReduceOp.MAX),
+            "rollout/truncated_frac": tot[6] / n, "rollout/reward_errors": tot[7], "rollout/reward_nonfinite": tot[8],
+            "perf/rollout_tokens_per_s": tot[5] / seconds}
+
+
+def eval_stats(samples, answer_fn) -> dict:
+    """Greedy held-out accuracy of the samples of all ranks."""
+    counts = judge(samples, answer_fn)
+    tot = all_reduce(torch.tensor([counts["strict"], counts["flexible"], counts["format"], len(samples)]))
+    return {"eval/strict_acc": float(tot[0] / tot[3]), "eval/flexible_acc": float(tot[1] / tot[3]),
+            "eval/format_rate": float(tot[2] / tot[3])}
+
+
+EVAL_LINE = [("eval strict acc", "eval/strict_acc", ".3f"), ("flexible acc", "eval/flexible_acc", ".3f"),
+             ("format", "eval/format_rate", ".3f")]  # the console line of an evaluation

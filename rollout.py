@@ -1,46 +1,58 @@
 """Generation: an in-process SGLang Engine on the training GPUs, or plain transformers on the CPU.
 
-    engine = start_sglang(model_path, gpu_id=0, mem_fraction=0.6)   # then memory.release(engine, ALL_TAGS)
-    sync_weights(model, engine)                                     # FSDP2 shards -> full bf16 -> engine
-    samples = generate(engine, prompt_ids, answers, seeds, max_new_tokens=256, temperature=1.0)
+    engine = start_engine("sglang", model_path, seed=0, sglang=SGLangOptions(mem_fraction=0.6))  # then memory.release
+    sampling = Sampling(max_new_tokens=256, stop_ids=stop_token_ids(tokenizer, model_path), temperature=1.0)
+    samples = generate(engine, prompt_ids, seeds, sampling=sampling, tokenizer=tokenizer)   # list[Sample]
+    gap = logprob_gap(batch)          # sampler vs trainer log-probs of a collated batch: did the sync work?
 
 Both engines answer SGLang's calls (`generate`, `update_weights_from_tensor`, `flush_cache`,
 `release/resume_memory_occupation`), so the loop and memory.py read the same on a laptop as on a GPU
-node. `HFEngine`'s release/resume do nothing, but it refuses to generate while released.
+node. `HFEngine`'s release/resume do nothing, but it refuses to generate while released. Token ids
+in, token ids out: a sample's tokens are exactly the ones the sampler drew.
 
 Tensor parallel size k: ranks are cut into groups of k; the first rank of each group owns an engine
 spanning the group's k GPUs, the others have `engine=None` and send their prompts to the owner.
 """
 
 import functools
-import math
 import multiprocessing
 import os
 import signal
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from data import Sample
-from fsdp import all_reduce, log_line, print0
+from fsdp import all_reduce
 from preflight import Interrupted
-from reward import format_reward, score
-from stop import interruptible, requested, stop_engine
+from stop import interruptible, stop_engine
 
 # ----------------------------------------------------------------------------------------------
 # Engines
 
 
-def start_sglang(model_path: str, gpu_id: int, mem_fraction: float, tp_size: int = 1, seed: int = 0,
-                 attention_backend: str | None = "triton", sampling_backend: str | None = "pytorch",
-                 cuda_graph_max_bs: int | None = None, disable_cuda_graph: bool = False,
-                 prefill_cuda_graph: bool = False, log_level: str = "error", load_format: str = "dummy"):
+@dataclass
+class SGLangOptions:
+    """How SGLang starts (grpo.py and ppo.py fill it from their --sglang-* flags)."""
+    mem_fraction: float = 0.6         # share of the GPU for SGLang's weights + KV cache while awake
+    tp_size: int = 1                  # GPUs one engine spans (tensor parallel)
+    attention_backend: str = "triton"
+    sampling_backend: str = "pytorch"
+    cuda_graph_max_bs: int | None = None  # largest decode batch captured as a CUDA graph (None: SGLang's)
+    disable_cuda_graph: bool = False
+    prefill_cuda_graph: bool = False
+    load_format: str = "dummy"        # "dummy": weights only from the sync; "auto": read the checkpoint
+    log_level: str = "error"
+
+
+def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLangOptions | None = None):
     """Start an SGLang Engine in this process (its scheduler runs in child processes on GPUs
     gpu_id .. gpu_id+tp_size-1). Release its memory (memory.release) until the first weight sync.
 
     Call this before building the training state: SGLang sizes its KV cache from the GPU memory it
-    finds free, so it must see an empty GPU. `mem_fraction` is the share of the whole GPU that
-    SGLang's weights + KV cache take while awake.
+    finds free, so it must see an empty GPU. `options.mem_fraction` is the share of the whole GPU
+    that SGLang's weights + KV cache take while awake.
 
     load_format="dummy": no checkpoint read; weights are random until the first `sync_weights`
     (before every generation), so a parameter that sync forgot shows up as garbage, not stale.
@@ -60,13 +72,14 @@ def start_sglang(model_path: str, gpu_id: int, mem_fraction: float, tp_size: int
     # inherit our environment and would wait forever for their own process group. Hide it meanwhile.
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     before = set(multiprocessing.active_children())
+    o = options or SGLangOptions()
     try:
         engine.__init__(
-            model_path=model_path, skip_tokenizer_init=True, load_format=load_format, dtype="bfloat16",
-            enable_memory_saver=True, mem_fraction_static=mem_fraction, base_gpu_id=gpu_id, tp_size=tp_size,
-            random_seed=seed, attention_backend=attention_backend, sampling_backend=sampling_backend,
-            cuda_graph_max_bs_decode=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph, log_level=log_level,
-            cuda_graph_backend_prefill=None if prefill_cuda_graph else "disabled")
+            model_path=model_path, skip_tokenizer_init=True, load_format=o.load_format, dtype="bfloat16",
+            enable_memory_saver=True, mem_fraction_static=o.mem_fraction, base_gpu_id=gpu_id, tp_size=o.tp_size,
+            random_seed=seed, attention_backend=o.attention_backend, sampling_backend=o.sampling_backend,
+            cuda_graph_max_bs_decode=o.cuda_graph_max_bs, disable_cuda_graph=o.disable_cuda_graph,
+            log_level=o.log_level, cuda_graph_backend_prefill=None if o.prefill_cuda_graph else "disabled")
     except BaseException:  # Ctrl-C during start-up, or a failed start: stop what was started
         engine.processes = [p for p in multiprocessing.active_children() if p not in before]
         stop_engine(engine, None)
@@ -151,16 +164,11 @@ class HFEngine:
         pass
 
 
-def start_engine(kind: str, model_path: str, seed: int, mem_fraction: float = 0.6, tp_size: int = 1,
-                 attention_backend: str | None = "triton", sampling_backend: str | None = "pytorch",
-                 cuda_graph_max_bs: int | None = None, disable_cuda_graph: bool = False, prefill_cuda_graph: bool = False):
+def start_engine(kind: str, model_path: str, *, seed: int, sglang: SGLangOptions | None = None):
     """'sglang' (on this rank's GPU) or 'hf' (CPU stand-in). `engine.processes` lists the child
     processes it started (SGLang's scheduler and detokenizer), for stop.EngineWatch."""
     if kind == "sglang":
-        return start_sglang(model_path, gpu_id=torch.cuda.current_device(), mem_fraction=mem_fraction, tp_size=tp_size,
-                            seed=seed, attention_backend=attention_backend, sampling_backend=sampling_backend,
-                            cuda_graph_max_bs=cuda_graph_max_bs, disable_cuda_graph=disable_cuda_graph,
-                            prefill_cuda_graph=prefill_cuda_graph)
+        return start_sglang(model_path, gpu_id=torch.cuda.current_device(), seed=seed, options=sglang)
     return HFEngine(model_path, seed=seed)
 
 
@@ -182,41 +190,31 @@ def stop_token_ids(tokenizer, model_path: str) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Weight sync
-
-
-@torch.no_grad()
-def sync_weights(model, engine, bucket_bytes: int = 512 << 20):
-    """Push the FSDP2 model's weights into the engine, in buckets of about `bucket_bytes`.
-
-    Every rank all-gathers every parameter (`full_tensor()` is a collective: all ranks, same
-    order); ranks that own an engine hand the full bf16 tensors to it, by CUDA IPC for SGLang,
-    with no copy through the CPU. Buckets bound the extra memory to one bucket of gathered
-    weights. The prefix cache holds KV computed with the old weights: flush it once, at the end.
-    """
-    bucket, size = [], 0
-    for name, param in model.named_parameters():
-        full = param.detach().to(torch.bfloat16)  # cast the shard first: half the bytes to gather
-        full = full.full_tensor() if hasattr(full, "full_tensor") else full
-        if engine is None:
-            continue  # a non-owner rank of a TP group: it only helps gather
-        bucket.append((name, full))
-        size += full.numel() * full.element_size()
-        if size >= bucket_bytes:
-            engine.update_weights_from_tensor(bucket, flush_cache=False)
-            bucket, size = [], 0
-    if engine is not None:
-        if bucket:
-            engine.update_weights_from_tensor(bucket, flush_cache=False)
-        engine.flush_cache()
-
-
-# ----------------------------------------------------------------------------------------------
 # Generation
 
 
-def tp_group(tp_size: int):
-    """Cut the ranks into groups of `tp_size`; returns (this rank's group or None, owner's global rank)."""
+@dataclass
+class Sampling:
+    """How each response is sampled: SGLang's sampling params, less the per-request seed."""
+    max_new_tokens: int
+    stop_ids: list[int]         # token ids that end a response (stop_token_ids)
+    temperature: float = 1.0    # 0: greedy; log-probs are of the distribution at this temperature
+    top_p: float = 1.0
+
+    def params(self, seed: int) -> dict:
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "stop_token_ids": self.stop_ids, "sampling_seed": seed}
+
+
+@dataclass
+class TPGroup:
+    """The ranks that share one engine (--rollout-tp k): the first rank of each k owns it."""
+    process_group: object | None  # None for k = 1
+    owner: int                    # the owner's global rank
+
+
+def tp_group(tp_size: int) -> TPGroup:
+    """Cut the ranks into groups of `tp_size`; this rank's group."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % tp_size:
         raise ValueError(f"--rollout-tp {tp_size} must divide the number of ranks ({world})")
@@ -225,119 +223,66 @@ def tp_group(tp_size: int):
         group = dist.new_group(list(range(start, start + tp_size))) if tp_size > 1 else None
         if start == owner:
             mine = group
-    return mine, owner
+    return TPGroup(mine, owner)
 
 
-def generate(engine, prompt_ids: list[list[int]], answers: list[str], seeds: list[int], max_new_tokens: int,
-             temperature: float, top_p: float, stop_ids: list[int], tokenizer=None, group=None,
-             owner: int = 0) -> list[Sample]:
+def generate(engine, prompt_ids: list[list[int]], seeds: list[int], *, sampling: Sampling, tokenizer=None,
+             tp: TPGroup | None = None) -> list[Sample]:
     """Sample one completion per prompt (repeat a prompt to get a group). Token ids in, token ids
     and per-token log-probs out. Each request carries its own `seeds[i]`: without one, SGLang
-    samples repeated prompts identically. temperature=0 is greedy.
+    samples repeated prompts identically. A signal cuts the generation short: no samples then.
 
     With a TP group, non-owner ranks (engine=None) send their prompts to the group's owner, which
     generates for the whole group and sends each rank its own completions back.
     """
+    group = tp.process_group if tp is not None else None
     requests = (prompt_ids, seeds)
     if group is not None:
-        gathered = [None] * dist.get_world_size(group) if dist.get_rank() == owner else None
-        dist.gather_object(requests, gathered, dst=owner, group=group)
-        if dist.get_rank() == owner:
+        gathered = [None] * dist.get_world_size(group) if dist.get_rank() == tp.owner else None
+        dist.gather_object(requests, gathered, dst=tp.owner, group=group)
+        if dist.get_rank() == tp.owner:
             requests = ([p for g in gathered for p in g[0]], [s for g in gathered for s in g[1]])
     outputs = None
     if engine is not None:
-        params = [{"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                   "stop_token_ids": stop_ids, "sampling_seed": seed} for seed in requests[1]]
         try:
             with interruptible():
-                outputs = engine.generate(input_ids=requests[0], sampling_params=params, return_logprob=True)
+                outputs = engine.generate(input_ids=requests[0], sampling_params=[sampling.params(s) for s in requests[1]],
+                                          return_logprob=True)
         except Interrupted:  # Ctrl-C or SIGTERM: no samples; the loop stops at its next check
             outputs = [None] * len(requests[0])
     if group is not None:
-        if dist.get_rank() == owner:
+        if dist.get_rank() == tp.owner:
             sizes = [len(g[0]) for g in gathered]
             starts = [sum(sizes[:i]) for i in range(len(sizes))]
             scatter = [outputs[s:s + n] for s, n in zip(starts, sizes)]
         mine = [None]
-        dist.scatter_object_list(mine, scatter if dist.get_rank() == owner else None, src=owner, group=group)
+        dist.scatter_object_list(mine, scatter if dist.get_rank() == tp.owner else None, src=tp.owner, group=group)
         outputs = mine[0]
 
     samples = []
-    for prompt, answer, out in zip(prompt_ids, answers, outputs):
+    for prompt, out in zip(prompt_ids, outputs):
         if out is None:
             continue
         finish = out["meta_info"]["finish_reason"]
         if finish["type"] == "abort":
             raise RuntimeError(f"SGLang aborted a request: {finish.get('message')}; a prompt of {len(prompt)} "
-                               f"tokens + {max_new_tokens} new may exceed the engine's context length")
+                               f"tokens + {sampling.max_new_tokens} new may exceed the engine's context length")
         response = list(out["output_ids"])
         logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
         if len(logprobs) != len(response):
             raise RuntimeError(f"engine returned {len(response)} tokens but {len(logprobs)} log-probs")
         # Truncated = stopped by the length limit before any stop token (a response whose last
         # allowed token happens to be EOS is complete, though SGLang reports 'length').
-        truncated = finish["type"] == "length" and not (response and response[-1] in stop_ids)
+        truncated = finish["type"] == "length" and not (response and response[-1] in sampling.stop_ids)
         text = tokenizer.decode(response, skip_special_tokens=True) if tokenizer is not None else ""
-        samples.append(Sample(prompt, response, logprobs, truncated, answer, text))
+        samples.append(Sample(prompt_ids=prompt, response_ids=response, rollout_logprobs=logprobs, truncated=truncated,
+                              text=text))
     return samples
 
 
-# ----------------------------------------------------------------------------------------------
-# Measuring rollouts
-
-
-def judge(samples: list[Sample], answer_fn) -> list[float]:
-    """Sums over samples of: strict accuracy ('#### N' right), flexible accuracy (else the last
-    number), format ('#### N' present). answer_fn(completion, answer, mode) -> 0/1."""
-    return [sum(score(lambda c, a: answer_fn(c, a, "strict"), s.text, s.answer)[0] for s in samples),
-            sum(score(lambda c, a: answer_fn(c, a, "flexible"), s.text, s.answer)[0] for s in samples),
-            sum(format_reward(s.text) for s in samples)]
-
-
-def evaluate(engine, prompt_ids, answers, answer_fn, max_new_tokens: int, stop_ids, tokenizer, step: int,
-             group=None, owner: int = 0) -> dict:
-    """Greedy accuracy on held-out prompts (engine awake), split over ranks; one console line.
-    None if a signal cut it short on any rank (nothing to log)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = list(range(rank, len(prompt_ids), world))
-    samples = generate(engine, [prompt_ids[i] for i in mine], [answers[i] for i in mine], [0] * len(mine),
-                       max_new_tokens, 0.0, 1.0, stop_ids, tokenizer, group, owner)
-    sums = all_reduce(torch.tensor(judge(samples, answer_fn) + [len(samples), requested()]))
-    if sums[4]:
-        return None
-    out = {"eval/strict_acc": float(sums[0] / sums[3]), "eval/flexible_acc": float(sums[1] / sums[3]),
-           "eval/format_rate": float(sums[2] / sums[3])}
-    print0(log_line(step, out, [("eval strict acc", "eval/strict_acc", ".3f"), ("flexible acc", "eval/flexible_acc", ".3f"),
-                                ("format", "eval/format_rate", ".3f")]).replace("step", "eval after step"))
-    return out
-
-
-def rollout_stats(samples: list[Sample], answer_fn, seconds: float) -> dict:
-    """Reward, accuracy, format, length and truncation of this step's samples, over all ranks."""
-    acc, _, fmt = judge(samples, answer_fn)
-    tot = all_reduce(torch.tensor([
-        len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples), acc, fmt,
-        sum(len(s.response_ids) for s in samples), sum(s.truncated for s in samples),
-        sum(bool(s.reward_error) for s in samples), sum(not math.isfinite(s.reward) for s in samples)], dtype=torch.float64))
-    n, mean = tot[0], tot[1] / tot[0]
-    if tot[7] > n / 2:  # a broken reward function: say so on the console, not only in the metrics
-        first = next((s.reward_error for s in samples if s.reward_error), "")
-        print0(f"warning: the reward function raised on {int(tot[7])} of {int(n)} samples (scored 0)" + (f", e.g. {first}" if first else ""))
-    return {"rollout/reward_mean": mean, "rollout/reward_std": (tot[2] / n - mean**2).clamp(min=0).sqrt(),
-            "rollout/strict_acc": tot[3] / n, "rollout/format_rate": tot[4] / n,
-            "rollout/response_len_mean": tot[5] / n,
-            "rollout/response_len_max": all_reduce(max(len(s.response_ids) for s in samples), dist.ReduceOp.MAX),
-            "rollout/truncated_frac": tot[6] / n, "rollout/reward_errors": tot[7], "rollout/reward_nonfinite": tot[8],
-            "perf/rollout_tokens_per_s": tot[5] / seconds}
-
-
-def logprob_gap(samples: list[Sample], batch) -> float:
+def logprob_gap(batch) -> float:
     """Mean |sampler log-prob - trainer log-prob| over response tokens, all ranks. Small (bf16
     numerics, ~0.02-0.05) when the engine generated with the trainer's weights; large if the sync
     missed or corrupted something."""
-    rollout_logp = torch.zeros_like(batch.response_mask)
-    for i, s in enumerate(samples):
-        p = len(s.prompt_ids)
-        rollout_logp[i, p - 1:p - 1 + len(s.response_ids)] = torch.tensor(s.rollout_logprobs)
-    diff = ((rollout_logp - batch.old_logprobs).abs() * batch.response_mask).sum()
+    diff = ((batch.rollout_logprobs - batch.old_logprobs).abs() * batch.response_mask).sum()
     return float(all_reduce(diff) / all_reduce(batch.response_mask.sum()))

@@ -26,7 +26,7 @@ sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from data import load_task, tokenize_prompts  # noqa: E402
 from fsdp import init_distributed, load_model, shard_model  # noqa: E402
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up  # noqa: E402
-from rollout import HFEngine, generate, start_sglang, stop_token_ids  # noqa: E402
+from rollout import HFEngine, SGLangOptions, Sampling, generate, start_sglang, stop_token_ids  # noqa: E402
 from stop import stop_engine  # noqa: E402
 
 
@@ -65,8 +65,9 @@ def main(args: Args):
     _, _, device = init_distributed()
     t0 = time.time()
     if args.engine == "sglang":
-        engine = start_sglang(args.model, gpu_id=0, mem_fraction=args.mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                              prefill_cuda_graph=args.prefill_cuda_graph, log_level=args.log_level)
+        engine = start_sglang(args.model, gpu_id=0, options=SGLangOptions(
+            mem_fraction=args.mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
+            prefill_cuda_graph=args.prefill_cuda_graph, log_level=args.log_level))
     else:
         engine = HFEngine(args.model)
     release(engine, ALL_TAGS)
@@ -79,14 +80,14 @@ def main(args: Args):
     policy = shard_model(load_model(args.model, device, torch.float32))
     model_s = time.time() - t0
     n_params = sum(p.numel() for p in policy.parameters())
-    examples, _ = load_task("addition", None, seed=0)
+    examples, _, _ = load_task("addition", None, seed=0, num_eval=0)
     prompts, examples, _ = tokenize_prompts(tokenizer, examples[:args.num_prompts], 256)
     ids = [p for p in prompts for _ in range(args.group_size)]                     # [B] lists of token ids
-    answers = [e.answer for e in examples for _ in range(args.group_size)]
     seeds = list(range(len(ids)))
-    params = [{"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-               "stop_token_ids": stop_ids, "sampling_seed": s} for s in seeds]
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p)
+    params = [sampling.params(s) for s in seeds]
     mem = MemoryLog()
+    phases = dict(models=[policy], optimizers=[], offload=False, mem=mem)
 
     def raw(logprob: bool):
         t = time.perf_counter()
@@ -96,20 +97,19 @@ def main(args: Args):
     def ours():
         mem.reset()
         t = time.perf_counter()
-        wake_up(engine, policy, [policy], [], False, mem)
+        wake_up(engine, policy=policy, **phases)
         with mem.phase("generate"):
-            samples = generate(engine, ids, answers, seeds, args.max_new_tokens, args.temperature, args.top_p,
-                               stop_ids, tokenizer)
-        sleep(engine, [policy], [], False, device, mem)
+            samples = generate(engine, ids, seeds, sampling=sampling, tokenizer=tokenizer)
+        sleep(engine, device=device, **phases)
         return time.perf_counter() - t, [s.response_ids for s in samples], mem.metrics()
 
     results = {"raw": [], "raw_logprob": [], "ours": [], "ours_generate": [], "sync_s": [], "identical": []}
     for rep in range(args.reps + 1):  # rep 0 warms every path up and is not counted
         s_ours, tok_ours, m = ours()
-        wake_up(engine, policy, [policy], [], False, mem)  # awake, synced: the raw engine's state
+        wake_up(engine, policy=policy, **phases)  # awake, synced: the raw engine's state
         s_raw, tok_raw = raw(False)
         s_lp, tok_lp = raw(True)
-        sleep(engine, [policy], [], False, device, mem)
+        sleep(engine, device=device, **phases)
         n = sum(map(len, tok_ours))
         row = {"raw": sum(map(len, tok_raw)) / s_raw, "raw_logprob": sum(map(len, tok_lp)) / s_lp, "ours": n / s_ours,
                "ours_generate": n / m["time/generate"], "sync_s": m["time/sync_weights"],

@@ -151,7 +151,7 @@ def main(args: Args):
     os.makedirs(args.out_dir, exist_ok=True)
 
     # ---- data: our addition split, one user turn; TRL applies the chat template as data.tokenize_prompts does
-    train_examples, _ = load_task("addition", None, args.seed)
+    train_examples, _, _ = load_task("addition", None, seed=args.seed, num_eval=0)
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": e.prompt}], "answer": e.answer}
                                  for e in train_examples])
 

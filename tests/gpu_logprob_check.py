@@ -22,7 +22,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])  # the repo root, for the m
 from data import addition_task, collate, tokenize_prompts  # noqa: E402
 from fsdp import init_distributed, load_model, shard_model, token_logprobs  # noqa: E402
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up  # noqa: E402
-from rollout import HFEngine, generate, logprob_gap, start_sglang, stop_token_ids  # noqa: E402
+from rollout import HFEngine, SGLangOptions, Sampling, generate, logprob_gap, start_sglang, stop_token_ids  # noqa: E402
 from stop import stop_engine  # noqa: E402
 
 
@@ -45,22 +45,22 @@ class Args:
 DEVICE = torch.device("cpu")
 
 
-def mean_abs_diff(engine, policy, prompts, answers, stop_ids, args, seed) -> float:
+def mean_abs_diff(engine, policy, prompts, stop_ids, args, seed) -> float:
     """Sample at T=1 with SGLang, rescore the same tokens with the training model."""
-    samples = generate(engine, prompts, answers, [seed + i for i in range(len(prompts))], args.max_new_tokens,
-                       1.0, 1.0, stop_ids)
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=1.0)
+    samples = generate(engine, prompts, [seed + i for i in range(len(prompts))], sampling=sampling)
     batch = collate(samples, pad_id=stop_ids[0])
     with torch.no_grad():
         logp, _ = token_logprobs(policy, batch.input_ids.to(DEVICE), batch.attention_mask.to(DEVICE), 1.0)
     batch.old_logprobs = logp.cpu()
-    return logprob_gap(samples, batch)
+    return logprob_gap(batch)
 
 
 def main(args: Args):
     global DEVICE
     _, _, DEVICE = init_distributed()
     if args.engine == "sglang":
-        engine = start_sglang(args.model, gpu_id=0, mem_fraction=args.mem_fraction, disable_cuda_graph=True)
+        engine = start_sglang(args.model, gpu_id=0, options=SGLangOptions(mem_fraction=args.mem_fraction, disable_cuda_graph=True))
     else:
         engine = HFEngine(args.model)
     release(engine, ALL_TAGS)
@@ -71,31 +71,31 @@ def main(args: Args):
     policy = load_model(args.model, DEVICE, torch.float32)
     shard_model(policy)
     _, test = addition_task(seed=0)
-    prompts, kept, _ = tokenize_prompts(tokenizer, test[:args.num_prompts], 256)
-    answers = [e.answer for e in kept]
+    prompts, _, _ = tokenize_prompts(tokenizer, test[:args.num_prompts], 256)
     log = MemoryLog()
     result = {}
 
-    wake_up(engine, policy, [policy], [], False, log)
-    result["synced"] = mean_abs_diff(engine, policy, prompts, answers, stop_ids, args, 0)
+    phases = dict(models=[policy], optimizers=[], offload=False, mem=log)
+    wake_up(engine, policy=policy, **phases)
+    result["synced"] = mean_abs_diff(engine, policy, prompts, stop_ids, args, 0)
 
     # stale: the training model moves (as an update would), the awake engine keeps the old weights
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "mlp" in name:
                 p.mul_(1.1)
-    result["stale"] = mean_abs_diff(engine, policy, prompts, answers, stop_ids, args, 1000)
+    result["stale"] = mean_abs_diff(engine, policy, prompts, stop_ids, args, 1000)
 
     # step 2: release everything, wake up again with a sync of the moved weights
-    sleep(engine, [policy], [], False, DEVICE, log)
-    wake_up(engine, policy, [policy], [], False, log)
-    result["synced_twice"] = mean_abs_diff(engine, policy, prompts, answers, stop_ids, args, 2000)
+    sleep(engine, device=DEVICE, **phases)
+    wake_up(engine, policy=policy, **phases)
+    result["synced_twice"] = mean_abs_diff(engine, policy, prompts, stop_ids, args, 2000)
 
     # garbage: one tensor of the sync is noise (what a wrong name mapping or wrong shard would do)
     name, p = next((n, p) for n, p in policy.named_parameters() if "layers.1.mlp.down_proj" in n)
     engine.update_weights_from_tensor([(name, torch.randn(p.shape, dtype=torch.bfloat16, device=DEVICE))])
     engine.flush_cache()
-    result["garbage"] = mean_abs_diff(engine, policy, prompts, answers, stop_ids, args, 3000)
+    result["garbage"] = mean_abs_diff(engine, policy, prompts, stop_ids, args, 3000)
 
     result.update({"model": args.model, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                    "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "engine": args.engine})

@@ -33,12 +33,13 @@ if mode == "engine_child":
     rollout.HFEngine = EngineWithChild
 elif mode in ("nan_reward", "raising_reward"):
     import reward
-    import rollout  # noqa: F401 -- imported first, its accuracy metrics keep the real reward functions
 
-    calls = {"n": 0}
+    calls, real = {"n": 0}, reward.format_reward
     per_step = int(os.environ.get("PATCH_SAMPLES_PER_STEP", "16"))
 
     def format_reward(completion: str) -> float:  # reward_fn adds format_weight * this: NaN * 0 is NaN
+        if sys._getframe(1).f_code.co_name != "reward_fn":  # the metrics' own calls (reward.judge): the real one
+            return real(completion)
         calls["n"] += 1
         if mode == "raising_reward":
             raise RuntimeError("a buggy reward")

@@ -288,3 +288,21 @@ def test_select_trims_to_longest_selected_row():
     assert one.input_ids.tolist() == [[16, 27]] and one.response_mask.tolist() == [[1]]
     full = batch.select(torch.arange(3))  # the longest row is 6: nothing cut
     assert torch.equal(full.input_ids, batch.input_ids) and torch.equal(full.response_mask, batch.response_mask)
+
+
+def test_collate_keeps_the_samplers_logprobs_where_the_response_mask_is():
+    batch = collate(SAMPLES, pad_id=0)
+    assert torch.equal(batch.rollout_logprobs, torch.tensor([[0, 0, -0.1, -0.2, 0],
+                                                            [0, -0.3, -0.3, -0.3, -0.3],
+                                                            [-0.4, 0, 0, 0, 0]]))
+
+
+def test_select_carries_a_field_the_script_adds():
+    """A researcher's own field needs no edit of data.py: [B, T-1] fields are cut like the masks,
+    [B] fields follow their rows."""
+    batch = collate(SAMPLES, pad_id=0)
+    batch.token_weights = torch.arange(15, dtype=torch.float).view(3, 5)  # [B, T-1]
+    batch.seq_bonus = torch.tensor([1.0, 2.0, 3.0])                       # [B]
+    mb = batch.select(torch.tensor([0, 2]))
+    assert mb.token_weights.tolist() == [[0, 1, 2, 3], [10, 11, 12, 13]] and mb.seq_bonus.tolist() == [1.0, 3.0]
+    assert batch.token_weights.shape == (3, 5)  # the batch itself is untouched

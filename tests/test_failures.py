@@ -300,7 +300,7 @@ def test_a_start_cut_short_stops_the_engine_it_started(monkeypatch):
 
     install_fake_sglang(monkeypatch, FakeEngine)
     with pytest.raises(Interrupted):
-        rollout.start_sglang("/nowhere", gpu_id=0, mem_fraction=0.5)
+        rollout.start_sglang("/nowhere", gpu_id=0, options=rollout.SGLangOptions(mem_fraction=0.5))
     assert seen["alive after SIGINT and SIGTERM"] and seen["child"].exitcode == -signal.SIGKILL
     assert "shutdown" not in seen  # stop_engine, not Engine.shutdown (see stop.stop_engine)
 

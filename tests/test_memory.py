@@ -98,9 +98,9 @@ def test_wake_up_then_sleep_call_order(policy):
     engine, log = FakeEngine(), MemoryLog()
     release(engine, ALL_TAGS)  # as grpo.py does after starting the engine
     engine.calls.clear()
-    wake_up(engine, policy, [policy], [optimizer], offload=False, log=log, bucket_bytes=16 << 10)
+    wake_up(engine, policy=policy, models=[policy], optimizers=[optimizer], offload=False, mem=log, bucket_bytes=16 << 10)
     assert all(p.grad is None for p in policy.parameters())  # free_grads
-    sleep(engine, [policy], [optimizer], offload=False, device=torch.device("cpu"), log=log)
+    sleep(engine, models=[policy], optimizers=[optimizer], offload=False, mem=log, device=torch.device("cpu"))
 
     kinds = [c[0] for c in engine.calls]
     n_updates = kinds.count("update")
@@ -116,7 +116,7 @@ def test_sync_sends_every_parameter_full_and_bf16(policy, tiny_model_dir):
     """Every parameter name once, as a plain bf16 tensor of the unsharded shape holding the model's values."""
     engine = FakeEngine()
     release(engine, ["weights", "kv_cache", "cuda_graph"])
-    wake_up(engine, policy, [policy], [], offload=False, log=MemoryLog(), bucket_bytes=16 << 10)
+    wake_up(engine, policy=policy, models=[policy], optimizers=[], offload=False, mem=MemoryLog(), bucket_bytes=16 << 10)
     full = dict(load_model(tiny_model_dir, torch.device("cpu"), torch.float32).named_parameters())
     sharded = dict(policy.named_parameters())
     sent_names = [name for name, _ in engine.sent]
@@ -165,8 +165,8 @@ def test_offload_moves_every_model_and_optimizer_while_generating():
     memory.sync_weights = lambda model, engine, bucket_bytes: events.append(("sync", ""))
     memory.move_optimizer = lambda opt, device: events.append((opt.name, str(device)))
     try:
-        wake_up(engine, policy, models, optimizers, offload=True, log=MemoryLog())
-        sleep(engine, models, optimizers, offload=True, device="cuda:0", log=MemoryLog())
+        wake_up(engine, policy=policy, models=models, optimizers=optimizers, offload=True, mem=MemoryLog())
+        sleep(engine, models=models, optimizers=optimizers, offload=True, mem=MemoryLog(), device="cuda:0")
     finally:
         memory.sync_weights, memory.move_optimizer = real
     kv = events.index(("engine", "resume kv_cache+cuda_graph"))

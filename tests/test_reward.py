@@ -135,3 +135,21 @@ def test_score_normal_and_raising_reward():
     # a real failure: int('seven') in int_match_reward
     value, error = score(int_match_reward, "#### 5", "seven")
     assert value == 0.0 and error.startswith("ValueError: ")
+
+
+def test_task_metrics_by_hand_without_a_process_group():
+    """A notebook calls these with no torch.distributed set up: all_reduce is then the identity."""
+    import torch.distributed as dist
+
+    from data import Sample
+    from reward import eval_stats, rollout_stats
+
+    assert not dist.is_initialized()
+    texts = ["5 + 7 = 12\n#### 12", "the answer is 12", "#### 13"]  # strict right; flexible right; wrong
+    samples = [Sample([1], [2] * n, [0.0] * n, truncated=n == 4, answer="12", text=t, reward=r)
+               for t, n, r in zip(texts, (2, 4, 6), (1.0, 0.25, 0.0))]
+    out = eval_stats(samples, gsm8k_reward)
+    assert out == {"eval/strict_acc": 1 / 3, "eval/flexible_acc": 2 / 3, "eval/format_rate": 2 / 3}
+    stats = rollout_stats(samples, gsm8k_reward, seconds=2.0)
+    assert float(stats["rollout/reward_mean"]) == 1.25 / 3 and float(stats["rollout/response_len_max"]) == 6
+    assert float(stats["rollout/truncated_frac"]) == 1 / 3 and float(stats["perf/rollout_tokens_per_s"]) == 6.0

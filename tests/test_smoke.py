@@ -191,7 +191,7 @@ def test_evaluate_script_on_a_checkpoint(trained_tiny_model_dir, tmp_path):
 def test_launch_time_is_when_the_process_started():
     """Start-up metrics count from process launch, imports included: a fresh interpreter that
     sleeps 1 s before asking must report at least that second."""
-    code = "import time; time.sleep(1.0); import fsdp; print(time.time() - fsdp.launch_time())"
+    code = "import time; time.sleep(1.0); import runlog; print(time.time() - runlog.launch_time())"
     age = float(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
     assert 1.0 <= age < 60.0
 
@@ -217,7 +217,7 @@ def test_sglang_schedulers_start_without_torchrun_agent_store(monkeypatch):
 
     install_fake_sglang(monkeypatch, FakeEngine)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    engine = rollout.start_sglang("/nowhere", gpu_id=0, mem_fraction=0.5, tp_size=2)
+    engine = rollout.start_sglang("/nowhere", gpu_id=0, options=rollout.SGLangOptions(mem_fraction=0.5, tp_size=2))
     assert isinstance(engine, FakeEngine)
     assert seen == {"flag": None, "tp_size": 2}
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"

@@ -1,0 +1,124 @@
+"""A run's record on rank 0: its folder, its console lines, its progress bars.
+
+    log = RunLog(run_dir, config=asdict(args), start_step=0, info=run_info(world_size, "sglang"))
+    log.log({"step": 3, "rollout/reward_mean": 0.41, ...})     # metrics.jsonl (+ wandb with track=True)
+    log.samples(3, samples)                                    # a few completions: console, samples.jsonl
+    print0(log_line("step 3", metrics, [("reward", "rollout/reward_mean", ".3f"), ...]))
+    for rows in progress(micro_batches, "update", rank):       # a bar on rank 0 when a person watches
+
+PLUMBING: nothing here changes what is trained.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+
+class RunLog:
+    """A run's folder on rank 0: args.json, run_info.json, metrics.jsonl, samples.jsonl (+ wandb with `track`).
+
+    On resume from step N, rows of steps after N are dropped from metrics.jsonl and samples.jsonl
+    (they are redone), and so is the eval row of step N if the run evaluates it again (`eval_redone`).
+    A line cut short by a kill is dropped too.
+    """
+
+    def __init__(self, run_dir: str, *, config: dict, start_step: int, info: dict, track: bool = False,
+                 project: str = "", run_name: str = "", eval_redone: bool = False):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank0, self.path, self.wandb = rank == 0, os.path.join(run_dir, "metrics.jsonl"), None
+        if not self.rank0:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        for name, content in (("args.json", config), ("run_info.json", info)):
+            with open(os.path.join(run_dir, name), "w") as f:
+                json.dump(content, f, indent=2)
+
+        def redone(row: dict) -> bool:
+            return row["step"] > start_step or (row["step"] == start_step and eval_redone
+                                                and any(k.startswith("eval/") for k in row))
+
+        for path in (self.path, os.path.join(run_dir, "samples.jsonl")):
+            if os.path.exists(path):
+                with open(path) as f:
+                    kept = [line for line in f if (row := parse_row(line)) is not None and not redone(row)]
+                with open(path, "w") as f:
+                    f.writelines(kept)
+        if track:
+            import wandb  # lazy: only with --track
+
+            self.wandb = wandb.init(project=project, name=run_name, config=config)
+
+    def log(self, row: dict):
+        if self.rank0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if self.wandb is not None:
+                self.wandb.log(row, step=int(row["step"]))
+
+    def samples(self, step: int, samples, n: int = 4, shown: int = 2):
+        """`n` completions as text: `shown` printed, all appended to samples.jsonl and a wandb table."""
+        rows = [{"step": step, "reward": s.reward, "answer": s.answer, "completion": s.text} for s in samples[:n]]
+        for r in rows[:shown]:
+            print0(f"  sample (reward {r['reward']:.2f}, answer {r['answer']}): {r['completion'][:300]!r}")
+        if self.rank0:
+            with open(self.path.replace("metrics.jsonl", "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+            if self.wandb is not None:
+                import wandb
+
+                table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
+                self.wandb.log({"samples": table}, step=step)
+
+    def finish(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def parse_row(line: str) -> dict | None:
+    """A metrics/samples row, or None for a line a kill cut short."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
+def print0(*args, **kwargs):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def log_line(label: str, metrics: dict, keys: list[tuple[str, str, str]]) -> str:
+    """One console line: 'step 12 | reward 0.41 | acc 0.33 | ...' from (name, metric key, format)."""
+    return " | ".join([label] + [f"{name} {format(metrics[key], fmt)}" for name, key, fmt in keys if key in metrics])
+
+
+def progress(items, desc: str, rank: int):
+    """A progress bar over `items` on rank 0, when a person is watching (stderr is a terminal)."""
+    return tqdm(items, desc=desc, leave=False, disable=rank != 0 or not sys.stderr.isatty())
+
+
+def launch_time() -> float:
+    """time.time() at which this process started (Linux; elsewhere: now), so start-up times include
+    the seconds spent importing torch, transformers and the rest before main() runs."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def run_info(world_size: int, engine: str) -> dict:
+    """What ran where: for reports."""
+    cuda = torch.cuda.is_available()
+    return {"command": " ".join(sys.argv), "world_size": world_size, "engine": engine,
+            "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+            "gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30 if cuda else None,
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
