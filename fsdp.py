@@ -16,7 +16,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 # ----------------------------------------------------------------------------------------------
 # Processes
@@ -54,6 +54,11 @@ def all_reduce(x: float | torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     t = torch.as_tensor(x, dtype=torch.float64, device=device).clone()
     dist.all_reduce(t, op=op)
     return t.cpu()
+
+
+def all_reduce_dict(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Sum each value over ranks, by name, in one collective. float64 on the CPU."""
+    return dict(zip(sums, all_reduce(torch.stack(list(sums.values())))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,6 +110,13 @@ def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16):
     for layer in layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    # Gradients are summed over ranks, not averaged: the loss already divides by the global token
+    # (or sequence) count, computed once before the micro-batches (the scripts' `aggregate`), as in
+    # torchtitan. Plain SUM reductions, which gloo supports too (PREMUL_SUM is NCCL's alone).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
     return model
 
 
@@ -151,6 +163,19 @@ def batch_logprobs(model, batch, micro_batch_size: int, temperature: float, devi
     """token_logprobs over a whole Batch, without gradient. [B, T-1] on the CPU."""
     return batch_forward(lambda mb: token_logprobs(model, mb.input_ids, mb.attention_mask, temperature)[0],
                          batch, micro_batch_size, device, progress)
+
+
+def clip_and_step(model, optimizer, scheduler, max_grad_norm: float) -> float:
+    """Clip the gradient to max_grad_norm, step the optimizer and its LR schedule, zero the
+    gradient. A NaN/inf norm (a NaN loss or reward) skips the step: it never reaches the weights.
+    Returns the norm before clipping (a CPU-GPU sync point: once per optimizer step)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
+    if math.isfinite(norm):
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
 
 
 def lr_lambda(warmup_steps: int, schedule: str, min_lr_ratio: float, total_steps: int):

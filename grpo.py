@@ -31,7 +31,8 @@ import tyro
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import ADDITION_PROMPT, GSM8K_PROMPT, PromptSampler, collate, load_task, shard, tokenize_prompts
-from fsdp import all_reduce, batch_logprobs, init_distributed, load_model, lr_lambda, shard_model, token_logprobs
+from fsdp import (all_reduce, all_reduce_dict, batch_logprobs, clip_and_step, init_distributed, load_model, lr_lambda,
+                  shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
 from reward import EVAL_LINE, eval_stats, format_reward, gsm8k_reward, int_match_reward, rollout_stats, score
@@ -77,6 +78,8 @@ class Args:
     """final lr / peak lr for cosine and linear schedules"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's betas (decay of the gradient's running mean and of its square)"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
     micro_batch_size: int = 8
@@ -170,18 +173,28 @@ class Args:
     """print a few sample completions (and append them to samples.jsonl) every this many steps (0: never)"""
 
 
-# Without a GPU, these replace the defaults of the flags not given (SmolLM2-135M shapes: ~20 s a step on 2 cores).
+# PLUMBING: without a GPU, these replace the defaults of the flags not given (SmolLM2-135M shapes: ~20 s a step on 2 cores).
 CPU_SIZES = {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 64, "num_eval_prompts": 16, "micro_batch_size": 16}
+# PLUMBING: the console line of a step: (name, metric, format)
+CONSOLE = [("reward", "rollout/reward_mean", ".3f"), ("acc", "rollout/strict_acc", ".3f"), ("format", "rollout/format_rate", ".2f"),
+           ("len", "rollout/response_len_mean", ".0f"), ("trunc", "rollout/truncated_frac", ".2f"), ("kl", "train/kl", ".4f"),
+           ("clip", "train/clip_frac", ".3f"), ("ent", "train/entropy", ".3f"), ("gnorm", "train/grad_norm", ".3f"),
+           ("lr", "train/lr", ".1e"), ("rollout s", "time/generate", ".1f"), ("sync s", "time/sync_weights", ".2f"),
+           ("logp s", "time/logprob", ".1f"), ("update s", "time/update", ".1f"), ("step s", "perf/step_s", ".1f"),
+           ("tok/s", "perf/rollout_tokens_per_s", ".0f")]
 
 # ----------------------------------------------------------------------------------------------
 # ALGO: the GRPO pieces, pure functions of tensors (tests/test_grpo_math.py checks them by hand)
 
+ADVANTAGE_EPS = 1e-6  # added to a group's reward std: a group of near-equal rewards stays finite
+KL_EXP_CLAMP = 20.0   # k3's exponent is clamped to +-this: one outlier token can't overflow the loss
 
-def group_advantages(rewards: torch.Tensor, scale: bool, eps: float = 1e-6) -> torch.Tensor:
+
+def group_advantages(rewards: torch.Tensor, scale: bool) -> torch.Tensor:
     """rewards [num_groups, group_size] -> advantages, centred (and scaled) within each group."""
     adv = rewards - rewards.mean(dim=1, keepdim=True)
     if scale:
-        adv = adv / (rewards.std(dim=1, keepdim=True) + eps)  # unbiased std, as in the GRPO paper
+        adv = adv / (rewards.std(dim=1, keepdim=True) + ADVANTAGE_EPS)  # unbiased std, as in the GRPO paper
     return adv
 
 
@@ -192,8 +205,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
-    if estimator == "k3":  # unbiased and always >= 0; clamp the exponent so one outlier can't overflow
-        neg = (-log_ratio).clamp(-20, 20)
+    if estimator == "k3":  # unbiased and always >= 0
+        neg = (-log_ratio).clamp(-KL_EXP_CLAMP, KL_EXP_CLAMP)
         return torch.exp(neg) - 1 - neg
     raise ValueError(f"KL estimator {estimator!r} is unknown; use k1, k2 or k3")
 
@@ -209,8 +222,11 @@ def clipped_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: 
 def aggregate(values, mask, mode: str, num_seqs: float, num_tokens: float, max_len: int) -> torch.Tensor:
     """Reduce per-token values [B, T] to this rank's share of the mini-batch loss.
 
-    num_seqs (sequences with at least one loss token) and num_tokens count the whole mini-batch on
-    all ranks, so micro-batch losses on all ranks add up to the mini-batch mean.
+    The whole normalization story: num_seqs (sequences with at least one loss token) and num_tokens
+    count the whole mini-batch on all ranks, computed once before its micro-batches. So the losses
+    of all micro-batches on all ranks add up to the mini-batch mean, and FSDP sums their gradients
+    over ranks (fsdp.shard_model sets no divide factor): the gradient is the mean's, and nothing
+    else scales it.
     """
     if mode == "token-mean":
         return (values * mask).sum() / max(num_tokens, 1.0)
@@ -219,6 +235,24 @@ def aggregate(values, mask, mode: str, num_seqs: float, num_tokens: float, max_l
     if mode == "seq-mean-token-sum-norm":  # Dr.GRPO: a constant normalizer, no length bias
         return (values * mask).sum() / (max(num_seqs, 1.0) * max_len)
     raise ValueError(f"--loss-agg {mode!r} is unknown")
+
+
+def grpo_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, kl_coef: float, kl_estimator: str,
+              loss_agg: str, num_seqs: float, num_tokens: float, max_len: int):
+    """One micro-batch's loss: PPO-clip on the group advantages, plus kl_coef * KL to the reference
+    model (0: no KL in the loss), reduced by `aggregate`. logp, entropy [b, t]: the policy now.
+    Returns (this rank's share of the mini-batch loss, sums over loss tokens for the metrics)."""
+    m = mb.loss_mask                                                                             # [b, t]
+    token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, clip_low, clip_high)  # [b, t]
+    stats = {"clip_frac": (clipped.float() * m).sum(), "entropy": (entropy * m).sum(), "tokens": m.sum(),
+             "approx_kl": (kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum()}  # KL(old || now)
+    if kl_coef > 0:
+        kl = kl_penalty(logp, mb.ref_logprobs, kl_estimator)                                   # [b, t]
+        token_loss = token_loss + kl_coef * kl
+        stats["kl"] = (kl.detach() * m).sum()
+    loss = aggregate(token_loss, m, loss_agg, num_seqs, num_tokens, max_len)
+    stats["loss"] = loss.detach()
+    return loss, stats
 
 
 def check_args(args: Args, world_size: int):
@@ -234,6 +268,7 @@ def check_args(args: Args, world_size: int):
         ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
         ("--lr", a.lr, a.lr > 0, "> 0"),
         ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
+        ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
         ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
         ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
         ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
@@ -333,10 +368,11 @@ def main(args: Args):
         ref = load_model(args.model, device, torch.bfloat16, attn_implementation=args.attn_implementation).eval()
         shard_model(ref, param_dtype=None)
     # fused: no temporaries (foreach allocates sqrt(v) for every parameter at once: +4 B/param, 28 GiB at 7B)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999), fused=True)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True)
     total_optimizer_steps = args.steps * args.epochs * args.num_minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
-    train_models = [m for m in (policy, ref) if m is not None]
+    # PLUMBING: what the memory phases move around the engine (memory.py)
+    phases = dict(models=[m for m in (policy, ref) if m is not None], optimizers=[optimizer], offload=args.offload, mem=mem)
     startup["model_s"] = time.time() - t0
 
     # ---- resume ----------------------------------------------------------------------------------
@@ -370,7 +406,7 @@ def main(args: Args):
         """Every rank, after agreeing on a signal: engine down, training state back on the GPU, a
         checkpoint if SIGTERM (preemption) left finished steps unsaved, then exit 128 + signum."""
         stop_engine(engine, watch)
-        sleep(None, models=train_models, optimizers=[optimizer], offload=args.offload, mem=mem, device=device)  # state back
+        sleep(None, device=device, **phases)  # offloaded training state back
         if signum == signal.SIGTERM and args.save_on_sigterm and args.save_every >= 0 and done > last_saved:
             save(done, sampler_state)
         launcher = f"torchrun --nproc_per_node={world_size}" if "RANK" in os.environ else "python"
@@ -403,8 +439,7 @@ def main(args: Args):
         sampler_state = sampler.state_dict()  # the data position after step - 1, for a save if stopped mid-step
 
         # -- 1. wake SGLang up with the current weights (memory.py: the first half of the diagram)
-        wake_up(engine, policy=policy, models=train_models, optimizers=[optimizer], offload=args.offload, mem=mem,
-                bucket_bytes=args.sync_bucket_mb << 20)
+        wake_up(engine, policy=policy, bucket_bytes=args.sync_bucket_mb * 2**20, **phases)
         if eval_due(step - 1):
             with mem.phase("eval"):
                 evaluate(step - 1)  # after step-1 updates
@@ -437,7 +472,7 @@ def main(args: Args):
             stop_now(signum, step - 1, sampler_state)
 
         # -- 3. SGLang sleeps, training state comes back
-        sleep(engine, models=train_models, optimizers=[optimizer], offload=args.offload, mem=mem, device=device)
+        sleep(engine, device=device, **phases)
 
         metrics.update(rollout_stats(seen, answer_fn, mem.seconds["generate"]))  # every sample generated
         metrics.update({"rollout/kept_groups": all_reduce(len(kept)), "rollout/sampling_rounds": rounds})
@@ -470,46 +505,35 @@ def main(args: Args):
 
             # -- 6. update: epochs x mini-batches of PPO-clip steps
             policy.train()
-            sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "approx_kl": 0.0, "tokens": 0.0}
+            totals = {k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
+                      for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens")}
             grad_norms = []
             with mem.phase("update"):
                 for epoch in range(args.epochs):
                     order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(args.seed * 1000 + step * 10 + epoch))
-                    for mini in order.chunk(args.num_minibatches):
-                        # global counts: every rank normalizes by the whole mini-batch
+                    for mini in order.chunk(args.num_minibatches):  # the rows of one optimizer step
+                        # global counts, once per mini-batch: every rank normalizes by the whole mini-batch
                         num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
-                        num_seqs = float(all_reduce((batch.loss_mask[mini].sum(-1) > 0).sum()))  # filtered don't count
+                        num_seqs = float(all_reduce((batch.loss_mask[mini].sum(-1) > 0).sum()))  # filtered rows don't count
                         for rows in progress(mini.split(args.micro_batch_size), f"update {epoch + 1}/{args.epochs}", rank):
-                            mb = batch.select(rows).to(device)
-                            logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature, with_entropy=True)
-                            token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, args.clip_low, args.clip_high)
-                            if ref is not None and not args.kl_in_reward:
-                                kl = kl_penalty(logp, mb.ref_logprobs, args.kl_estimator)
-                                token_loss = token_loss + args.beta * kl
-                                sums["kl"] += float((kl.detach() * mb.loss_mask).sum())
-                            loss = aggregate(token_loss, mb.loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
-                            # FSDP averages gradients over ranks; the loss is already a global mean: undo the average
-                            (loss * world_size).backward()
-                            m = mb.loss_mask
-                            sums["loss"] += float(loss.detach())
-                            sums["clip_frac"] += float((clipped.float() * m).sum())
-                            sums["entropy"] += float((entropy * m).sum())
-                            sums["approx_kl"] += float((kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum())
-                            sums["tokens"] += float(m.sum())
-                        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                        grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
-                        if math.isfinite(grad_norms[-1]):  # a NaN/inf loss or reward never reaches the weights
-                            optimizer.step()
-                            scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
+                            mb = batch.select(rows).to(device)                                       # [b, t] fields
+                            logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature,
+                                                           with_entropy=True)                          # [b, t-1] each
+                            loss, stats = grpo_loss(logp, entropy, mb, clip_low=args.clip_low, clip_high=args.clip_high,
+                                                    kl_coef=0.0 if args.kl_in_reward else args.beta,
+                                                    kl_estimator=args.kl_estimator, loss_agg=args.loss_agg,
+                                                    num_seqs=num_seqs, num_tokens=num_tokens, max_len=args.max_new_tokens)
+                            loss.backward()
+                            for k, v in stats.items():
+                                totals[k] += v
+                        grad_norms.append(clip_and_step(policy, optimizer, scheduler, args.max_grad_norm))
 
-            # train metrics
-            red = all_reduce(torch.tensor([sums[k] for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens")]))
-            n_opt = args.epochs * args.num_minibatches
+            totals = all_reduce_dict(totals)  # a CPU-GPU sync point, once per step
+            tokens = totals["tokens"].clamp(min=1)
             metrics.update({
-                "train/loss": red[0] / n_opt, "train/clip_frac": red[1] / red[5].clamp(min=1),
-                "train/kl": red[2] / red[5].clamp(min=1), "train/entropy": red[3] / red[5].clamp(min=1),
-                "train/approx_kl": red[4] / red[5].clamp(min=1), "train/grad_norm": sum(grad_norms) / len(grad_norms),
+                "train/loss": totals["loss"] / (args.epochs * args.num_minibatches), "train/clip_frac": totals["clip_frac"] / tokens,
+                "train/kl": totals["kl"] / tokens, "train/entropy": totals["entropy"] / tokens,
+                "train/approx_kl": totals["approx_kl"] / tokens, "train/grad_norm": sum(grad_norms) / len(grad_norms),
                 "train/lr": scheduler.get_last_lr()[0], "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms),
                 "perf/tokens_per_s": all_reduce(batch.attention_mask.sum()) / (time.time() - t_step),
             })
@@ -521,15 +545,8 @@ def main(args: Args):
         if step == start_step + 1:
             metrics["time/startup_to_first_step_s"] = time.time() - t_launch
             metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
-        print0(log_line(f"step {step}", metrics, [
-            ("reward", "rollout/reward_mean", ".3f"), ("acc", "rollout/strict_acc", ".3f"),
-            ("format", "rollout/format_rate", ".2f"), ("len", "rollout/response_len_mean", ".0f"),
-            ("trunc", "rollout/truncated_frac", ".2f"), ("kl", "train/kl", ".4f"), ("clip", "train/clip_frac", ".3f"),
-            ("ent", "train/entropy", ".3f"), ("gnorm", "train/grad_norm", ".3f"), ("lr", "train/lr", ".1e"),
-            ("rollout s", "time/generate", ".1f"), ("sync s", "time/sync_weights", ".2f"),
-            ("logp s", "time/logprob", ".1f"), ("update s", "time/update", ".1f"), ("step s", "perf/step_s", ".1f"),
-            ("tok/s", "perf/rollout_tokens_per_s", ".0f"),
-            *([("reward errors", "rollout/reward_errors", ".0f")] if metrics["rollout/reward_errors"] else [])]))
+        errors = [("reward errors", "rollout/reward_errors", ".0f")] if metrics["rollout/reward_errors"] else []
+        print0(log_line(f"step {step}", metrics, CONSOLE + errors))
         log.log(metrics)
         if warning := nonfinite.after_step(step, int(metrics.get("train/nonfinite_skips", 0)), args.epochs * args.num_minibatches,
                                            int(metrics["rollout/reward_nonfinite"])):
@@ -543,8 +560,7 @@ def main(args: Args):
 
     # ---- final evaluation and cleanup --------------------------------------------------------------
     if args.eval_every and start_step < args.steps:
-        wake_up(engine, policy=policy, models=train_models, optimizers=[optimizer], offload=args.offload, mem=mem,
-                bucket_bytes=args.sync_bucket_mb << 20)
+        wake_up(engine, policy=policy, bucket_bytes=args.sync_bucket_mb * 2**20, **phases)
         evaluate(args.steps)
     mem.close()
     stop_engine(engine, watch)

@@ -38,7 +38,7 @@ GiB = 1024**3
 
 
 def wake_up(engine, *, policy, models: list, optimizers: list, offload: bool, mem: "MemoryLog",
-            bucket_bytes: int = 512 << 20):
+            bucket_bytes: int = 512 * 2**20):
     """Training state -> rollout. `models` are all training-side FSDP2 models (policy, reference,
     critic); `optimizers` their optimizers. `engine` is None on non-owner ranks of a TP group."""
     with mem.phase("free_grads"):
@@ -77,7 +77,7 @@ def sleep(engine, *, models: list, optimizers: list, offload: bool, mem: "Memory
 
 
 @torch.no_grad()
-def sync_weights(model, engine, bucket_bytes: int = 512 << 20):
+def sync_weights(model, engine, bucket_bytes: int = 512 * 2**20):
     """Push the FSDP2 model's weights into the engine, in buckets of about `bucket_bytes`.
 
     Every rank all-gathers every parameter (`full_tensor()` is a collective: all ranks, same

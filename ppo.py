@@ -32,7 +32,8 @@ import tyro
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import ADDITION_PROMPT, GSM8K_PROMPT, PromptSampler, collate, load_task, shard, tokenize_prompts
-from fsdp import all_reduce, batch_forward, batch_logprobs, init_distributed, load_model, lr_lambda, shard_model, token_logprobs
+from fsdp import (all_reduce, all_reduce_dict, batch_forward, batch_logprobs, clip_and_step, init_distributed, load_model,
+                  lr_lambda, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
 from reward import EVAL_LINE, eval_stats, format_reward, gsm8k_reward, int_match_reward, rollout_stats, score
@@ -82,6 +83,8 @@ class Args:
     """final lr / peak lr for cosine and linear schedules"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's betas, actor and critic (decay of the gradient's running mean and of its square)"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
     micro_batch_size: int = 8
@@ -181,13 +184,22 @@ class Args:
     """print a few sample completions (and append them to samples.jsonl) every this many steps (0: never)"""
 
 
-# Without a GPU, these replace the defaults of the flags not given: 16 samples of up to 64 tokens a step, as grpo.py.
+# PLUMBING: without a GPU, these replace the defaults of the flags not given: 16 samples of up to 64 tokens a step, as grpo.py.
 CPU_SIZES = {"prompts_per_step": 8, "samples_per_prompt": 2, "max_new_tokens": 64, "num_eval_prompts": 16,
              "micro_batch_size": 16}
+# PLUMBING: the console line of a step: (name, metric, format)
+CONSOLE = [("reward", "rollout/reward_mean", ".3f"), ("acc", "rollout/strict_acc", ".3f"), ("format", "rollout/format_rate", ".2f"),
+           ("len", "rollout/response_len_mean", ".0f"), ("trunc", "rollout/truncated_frac", ".2f"),
+           ("kl", "train/kl_per_response", ".4f"), ("clip", "train/clip_frac", ".3f"), ("ent", "train/entropy", ".3f"),
+           ("vloss", "critic/value_loss", ".4f"), ("ev", "critic/explained_var", ".3f"), ("gnorm", "train/grad_norm", ".3f"),
+           ("rollout s", "time/generate", ".1f"), ("sync s", "time/sync_weights", ".2f"), ("logp s", "time/logprob", ".1f"),
+           ("update s", "time/update", ".1f"), ("step s", "perf/step_s", ".1f"), ("tok/s", "perf/rollout_tokens_per_s", ".0f")]
 
 
 # ----------------------------------------------------------------------------------------------
 # ALGO: the PPO pieces, pure functions of tensors (tests/test_ppo_math.py checks them by hand)
+
+KL_EXP_CLAMP = 20.0  # k3's exponent is clamped to +-this: one outlier token can't overflow
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -197,8 +209,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
-    if estimator == "k3":  # unbiased and always >= 0; clamp the exponent so one outlier can't overflow
-        neg = (-log_ratio).clamp(-20, 20)
+    if estimator == "k3":  # unbiased and always >= 0
+        neg = (-log_ratio).clamp(-KL_EXP_CLAMP, KL_EXP_CLAMP)
         return torch.exp(neg) - 1 - neg
     raise ValueError(f"KL estimator {estimator!r} is unknown; use k1, k2 or k3")
 
@@ -260,6 +272,26 @@ def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) 
     return out[:, :-1, 0].float()
 
 
+def actor_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, entropy_coef: float, num_tokens: float):
+    """One micro-batch's actor loss: PPO-clip on the GAE advantages minus entropy_coef * entropy,
+    token-mean over the whole mini-batch (num_tokens counts all ranks: see grpo.py's `aggregate`).
+    logp, entropy [b, t]: the actor now. Returns (loss, sums over loss tokens for the metrics)."""
+    m = mb.loss_mask                                                                             # [b, t]
+    token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, clip_low, clip_high)  # [b, t]
+    loss = ((token_loss - entropy_coef * entropy) * m).sum() / num_tokens
+    return loss, {"loss": loss.detach(), "clip_frac": (clipped.float() * m).sum(), "entropy": (entropy.detach() * m).sum(),
+                  "approx_kl": (kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum()}
+
+
+def critic_loss(values, mb, *, value_clip: float, num_tokens: float):
+    """One micro-batch's critic loss: clipped value loss against the GAE returns, token-mean over
+    the whole mini-batch. values [b, t]: the critic now. Returns (loss, sums for the metrics)."""
+    m = mb.loss_mask                                                                             # [b, t]
+    value_loss, clipped = clipped_value_loss(values, mb.values, mb.returns, value_clip)         # [b, t]
+    loss = (value_loss * m).sum() / num_tokens
+    return loss, {"value_loss": loss.detach(), "value_clip_frac": (clipped.float() * m).sum(), "tokens": m.sum()}
+
+
 def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: int, n: int) -> float:
     """Ziegler et al.: proportional control of the KL coefficient, error clipped to +-20%."""
     error = min(max(kl / target - 1, -0.2), 0.2)
@@ -280,6 +312,7 @@ def check_args(args: Args, world_size: int):
         ("--lr", a.lr, a.lr > 0, "> 0"),
         ("--critic-lr", a.critic_lr, a.critic_lr > 0, "> 0"),
         ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
+        ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
         ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
         ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
         ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
@@ -395,13 +428,15 @@ def main(args: Args):
         torch.nn.init.zeros_(p)
     shard_model(critic, param_dtype=torch.bfloat16)
     # fused: no temporaries (foreach allocates sqrt(v) for every parameter at once: +4 B/param)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999), fused=True)
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay, fused=True)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay,
+                                         betas=args.adam_betas, fused=True)
     total_optimizer_steps = args.steps * args.epochs * args.num_minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
     critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
-    train_models = [m for m in (policy, ref, critic) if m is not None]  # all leave the GPU while SGLang works
-    optimizers = [optimizer, critic_optimizer]
+    # PLUMBING: what the memory phases move around the engine (memory.py): all of it leaves the GPU with --offload
+    phases = dict(models=[m for m in (policy, ref, critic) if m is not None], optimizers=[optimizer, critic_optimizer],
+                  offload=args.offload, mem=mem)
     kl_coef = args.kl_coef
     startup["model_s"] = time.time() - t0
 
@@ -439,7 +474,7 @@ def main(args: Args):
         """Every rank, after agreeing on a signal: engine down, training state back on the GPU, a
         checkpoint if SIGTERM (preemption) left finished steps unsaved, then exit 128 + signum."""
         stop_engine(engine, watch)
-        sleep(None, models=train_models, optimizers=optimizers, offload=args.offload, mem=mem, device=device)  # state back
+        sleep(None, device=device, **phases)  # offloaded training state back
         if signum == signal.SIGTERM and args.save_on_sigterm and args.save_every >= 0 and done > last_saved:
             save(done, sampler_state, kl_coef)
         launcher = f"torchrun --nproc_per_node={world_size}" if "RANK" in os.environ else "python"
@@ -471,8 +506,7 @@ def main(args: Args):
         sampler_state = sampler.state_dict()  # the data position after step - 1, for a save if stopped mid-step
 
         # -- 1. wake SGLang up with the actor's weights (memory.py: the first half of the diagram)
-        wake_up(engine, policy=policy, models=train_models, optimizers=optimizers, offload=args.offload, mem=mem,
-                bucket_bytes=args.sync_bucket_mb << 20)
+        wake_up(engine, policy=policy, bucket_bytes=args.sync_bucket_mb * 2**20, **phases)
         if eval_due(step - 1):
             with mem.phase("eval"):
                 evaluate(step - 1)  # after step-1 updates
@@ -491,7 +525,7 @@ def main(args: Args):
             stop_now(signum, step - 1, sampler_state)
 
         # -- 3. SGLang sleeps, training state comes back
-        sleep(engine, models=train_models, optimizers=optimizers, offload=args.offload, mem=mem, device=device)
+        sleep(engine, device=device, **phases)
         metrics.update(rollout_stats(samples, answer_fn, mem.seconds["generate"]))
 
         # -- 4. the batch: old log-probs, reference log-probs and values, all from the training side
@@ -517,16 +551,16 @@ def main(args: Args):
         if args.whiten_advantages:
             advantages = masked_whiten(advantages, batch.loss_mask, all_reduce)
         batch.advantages = advantages
-        lm = batch.loss_mask
-        residual = (batch.returns - batch.values) * lm
-        red = all_reduce(torch.stack([lm.sum(), (batch.returns * lm).sum(), (batch.returns ** 2 * lm).sum(),
-                                      residual.sum(), (residual ** 2).sum(), (batch.values * lm).sum(),
-                                      kl.sum(), torch.tensor(float(len(samples)))]))
-        n_tok = red[0].clamp(min=1)
-        var_returns = red[2] / n_tok - (red[1] / n_tok) ** 2
-        var_residual = red[4] / n_tok - (red[3] / n_tok) ** 2
-        kl_per_response = float(red[6] / red[7])
-        metrics.update({"critic/returns_mean": red[1] / n_tok, "critic/values_mean": red[5] / n_tok,
+        lm, residual = batch.loss_mask, (batch.returns - batch.values) * batch.loss_mask              # [B, T-1]
+        sums = all_reduce_dict({"tokens": lm.sum(), "returns": (batch.returns * lm).sum(),
+                                "returns_sq": (batch.returns ** 2 * lm).sum(), "residual": residual.sum(),
+                                "residual_sq": (residual ** 2).sum(), "values": (batch.values * lm).sum(),
+                                "kl": kl.sum(), "responses": torch.tensor(float(len(samples)))})
+        n_tok = sums["tokens"].clamp(min=1)
+        var_returns = sums["returns_sq"] / n_tok - (sums["returns"] / n_tok) ** 2
+        var_residual = sums["residual_sq"] / n_tok - (sums["residual"] / n_tok) ** 2
+        kl_per_response = float(sums["kl"] / sums["responses"])
+        metrics.update({"critic/returns_mean": sums["returns"] / n_tok, "critic/values_mean": sums["values"] / n_tok,
                         "critic/explained_var": 1 - var_residual / var_returns.clamp(min=1e-8),
                         "train/kl_per_response": kl_per_response, "train/kl_coef": kl_coef})
 
@@ -534,63 +568,47 @@ def main(args: Args):
         update_actor = step > args.critic_warmup_steps
         policy.train()
         critic.train()
-        sums = dict.fromkeys(["loss", "clip_frac", "entropy", "approx_kl", "value_loss", "value_clip_frac", "tokens"], 0.0)
+        totals = {k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
+                  for k in ("loss", "clip_frac", "entropy", "approx_kl", "value_loss", "value_clip_frac", "tokens")}
         grad_norms, critic_grad_norms = [], []
         with mem.phase("update"):
             for epoch in range(args.epochs):
                 order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(args.seed * 1000 + step * 10 + epoch))
-                for mini in order.chunk(args.num_minibatches):
-                    # global count: every rank normalizes by the mini-batch's tokens on all ranks (token-mean)
+                for mini in order.chunk(args.num_minibatches):  # the rows of one optimizer step
+                    # global count, once per mini-batch: every rank normalizes by the whole mini-batch (token-mean)
                     num_tokens = max(float(all_reduce(batch.loss_mask[mini].sum())), 1.0)
                     for rows in progress(mini.split(args.micro_batch_size), f"update {epoch + 1}/{args.epochs}", rank):
-                        mb = batch.select(rows).to(device)
-                        m = mb.loss_mask
-                        values = token_values(critic, mb.input_ids, mb.attention_mask)
-                        value_loss, value_clipped = clipped_value_loss(values, mb.values, mb.returns, args.value_clip)
-                        value_loss = (value_loss * m).sum() / num_tokens
-                        # FSDP averages gradients over ranks; the loss is already a global mean: undo the average
-                        (value_loss * world_size).backward()
-                        sums["value_loss"] += float(value_loss.detach())
-                        sums["value_clip_frac"] += float((value_clipped.float() * m).sum())
-                        sums["tokens"] += float(m.sum())
-                        if not update_actor:
-                            continue
-                        logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature,
-                                                       with_entropy=True, entropy_grad=args.entropy_coef > 0)
-                        token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, args.clip_low, args.clip_high)
-                        loss = ((token_loss - args.entropy_coef * entropy) * m).sum() / num_tokens
-                        (loss * world_size).backward()
-                        sums["loss"] += float(loss.detach())
-                        sums["clip_frac"] += float((clipped.float() * m).sum())
-                        sums["entropy"] += float((entropy.detach() * m).sum())
-                        sums["approx_kl"] += float((kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum())
-                    for model, opt, sched, norms in ((critic, critic_optimizer, critic_scheduler, critic_grad_norms),
-                                                     (policy, optimizer, scheduler, grad_norms)):
-                        if model is policy and not update_actor:
-                            continue
-                        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-                        if math.isfinite(norms[-1]):  # a NaN/inf loss or reward never reaches the weights
-                            opt.step()
-                            sched.step()
-                        opt.zero_grad(set_to_none=True)
+                        mb = batch.select(rows).to(device)                                           # [b, t] fields
+                        values = token_values(critic, mb.input_ids, mb.attention_mask)              # [b, t-1]
+                        loss, stats = critic_loss(values, mb, value_clip=args.value_clip, num_tokens=num_tokens)
+                        loss.backward()
+                        if update_actor:
+                            logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature,
+                                                           with_entropy=True, entropy_grad=args.entropy_coef > 0)
+                            loss, actor_stats = actor_loss(logp, entropy, mb, clip_low=args.clip_low, clip_high=args.clip_high,
+                                                           entropy_coef=args.entropy_coef, num_tokens=num_tokens)
+                            loss.backward()
+                            stats |= actor_stats
+                        for k, v in stats.items():
+                            totals[k] += v
+                    critic_grad_norms.append(clip_and_step(critic, critic_optimizer, critic_scheduler, args.max_grad_norm))
+                    if update_actor:
+                        grad_norms.append(clip_and_step(policy, optimizer, scheduler, args.max_grad_norm))
         if args.adaptive_kl and math.isfinite(kl_per_response):  # ALGO: steer the KL coefficient toward the target for the next step
-            kl_coef = adaptive_kl_coef(kl_coef, kl_per_response, args.target_kl, args.kl_horizon, int(red[7]))
+            kl_coef = adaptive_kl_coef(kl_coef, kl_per_response, args.target_kl, args.kl_horizon, int(sums["responses"]))
 
-        # train metrics
-        red = all_reduce(torch.tensor([sums[k] for k in ("loss", "clip_frac", "entropy", "approx_kl", "value_loss",
-                                                        "value_clip_frac", "tokens")]))
-        n_opt, tokens = args.epochs * args.num_minibatches, red[6].clamp(min=1)
+        totals = all_reduce_dict(totals)  # a CPU-GPU sync point, once per step
+        n_opt, tokens = args.epochs * args.num_minibatches, totals["tokens"].clamp(min=1)
         metrics.update({
-            "critic/value_loss": red[4] / n_opt, "critic/value_clip_frac": red[5] / tokens,
+            "critic/value_loss": totals["value_loss"] / n_opt, "critic/value_clip_frac": totals["value_clip_frac"] / tokens,
             "critic/grad_norm": sum(critic_grad_norms) / len(critic_grad_norms), "critic/lr": critic_scheduler.get_last_lr()[0],
             "perf/tokens_per_s": all_reduce(batch.attention_mask.sum()) / (time.time() - t_step),
             "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms + critic_grad_norms),
         })
         if update_actor:
-            metrics.update({"train/loss": red[0] / n_opt, "train/clip_frac": red[1] / tokens, "train/entropy": red[2] / tokens,
-                            "train/approx_kl": red[3] / tokens, "train/grad_norm": sum(grad_norms) / len(grad_norms),
-                            "train/lr": scheduler.get_last_lr()[0]})
+            metrics.update({"train/loss": totals["loss"] / n_opt, "train/clip_frac": totals["clip_frac"] / tokens,
+                            "train/entropy": totals["entropy"] / tokens, "train/approx_kl": totals["approx_kl"] / tokens,
+                            "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/lr": scheduler.get_last_lr()[0]})
         else:
             metrics["train/critic_warmup"] = 1.0
 
@@ -601,16 +619,8 @@ def main(args: Args):
         if step == start_step + 1:
             metrics["time/startup_to_first_step_s"] = time.time() - t_launch
             metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
-        print0(log_line(f"step {step}", metrics, [
-            ("reward", "rollout/reward_mean", ".3f"), ("acc", "rollout/strict_acc", ".3f"),
-            ("format", "rollout/format_rate", ".2f"), ("len", "rollout/response_len_mean", ".0f"),
-            ("trunc", "rollout/truncated_frac", ".2f"), ("kl", "train/kl_per_response", ".4f"), ("clip", "train/clip_frac", ".3f"),
-            ("ent", "train/entropy", ".3f"), ("vloss", "critic/value_loss", ".4f"), ("ev", "critic/explained_var", ".3f"),
-            ("gnorm", "train/grad_norm", ".3f"),
-            ("rollout s", "time/generate", ".1f"), ("sync s", "time/sync_weights", ".2f"),
-            ("logp s", "time/logprob", ".1f"), ("update s", "time/update", ".1f"), ("step s", "perf/step_s", ".1f"),
-            ("tok/s", "perf/rollout_tokens_per_s", ".0f"),
-            *([("reward errors", "rollout/reward_errors", ".0f")] if metrics["rollout/reward_errors"] else [])]))
+        errors = [("reward errors", "rollout/reward_errors", ".0f")] if metrics["rollout/reward_errors"] else []
+        print0(log_line(f"step {step}", metrics, CONSOLE + errors))
         log.log(metrics)
         n_updates = args.epochs * args.num_minibatches * (2 if update_actor else 1)
         if warning := nonfinite.after_step(step, int(metrics["train/nonfinite_skips"]), n_updates,
@@ -625,8 +635,7 @@ def main(args: Args):
 
     # ---- final evaluation and cleanup --------------------------------------------------------------
     if args.eval_every and start_step < args.steps:
-        wake_up(engine, policy=policy, models=train_models, optimizers=optimizers, offload=args.offload, mem=mem,
-                bucket_bytes=args.sync_bucket_mb << 20)
+        wake_up(engine, policy=policy, bucket_bytes=args.sync_bucket_mb * 2**20, **phases)
         evaluate(args.steps)
     mem.close()
     stop_engine(engine, watch)

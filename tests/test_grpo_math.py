@@ -7,7 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from fsdp import lr_lambda
-from grpo import Args, aggregate, check_args, clipped_policy_loss, group_advantages, kl_penalty
+from grpo import Args, aggregate, check_args, clipped_policy_loss, group_advantages, grpo_loss, kl_penalty
 from preflight import InputError
 
 # ----------------------------------------------------------------------------------------------
@@ -290,3 +290,32 @@ def test_check_args_lists_every_problem():
         check_args(Args(prompts_per_step=6, group_size=1, num_minibatches=0), world_size=4)
     message = str(e.value)
     assert "--prompts-per-step" in message and "--group-size" in message and "--num-minibatches" in message
+
+
+# ----------------------------------------------------------------------------------------------
+# grpo_loss: one micro-batch
+
+
+def test_grpo_loss_by_hand():
+    """At the sampling policy (ratio 1) the PPO-clip loss is -A per token; with k1 KL at coefficient
+    0.5 each token adds 0.5 * (logp - ref). Token-mean over 4 loss tokens of the mini-batch."""
+    from types import SimpleNamespace
+
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.5], [0.5, 0.5, 0.5]]))
+    mb = SimpleNamespace(loss_mask=torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]),
+                         old_logprobs=logp.clone(), ref_logprobs=logp - 0.2,
+                         advantages=torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]]))
+    entropy = torch.ones(2, 3)
+    common = dict(clip_low=0.2, clip_high=0.2, loss_agg="token-mean", num_seqs=2.0, num_tokens=4.0, max_len=3)
+    loss, stats = grpo_loss(logp, entropy, mb, kl_coef=0.0, kl_estimator="k1", **common)
+    # tokens: -1, -1 (row 0), +2, +2 (row 1) -> sum 2 / 4 tokens = 0.5
+    assert_close(loss, torch.tensor(0.5))
+    assert_close(stats["tokens"], torch.tensor(4.0))
+    assert_close(stats["clip_frac"], torch.tensor(0.0))
+    assert_close(stats["entropy"], torch.tensor(4.0))
+    assert_close(stats["approx_kl"], torch.tensor(0.0))
+    assert "kl" not in stats
+    loss, stats = grpo_loss(logp, entropy, mb, kl_coef=0.5, kl_estimator="k1", **common)
+    # each of the 4 tokens adds 0.5 * 0.2 = 0.1: (2 + 0.4) / 4 = 0.6; the KL sum is 4 * 0.2 = 0.8
+    assert_close(loss, torch.tensor(0.6))
+    assert_close(stats["kl"], torch.tensor(0.8))

@@ -221,3 +221,12 @@ def test_sglang_schedulers_start_without_torchrun_agent_store(monkeypatch):
     assert isinstance(engine, FakeEngine)
     assert seen == {"flag": None, "tp_size": 2}
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
+def test_fsdp_sums_gradients_over_ranks(tiny_model_dir):
+    """The normalization story of grpo.py's `aggregate`: two ranks with half a batch each and the
+    global token count give the whole batch's gradient (FSDP sums; no division by world size)."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "tests/fsdp_sum_check.py", tiny_model_dir], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and "gradients match" in proc.stdout, proc.stderr[-3000:]
