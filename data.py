@@ -6,6 +6,7 @@
     train, test, note = load_task("my.jsonl", None, seed=0, num_eval=256, template=GSM8K_PROMPT)  # one file: a held-out part
     prompts, kept, dropped = tokenize_prompts(tokenizer, train, max_prompt_len=256, source="my.jsonl")
     sampler = PromptSampler(len(prompts), seed=0)               # epoch shuffles; resumable position
+    seed = seed_for(0, "update", step, epoch)                   # one seed per use of randomness
     batch = collate(samples, pad_id)                            # list[Sample] -> Batch of tensors
 
 `Sample` is the one record that travels from the rollout to the loss.
@@ -167,6 +168,14 @@ def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int, so
     return ids, kept, len(examples) - len(kept)
 
 
+def seed_for(*parts) -> int:
+    """The seed of one use of randomness, from the run's seed and where it is used:
+    seed_for(seed, "update", step, epoch). Different parts give unrelated seeds (a formula such as
+    seed * 1000 + step * 10 + epoch gives step 1, epoch 10 the seed of step 2, epoch 0). A
+    non-negative 31-bit int: what torch generators and SGLang's sampling_seed take."""
+    return random.Random("-".join(map(str, parts))).getrandbits(31)
+
+
 class PromptSampler:
     """Walks a seeded shuffle of the prompt pool, epoch after epoch.
 
@@ -183,7 +192,7 @@ class PromptSampler:
 
     def order(self, epoch: int) -> list[int]:
         if epoch != self._order_epoch:
-            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            g = torch.Generator().manual_seed(seed_for(self.seed, "epoch", epoch))
             self._order, self._order_epoch = torch.randperm(self.num_prompts, generator=g).tolist(), epoch
         return self._order
 

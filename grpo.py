@@ -30,7 +30,7 @@ import torch.distributed as dist
 import tyro
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
-from data import ADDITION_PROMPT, GSM8K_PROMPT, PromptSampler, collate, load_task, shard, tokenize_prompts
+from data import ADDITION_PROMPT, GSM8K_PROMPT, PromptSampler, collate, load_task, seed_for, shard, tokenize_prompts
 from fsdp import (all_reduce, all_reduce_dict, batch_logprobs, clip_and_step, init_distributed, load_model, lr_lambda,
                   shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
@@ -339,8 +339,8 @@ def main(args: Args):
     sampler = PromptSampler(len(prompts), args.seed)
     print0(f"data: {len(prompts)} train prompts, {len(eval_prompts)} eval prompts (dropped as longer than {args.max_prompt_len} "
            f"tokens: {dropped} train, {eval_dropped} eval); {eval_note} | {world_size} ranks, engine {engine_kind}")
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
+    random.seed(seed_for(args.seed, "rank", rank))
+    np.random.seed(seed_for(args.seed, "rank", rank))
     torch.manual_seed(args.seed)  # same init on every rank
     startup = {}
 
@@ -450,9 +450,8 @@ def main(args: Args):
             while True:
                 prompt_idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)  # this rank's prompts
                 sample_idx = [i for i in prompt_idx for _ in range(args.group_size)]     # each prompt G times in a row
-                rng = random.Random(f"{args.seed}-{step}-{rounds}-{rank}")
-                samples = generate(engine, [prompts[i] for i in sample_idx], [rng.getrandbits(31) for _ in sample_idx],
-                                   sampling=sampling, tokenizer=tokenizer, tp=tp)
+                seeds = [seed_for(args.seed, "sample", step, rounds, rank, k) for k in range(len(sample_idx))]
+                samples = generate(engine, [prompts[i] for i in sample_idx], seeds, sampling=sampling, tokenizer=tokenizer, tp=tp)
                 for k, (s, i) in enumerate(zip(samples, sample_idx)):
                     s.answer, s.group_id = train_examples[i].answer, (len(seen) + k) // args.group_size  # one id a prompt
                     s.reward, s.reward_error = score(reward_fn, s.text, s.answer)
@@ -510,7 +509,7 @@ def main(args: Args):
             grad_norms = []
             with mem.phase("update"):
                 for epoch in range(args.epochs):
-                    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(args.seed * 1000 + step * 10 + epoch))
+                    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed_for(args.seed, "update", step, epoch)))
                     for mini in order.chunk(args.num_minibatches):  # the rows of one optimizer step
                         # global counts, once per mini-batch: every rank normalizes by the whole mini-batch
                         num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from data import (GSM8K_PROMPT, Example, PromptSampler, Sample, addition_task, collate, load_examples, load_task,
-                  read_rows, shard, tokenize_prompts)
+                  read_rows, seed_for, shard, tokenize_prompts)
 from preflight import InputError
 
 # The GSM8K copy in ../shared beside the checkout (CI has it there), or wherever GSM8K_DIR points.
@@ -306,3 +306,13 @@ def test_select_carries_a_field_the_script_adds():
     mb = batch.select(torch.tensor([0, 2]))
     assert mb.token_weights.tolist() == [[0, 1, 2, 3], [10, 11, 12, 13]] and mb.seq_bonus.tolist() == [1.0, 3.0]
     assert batch.token_weights.shape == (3, 5)  # the batch itself is untouched
+
+
+def test_seed_for_gives_each_use_its_own_seed():
+    """Deterministic, in range, and no collision where the old update-shuffle formula collided:
+    seed * 1000 + step * 10 + epoch made (step 1, epoch 10) and (step 2, epoch 0) one seed."""
+    assert seed_for(0, "update", 1, 10) != seed_for(0, "update", 2, 0)
+    assert seed_for(0, "update", 3, 1) == seed_for(0, "update", 3, 1) != seed_for(1, "update", 3, 1)
+    assert seed_for(0, "sample", 1, 0, 0, 5) != seed_for(0, "update", 1, 0, 0, 5)
+    seeds = [seed_for(7, "sample", step, k) for step in range(50) for k in range(20)]
+    assert all(0 <= s < 2**31 for s in seeds) and len(set(seeds)) == len(seeds)
