@@ -16,12 +16,14 @@ What it simplifies: as grpo.py, plus token-mean loss aggregation only, and trunc
 are treated as ending (no bootstrap from the value of the cut-off state; see --overlong-filter).
 """
 
+import logging
 import math
 import os
 import random
 import signal
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -268,7 +270,9 @@ def clipped_value_loss(values, old_values, returns, clip: float):
 def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The critic's value of each state: values[:, t] is read at token t, before input_ids[:, t+1]
     is chosen, so it lines up with token_logprobs. [B, T-1], fp32."""
-    out = critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, 1]
+    with warnings.catch_warnings():  # FSDP2 warns that the head's output is a view: harmless, nothing here is in-place
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        out = critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, 1]
     return out[:, :-1, 0].float()
 
 
@@ -422,8 +426,13 @@ def main(args: Args):
         ref = load_model(args.model, device, torch.bfloat16, attn_implementation=args.attn_implementation).eval()
         shard_model(ref, param_dtype=None)
     # The critic: the LM's body with a one-output token-classification head, value per position.
+    # (transformers reports that head as MISSING from the checkpoint, in a table: new by design, so not shown.)
+    def no_load_report(record):
+        return "LOAD REPORT" not in record.getMessage()
+    logging.getLogger("transformers.modeling_utils").addFilter(no_load_report)
     critic = load_model(args.critic_model or args.model, device, torch.float32, args.gradient_checkpointing,
                         args.attn_implementation, AutoModelForTokenClassification, num_labels=1)
+    logging.getLogger("transformers.modeling_utils").removeFilter(no_load_report)
     for p in critic.score.parameters():  # ALGO: values start at 0 rather than at noise
         torch.nn.init.zeros_(p)
     shard_model(critic, param_dtype=torch.bfloat16)
