@@ -5,6 +5,7 @@
     train = load_examples("../shared/data/gsm8k", "train")      # local folder: train.jsonl / test.parquet
     train, test, note = load_task("my.jsonl", None, seed=0, num_eval=256, template=GSM8K_PROMPT)  # one file: a held-out part
     prompts, kept, dropped = tokenize_prompts(tokenizer, train, max_prompt_len=256, source="my.jsonl")
+    train, held, line = task_prompts(tokenizer, "addition", None, seed=0, num_eval=256, max_prompt_len=256, template=...)
     sampler = PromptSampler(len(prompts), seed=0)               # epoch shuffles; resumable position
     seed = seed_for(0, "update", step, epoch)                   # one seed per use of randomness
     batch = collate(samples, pad_id)                            # list[Sample] -> Batch of tensors
@@ -146,6 +147,24 @@ def load_task(dataset: str, eval_dataset: str | None, *, seed: int, num_eval: in
     note = (f"held out {held} of {len(examples)} rows of {dataset} for evaluation (seed {seed}; "
             f"--eval-dataset FILE to choose them)")
     return [examples[i] for i in order[held:]], [examples[i] for i in order[:held]], note
+
+
+@dataclass
+class Prompts:
+    """A task's prompts, tokenized: ids[i] is examples[i].prompt through the chat template."""
+    ids: list[list[int]]
+    examples: list[Example]
+    dropped: int  # prompts longer than max_prompt_len, left out
+
+
+def task_prompts(tokenizer, dataset: str, eval_dataset: str | None, *, seed: int, num_eval: int, max_prompt_len: int,
+                 template: str) -> tuple[Prompts, Prompts, str]:
+    """(train prompts, held-out prompts, a line saying what was loaded): load_task, then tokenize_prompts."""
+    train, held, note = load_task(dataset, eval_dataset, seed=seed, num_eval=num_eval, template=template)
+    train = Prompts(*tokenize_prompts(tokenizer, train, max_prompt_len, dataset))
+    held = Prompts(*tokenize_prompts(tokenizer, held[:num_eval], max_prompt_len, eval_dataset or dataset))
+    return train, held, (f"{len(train.ids)} train prompts, {len(held.ids)} eval prompts (dropped as longer than "
+                         f"{max_prompt_len} tokens: {train.dropped} train, {held.dropped} eval); {note}")
 
 
 def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int, source: str = "the dataset"):

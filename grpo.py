@@ -30,7 +30,7 @@ import torch.distributed as dist
 import tyro
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
-from data import ADDITION_PROMPT, GSM8K_PROMPT, PromptSampler, collate, load_task, seed_for, shard, tokenize_prompts
+from data import ADDITION_PROMPT, GSM8K_PROMPT, PromptSampler, collate, seed_for, shard, task_prompts
 from fsdp import (all_reduce, all_reduce_dict, batch_logprobs, clip_and_step, init_distributed, load_model, lr_lambda,
                   shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
@@ -331,14 +331,11 @@ def main(args: Args):
         return correct + args.format_weight * format_reward(completion)
 
     # ---- data: before any model loads, so a bad file fails fast --------------------------------------
-    train_examples, eval_examples, eval_note = load_task(args.dataset, args.eval_dataset, seed=args.seed,
-                                                         num_eval=args.num_eval_prompts, template=template)
-    prompts, train_examples, dropped = tokenize_prompts(tokenizer, train_examples, args.max_prompt_len, args.dataset)
-    eval_prompts, eval_examples, eval_dropped = tokenize_prompts(tokenizer, eval_examples[:args.num_eval_prompts],
-                                                                 args.max_prompt_len, args.eval_dataset or args.dataset)
-    sampler = PromptSampler(len(prompts), args.seed)
-    print0(f"data: {len(prompts)} train prompts, {len(eval_prompts)} eval prompts (dropped as longer than {args.max_prompt_len} "
-           f"tokens: {dropped} train, {eval_dropped} eval); {eval_note} | {world_size} ranks, engine {engine_kind}")
+    train_prompts, eval_prompts, data_line = task_prompts(
+        tokenizer, args.dataset, args.eval_dataset, seed=args.seed, num_eval=args.num_eval_prompts,
+        max_prompt_len=args.max_prompt_len, template=template)
+    sampler = PromptSampler(len(train_prompts.ids), args.seed)
+    print0(f"data: {data_line} | {world_size} ranks, engine {engine_kind}")
     random.seed(seed_for(args.seed, "rank", rank))
     np.random.seed(seed_for(args.seed, "rank", rank))
     torch.manual_seed(args.seed)  # same init on every rank
@@ -420,12 +417,13 @@ def main(args: Args):
 
     def evaluate(step: int):
         """Greedy accuracy on the held-out prompts (engine awake), each rank a strided share."""
-        share = range(rank, len(eval_prompts), world_size)
-        samples = generate(engine, [eval_prompts[i] for i in share], [0] * len(share), sampling=greedy, tokenizer=tokenizer, tp=tp)
+        share = range(rank, len(eval_prompts.ids), world_size)
+        samples = generate(engine, [eval_prompts.ids[i] for i in share], [0] * len(share), sampling=greedy,
+                           tokenizer=tokenizer, tp=tp)
         if signum := agreed_signal():  # a signal cut the evaluation short: not logged
             stop_now(signum, step, sampler.state_dict())
         for s, i in zip(samples, share):
-            s.answer = eval_examples[i].answer
+            s.answer = eval_prompts.examples[i].answer
         out = eval_stats(samples, answer_fn)
         print0(log_line(f"eval after step {step}", out, EVAL_LINE))
         log.log({"step": step, **out})
@@ -451,9 +449,11 @@ def main(args: Args):
                 prompt_idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)  # this rank's prompts
                 sample_idx = [i for i in prompt_idx for _ in range(args.group_size)]     # each prompt G times in a row
                 seeds = [seed_for(args.seed, "sample", step, rounds, rank, k) for k in range(len(sample_idx))]
-                samples = generate(engine, [prompts[i] for i in sample_idx], seeds, sampling=sampling, tokenizer=tokenizer, tp=tp)
+                samples = generate(engine, [train_prompts.ids[i] for i in sample_idx], seeds, sampling=sampling,
+                                   tokenizer=tokenizer, tp=tp)
                 for k, (s, i) in enumerate(zip(samples, sample_idx)):
-                    s.answer, s.group_id = train_examples[i].answer, (len(seen) + k) // args.group_size  # one id a prompt
+                    s.answer = train_prompts.examples[i].answer
+                    s.group_id = (len(seen) + k) // args.group_size  # the same for the G samples of a prompt
                     s.reward, s.reward_error = score(reward_fn, s.text, s.answer)
                 groups = [samples[g * args.group_size:(g + 1) * args.group_size] for g in range(len(prompt_idx))]
                 seen += samples
@@ -509,7 +509,8 @@ def main(args: Args):
             grad_norms = []
             with mem.phase("update"):
                 for epoch in range(args.epochs):
-                    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed_for(args.seed, "update", step, epoch)))
+                    shuffle = torch.Generator().manual_seed(seed_for(args.seed, "update", step, epoch))
+                    order = torch.randperm(len(batch), generator=shuffle)
                     for mini in order.chunk(args.num_minibatches):  # the rows of one optimizer step
                         # global counts, once per mini-batch: every rank normalizes by the whole mini-batch
                         num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
