@@ -17,7 +17,7 @@ import copy
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,18 @@ def addition_task(seed: int, num_test: int = 500, template: str = ADDITION_PROMP
     random.Random(seed).shuffle(pairs)
     examples = [Example(template.format(question=f"What is {a} + {b}?"), str(a + b)) for a, b in pairs]
     return examples[num_test:], examples[:num_test]
+
+
+def multiplication_task(seed: int, num_test: int = 500, template: str = ADDITION_PROMPT) -> tuple[list[Example], list[Example]]:
+    """'What is a * b?' for a in 100..999 and b in 10..99: beyond what a small model does in its
+    head, easy with a calculator (grpo.py --tools calculator). 8100 seeded pairs, split as addition's."""
+    rng = random.Random(seed)
+    pairs = list(dict.fromkeys((rng.randrange(100, 1000), rng.randrange(10, 100)) for _ in range(9000)))[:8100]
+    examples = [Example(template.format(question=f"What is {a} * {b}?"), str(a * b)) for a, b in pairs]
+    return examples[num_test:], examples[:num_test]
+
+
+BUILTIN_TASKS = {"addition": addition_task, "multiplication": multiplication_task}
 
 
 def read_rows(path: str) -> list[tuple[int, dict]]:
@@ -125,12 +137,12 @@ def load_task(dataset: str, eval_dataset: str | None, *, seed: int, num_eval: in
     """(train, held-out examples, a line saying where the held-out ones come from), every question
     asked through `template` (a string with {question}; None: ADDITION_PROMPT or GSM8K_PROMPT).
 
-    'addition': the task's seeded split. Otherwise the 'train' split of `dataset` and the 'test' split
+    'addition', 'multiplication': the task's seeded split. Otherwise the 'train' split of `dataset` and the 'test' split
     of `eval_dataset` (default: of `dataset`). A single file with no --eval-dataset has no test split:
     a seeded 1 in 10 of its rows, at most `num_eval`, is held out and never trained on."""
-    if dataset == "addition":
-        train, test = addition_task(seed, template=template or ADDITION_PROMPT)
-        return train, test, f"addition: {len(test)} held-out pairs"
+    if dataset in BUILTIN_TASKS:
+        train, test = BUILTIN_TASKS[dataset](seed, template=template or ADDITION_PROMPT)
+        return train, test, f"{dataset}: {len(test)} held-out pairs"
     template = template or GSM8K_PROMPT
     if eval_dataset is not None:
         return (load_examples(dataset, "train", template), load_examples(eval_dataset, "test", template),
@@ -158,26 +170,30 @@ class Prompts:
 
 
 def task_prompts(tokenizer, dataset: str, eval_dataset: str | None, *, seed: int, num_eval: int, max_prompt_len: int,
-                 template: str) -> tuple[Prompts, Prompts, str]:
+                 template: str, system: str | None = None, tools: list[dict] | None = None) -> tuple[Prompts, Prompts, str]:
     """(train prompts, held-out prompts, a line saying what was loaded): load_task, then tokenize_prompts."""
     train, held, note = load_task(dataset, eval_dataset, seed=seed, num_eval=num_eval, template=template)
-    train = Prompts(*tokenize_prompts(tokenizer, train, max_prompt_len, dataset))
-    held = Prompts(*tokenize_prompts(tokenizer, held[:num_eval], max_prompt_len, eval_dataset or dataset))
+    chat = {"system": system, "tools": tools}
+    train = Prompts(*tokenize_prompts(tokenizer, train, max_prompt_len, dataset, **chat))
+    held = Prompts(*tokenize_prompts(tokenizer, held[:num_eval], max_prompt_len, eval_dataset or dataset, **chat))
     return train, held, (f"{len(train.ids)} train prompts, {len(held.ids)} eval prompts (dropped as longer than "
                          f"{max_prompt_len} tokens: {train.dropped} train, {held.dropped} eval); {note}")
 
 
-def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int, source: str = "the dataset"):
-    """Chat-template each prompt as one user turn. Prompts longer than `max_prompt_len` tokens
-    are dropped (never truncated: a cut question has a different answer) and counted; if every
-    prompt is dropped, an error names `source`. Returns (token ids, kept examples, number dropped)."""
+def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int, source: str = "the dataset", *,
+                     system: str | None = None, tools: list[dict] | None = None):
+    """Chat-template each prompt as one user turn (after a `system` turn if given; `tools`: their
+    JSON schemas, for templates that show tools). Prompts longer than `max_prompt_len` tokens are
+    dropped (never truncated: a cut question has a different answer) and counted; if every prompt
+    is dropped, an error names `source`. Returns (token ids, kept examples, number dropped)."""
     ids, kept = [], []
     for ex in examples:
         if tokenizer.chat_template is not None:
-            tokens = tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}],
+            messages = [{"role": "system", "content": system}] if system else []
+            tokens = tokenizer.apply_chat_template(messages + [{"role": "user", "content": ex.prompt}], tools=tools,
                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
         else:  # a base model without a template: the raw prompt
-            tokens = tokenizer.encode(ex.prompt)
+            tokens = tokenizer.encode(f"{system}\n\n{ex.prompt}" if system else ex.prompt)
         if len(tokens) <= max_prompt_len:
             ids.append(list(tokens))
             kept.append(ex)
@@ -257,6 +273,9 @@ class Sample:
     reward: float = 0.0
     reward_error: str = ""         # what the reward function raised ("" if it did not; scored 0.0)
     group_id: int = -1             # the samples of one prompt share it (GRPO's groups)
+    model_mask: list[int] | None = None  # per response token: 1 sampled by the model, 0 a tool's reply (None: all 1)
+    turns: int = 1                 # model turns (multi-turn with tools)
+    tool_calls: list = field(default_factory=list)  # (tool name, "ok" | "error" | "timeout", seconds) per call
 
 
 @dataclass
@@ -270,7 +289,7 @@ class Batch:
     """
     input_ids: torch.Tensor         # [B, T]   prompt + response token ids, then pad
     attention_mask: torch.Tensor    # [B, T]   1 on real tokens
-    response_mask: torch.Tensor     # [B, T-1] 1.0 where the target token is a response token
+    response_mask: torch.Tensor     # [B, T-1] 1.0 where the target token is a response token the model sampled
     rollout_logprobs: torch.Tensor  # [B, T-1] the sampler's log-prob of each response token, 0 elsewhere
     loss_mask: torch.Tensor | None = None      # [B, T-1] response tokens that count in the loss
     old_logprobs: torch.Tensor | None = None   # [B, T-1] log-probs under the policy that sampled
@@ -312,6 +331,7 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, :p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         attention_mask[i, :p + r] = 1
-        response_mask[i, p - 1:p - 1 + r] = 1.0  # targets input_ids[p : p+r] sit at positions p-1 ...
+        # targets input_ids[p : p+r] sit at positions p-1 ...; a tool's reply tokens are no target
+        response_mask[i, p - 1:p - 1 + r] = 1.0 if s.model_mask is None else torch.tensor(s.model_mask, dtype=torch.float)
         rollout_logprobs[i, p - 1:p - 1 + r] = torch.tensor(s.rollout_logprobs)
     return Batch(input_ids, attention_mask, response_mask, rollout_logprobs)

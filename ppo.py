@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -39,8 +40,9 @@ from fsdp import (all_reduce, all_reduce_dict, batch_forward, batch_logprobs, cl
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
 from reward import EVAL_LINE, eval_stats, format_reward, gsm8k_reward, int_match_reward, rollout_stats, score
-from rollout import SGLangOptions, Sampling, generate, logprob_gap, start_engine, stop_token_ids, tp_group
+from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
+from tools import SANDBOX_LIMITS, TOOLS, tool_call_stop_ids, tool_stats, tools_prompt
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
 
 
@@ -132,6 +134,18 @@ class Args:
     format_weight: float = 0.0
     """reward += format_weight when the response gives a '#### <number>' answer, right or wrong. Beware:
     unconditional format reward is easy to hack (a small model learns to guess '#### 57')"""
+    # --- tools (multi-turn rollouts)
+    tools: str = ""
+    """comma-separated tools a sample may call mid-answer: calculator, python (tools.py); '' for one turn"""
+    max_turns: int = 4
+    """with --tools: model turns per sample at most (a call in the last one is not run)"""
+    max_tool_reply_tokens: int = 256
+    """with --tools: a tool's reply is cut to this many tokens; the whole response (model turns and tool
+    replies) stays within --max-new-tokens"""
+    tool_workers: int = 16
+    """with --tools: tool calls that run at once on each engine (threads; python runs in its own process)"""
+    tool_timeout_s: float = 10.0
+    """with --tools: wall-clock limit of one python tool run (it also gets 1 GiB of memory; tools.py)"""
     # --- memory and systems
     gradient_checkpointing: bool = False
     """recompute activations in backward (less memory, ~30% more compute)"""
@@ -197,6 +211,9 @@ CONSOLE = [("reward", "rollout/reward_mean", ".3f"), ("acc", "rollout/strict_acc
            ("rollout s", "time/generate", ".1f"), ("sync s", "time/sync_weights", ".2f"), ("logp s", "time/logprob", ".1f"),
            ("update s", "time/update", ".1f"), ("step s", "perf/step_s", ".1f"), ("tok/s", "perf/rollout_tokens_per_s", ".0f")]
 
+
+TOOLS_CONSOLE = [("turns", "tools/turns_mean", ".2f"), ("calls", "tools/calls_per_sample", ".2f"),
+                 ("tool errors", "tools/errors", ".0f")]
 
 # ----------------------------------------------------------------------------------------------
 # ALGO: the PPO pieces, pure functions of tensors (tests/test_ppo_math.py checks them by hand)
@@ -344,6 +361,11 @@ def check_args(args: Args, world_size: int):
         ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
         ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
         ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
+        ("--tools", a.tools, all(t in TOOLS for t in a.tools.split(",") if t), f"a comma-separated list of {', '.join(TOOLS)}"),
+        ("--max-turns", a.max_turns, a.max_turns >= 1, ">= 1"),
+        ("--max-tool-reply-tokens", a.max_tool_reply_tokens, a.max_tool_reply_tokens >= 1, ">= 1"),
+        ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
+        ("--tool-timeout-s", a.tool_timeout_s, a.tool_timeout_s > 0, "> 0"),
         ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
         ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
     ])
@@ -366,15 +388,20 @@ def main(args: Args):
     if args.critic_model:
         check_model(args.critic_model, "--critic-model", with_tokenizer=False)
     check_context(context, args.max_prompt_len, args.max_new_tokens)
-    stop_ids = stop_token_ids(tokenizer, args.model)
+    tools = {name: TOOLS[name] for name in args.tools.split(",") if name}
+    stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p)
     greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)  # evaluation
 
     # ---- ALGO: the task. How a question is asked (a template with {question}, then the chat template)
     # and what a completion earns: any (completion, answer) -> float can be the reward.
-    addition = args.dataset == "addition"
+    addition = args.dataset in ("addition", "multiplication")
     template = ADDITION_PROMPT if addition else GSM8K_PROMPT
+    system, tool_specs = tools_prompt(tokenizer, tools) if tools else (None, None)  # tools.TOOLS_SYSTEM_PROMPT
+    SANDBOX_LIMITS["seconds"] = args.tool_timeout_s
+    tool_use = ToolUse(tools, tokenizer, ThreadPoolExecutor(args.tool_workers), max_turns=args.max_turns,
+                       max_reply_tokens=args.max_tool_reply_tokens) if tools else None
     answer_fn = int_match_reward if addition else gsm8k_reward  # (completion, answer, mode) -> 0/1
 
     def reward_fn(completion: str, answer: str) -> float:
@@ -389,7 +416,7 @@ def main(args: Args):
     # ---- data: before any model loads, so a bad file fails fast --------------------------------------
     train_prompts, eval_prompts, data_line = task_prompts(
         tokenizer, args.dataset, args.eval_dataset, seed=args.seed, num_eval=args.num_eval_prompts,
-        max_prompt_len=args.max_prompt_len, template=template)
+        max_prompt_len=args.max_prompt_len, template=template, system=system, tools=tool_specs)
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
     print0(f"data: {data_line} | {world_size} ranks, engine {engine_kind}")
     random.seed(seed_for(args.seed, "rank", rank))
@@ -496,7 +523,7 @@ def main(args: Args):
         """Greedy accuracy on the held-out prompts (engine awake), each rank a strided share."""
         share = range(rank, len(eval_prompts.ids), world_size)
         samples = generate(engine, [eval_prompts.ids[i] for i in share], [0] * len(share), sampling=greedy,
-                           tokenizer=tokenizer, tp=tp)
+                           tokenizer=tokenizer, tp=tp, tool_use=tool_use)
         if signum := agreed_signal():  # a signal cut the evaluation short: not logged
             stop_now(signum, step, sampler.state_dict())
         for s, i in zip(samples, share):
@@ -523,7 +550,7 @@ def main(args: Args):
             prompt_idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)  # this rank's prompts
             sample_idx = [i for i in prompt_idx for _ in range(args.samples_per_prompt)]
             seeds = [seed_for(args.seed, "sample", step, rank, k) for k in range(len(sample_idx))]
-            samples = generate(engine, [train_prompts.ids[i] for i in sample_idx], seeds, sampling=sampling,
+            samples = generate(engine, [train_prompts.ids[i] for i in sample_idx], seeds, sampling=sampling, tool_use=tool_use,
                                tokenizer=tokenizer, tp=tp)
             for s, i in zip(samples, sample_idx):
                 s.answer = train_prompts.examples[i].answer
@@ -534,6 +561,8 @@ def main(args: Args):
         # -- 3. SGLang sleeps, training state comes back
         sleep(engine, device=device, **phases)
         metrics.update(rollout_stats(samples, answer_fn, mem.seconds["generate"]))
+        if tools:
+            metrics.update(tool_stats(samples))
 
         # -- 4. the batch: old log-probs, reference log-probs and values, all from the training side
         batch = collate(samples, pad_id)
@@ -628,7 +657,7 @@ def main(args: Args):
             metrics["time/startup_to_first_step_s"] = time.time() - t_launch
             metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
         errors = [("reward errors", "rollout/reward_errors", ".0f")] if metrics["rollout/reward_errors"] else []
-        print0(log_line(f"step {step}", metrics, CONSOLE + errors))
+        print0(log_line(f"step {step}", metrics, CONSOLE + TOOLS_CONSOLE * bool(tools) + errors))
         log.log(metrics)
         n_updates = args.epochs * args.num_minibatches * (2 if update_actor else 1)
         if warning := nonfinite.after_step(step, int(metrics["train/nonfinite_skips"]), n_updates,

@@ -112,13 +112,16 @@ def judge(samples, answer_fn) -> dict[str, float]:
 
 
 def rollout_stats(samples, answer_fn, seconds: float) -> dict:
-    """Reward, accuracy, format, length, truncation and tokens/s of a step's samples, over all ranks.
+    """Reward, accuracy, format, length (tool replies included), truncation and sampled tokens/s of a
+    step's samples, over all ranks.
     A reward function that raised on most samples is also said on the console."""
     counts = judge(samples, answer_fn)
+    sampled = sum(len(s.response_ids) if s.model_mask is None else sum(s.model_mask) for s in samples)  # tools' tokens not
     tot = all_reduce(torch.tensor([
         len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples), counts["strict"],
         counts["format"], sum(len(s.response_ids) for s in samples), sum(s.truncated for s in samples),
-        sum(bool(s.reward_error) for s in samples), sum(not math.isfinite(s.reward) for s in samples)], dtype=torch.float64))
+        sum(bool(s.reward_error) for s in samples), sum(not math.isfinite(s.reward) for s in samples), sampled],
+        dtype=torch.float64))
     n, mean = tot[0], tot[1] / tot[0]
     if tot[7] > n / 2:  # a broken reward function: say so on the console, not only in the metrics
         first = next((s.reward_error for s in samples if s.reward_error), "")
@@ -128,7 +131,7 @@ def rollout_stats(samples, answer_fn, seconds: float) -> dict:
             "rollout/response_len_mean": tot[5] / n,
             "rollout/response_len_max": all_reduce(max(len(s.response_ids) for s in samples), dist.ReduceOp.MAX),
             "rollout/truncated_frac": tot[6] / n, "rollout/reward_errors": tot[7], "rollout/reward_nonfinite": tot[8],
-            "perf/rollout_tokens_per_s": tot[5] / seconds}
+            "perf/rollout_tokens_per_s": tot[9] / seconds}  # tokens the engine sampled
 
 
 def eval_stats(samples, answer_fn) -> dict:

@@ -14,6 +14,8 @@ Tensor parallel size k: ranks are cut into groups of k; the first rank of each g
 spanning the group's k GPUs, the others have `engine=None` and send their prompts to the owner.
 """
 
+import asyncio
+import concurrent.futures
 import functools
 import multiprocessing
 import os
@@ -23,10 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from data import Sample
+from data import Sample, seed_for
 from fsdp import all_reduce
 from preflight import Interrupted
 from stop import interruptible, stop_engine
+from tools import parse_tool_calls, timed_call
 
 # ----------------------------------------------------------------------------------------------
 # Engines
@@ -114,6 +117,7 @@ class HFEngine:
         self.released: set[str] = set()  # kept by memory.release/resume, as for sglang.Engine
         self.seed = seed
         self.processes = []  # it runs in this process (SGLang's Engine: its scheduler and detokenizer)
+        self.loop = asyncio.new_event_loop()  # drives multi-turn episodes, as SGLang's Engine.loop
 
     def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True):
         for name, tensor in named_tensors:
@@ -159,6 +163,11 @@ class HFEngine:
                 meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(row_logp[:n], row[:n])]
             results.append({"output_ids": row[:n], "meta_info": meta})
         return results
+
+    async def async_generate(self, input_ids, sampling_params, return_logprob=False):
+        """One request, as SGLang's Engine.async_generate (here it runs at once: on the CPU, one
+        episode generates while the others wait for their tools)."""
+        return self.generate([input_ids], [sampling_params], return_logprob)[0]
 
     def shutdown(self):
         pass
@@ -227,13 +236,14 @@ def tp_group(tp_size: int) -> TPGroup:
 
 
 def generate(engine, prompt_ids: list[list[int]], seeds: list[int], *, sampling: Sampling, tokenizer=None,
-             tp: TPGroup | None = None) -> list[Sample]:
+             tp: TPGroup | None = None, tool_use: "ToolUse | None" = None) -> list[Sample]:
     """Sample one completion per prompt (repeat a prompt to get a group). Token ids in, token ids
     and per-token log-probs out. Each request carries its own `seeds[i]`: without one, SGLang
-    samples repeated prompts identically. A signal cuts the generation short: no samples then.
+    samples repeated prompts identically. With `tool_use`, each sample is an episode of turns and
+    tool replies (`episode`). A signal cuts the generation short: no samples then.
 
     With a TP group, non-owner ranks (engine=None) send their prompts to the group's owner, which
-    generates for the whole group and sends each rank its own completions back.
+    generates for the whole group and sends each rank its own samples back.
     """
     group = tp.process_group if tp is not None else None
     requests = (prompt_ids, seeds)
@@ -242,42 +252,132 @@ def generate(engine, prompt_ids: list[list[int]], seeds: list[int], *, sampling:
         dist.gather_object(requests, gathered, dst=tp.owner, group=group)
         if dist.get_rank() == tp.owner:
             requests = ([p for g in gathered for p in g[0]], [s for g in gathered for s in g[1]])
-    outputs = None
+    samples = []
     if engine is not None:
         try:
             with interruptible():
-                outputs = engine.generate(input_ids=requests[0], sampling_params=[sampling.params(s) for s in requests[1]],
-                                          return_logprob=True)
+                if tool_use is None:
+                    outputs = engine.generate(input_ids=requests[0], sampling_params=[sampling.params(s) for s in requests[1]],
+                                              return_logprob=True)
+                    samples = [read_output(prompt, out, sampling, tokenizer) for prompt, out in zip(requests[0], outputs)]
+                else:  # the engine's own event loop drives the episodes (SGLang's Engine owns one)
+                    samples = engine.loop.run_until_complete(all_or_none(
+                        [episode(engine, prompt, seed, sampling=sampling, tool_use=tool_use) for prompt, seed in zip(*requests)]))
         except Interrupted:  # Ctrl-C or SIGTERM: no samples; the loop stops at its next check
-            outputs = [None] * len(requests[0])
+            samples = []
     if group is not None:
         if dist.get_rank() == tp.owner:
             sizes = [len(g[0]) for g in gathered]
             starts = [sum(sizes[:i]) for i in range(len(sizes))]
-            scatter = [outputs[s:s + n] for s, n in zip(starts, sizes)]
+            scatter = [samples[s:s + n] for s, n in zip(starts, sizes)]
         mine = [None]
         dist.scatter_object_list(mine, scatter if dist.get_rank() == tp.owner else None, src=tp.owner, group=group)
-        outputs = mine[0]
-
-    samples = []
-    for prompt, out in zip(prompt_ids, outputs):
-        if out is None:
-            continue
-        finish = out["meta_info"]["finish_reason"]
-        if finish["type"] == "abort":
-            raise RuntimeError(f"SGLang aborted a request: {finish.get('message')}; a prompt of {len(prompt)} "
-                               f"tokens + {sampling.max_new_tokens} new may exceed the engine's context length")
-        response = list(out["output_ids"])
-        logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-        if len(logprobs) != len(response):
-            raise RuntimeError(f"engine returned {len(response)} tokens but {len(logprobs)} log-probs")
-        # Truncated = stopped by the length limit before any stop token (a response whose last
-        # allowed token happens to be EOS is complete, though SGLang reports 'length').
-        truncated = finish["type"] == "length" and not (response and response[-1] in sampling.stop_ids)
-        text = tokenizer.decode(response, skip_special_tokens=True) if tokenizer is not None else ""
-        samples.append(Sample(prompt_ids=prompt, response_ids=response, rollout_logprobs=logprobs, truncated=truncated,
-                              text=text))
+        samples = mine[0]
     return samples
+
+
+def read_output(prompt: list[int], out: dict, sampling: Sampling, tokenizer=None) -> Sample:
+    """An engine's output for one request (SGLang's shape) -> a Sample of the tokens it sampled."""
+    finish = out["meta_info"]["finish_reason"]
+    if finish["type"] == "abort":
+        raise RuntimeError(f"SGLang aborted a request: {finish.get('message')}; a prompt of {len(prompt)} "
+                           f"tokens + {sampling.max_new_tokens} new may exceed the engine's context length")
+    response = list(out["output_ids"])
+    logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    if len(logprobs) != len(response):
+        raise RuntimeError(f"engine returned {len(response)} tokens but {len(logprobs)} log-probs")
+    # Truncated = stopped by the length limit before any stop token (a response whose last
+    # allowed token happens to be EOS is complete, though SGLang reports 'length').
+    truncated = finish["type"] == "length" and not (response and response[-1] in sampling.stop_ids)
+    text = tokenizer.decode(response, skip_special_tokens=True) if tokenizer is not None else ""
+    return Sample(prompt_ids=prompt, response_ids=response, rollout_logprobs=logprobs, truncated=truncated, text=text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-turn: a sample that calls tools
+
+
+@dataclass
+class ToolUse:
+    """How samples call tools (grpo.py --tools calculator,python): the tools by name (tools.py),
+    at most `max_turns` model turns, each tool reply cut to `max_reply_tokens` tokens, the calls
+    run in `pool`'s threads so that a slow tool holds up its own sample only."""
+    tools: dict
+    tokenizer: object
+    pool: concurrent.futures.Executor
+    max_turns: int = 4
+    max_reply_tokens: int = 256
+
+
+async def episode(engine, prompt: list[int], seed: int, *, sampling: Sampling, tool_use: ToolUse) -> Sample:
+    """One sample that may call tools: the model's turns and the tools' replies as one growing
+    token sequence. Token in, token out: earlier turns are never rendered again, so what is
+    trained is exactly what was sampled. `model_mask` marks the model's tokens 1 and the tools' 0
+    (their log-probs are 0); `text` is the model's own text, so a tool can never write the answer.
+
+    A turn ends at a stop token; the episode ends at a turn without a tool call, after `max_turns`
+    turns, or when the response budget (`sampling.max_new_tokens`, tool replies included) runs
+    out: a turn cut by it, or a tool reply that does not fit, leaves the sample truncated.
+    """
+    tok, loop = tool_use.tokenizer, asyncio.get_running_loop()
+    sample = Sample(prompt_ids=prompt, response_ids=[], rollout_logprobs=[], truncated=False, model_mask=[])
+    texts = []
+    for turn in range(tool_use.max_turns):
+        params = {**sampling.params(seed_for(seed, "turn", turn) if turn else seed),
+                  "max_new_tokens": sampling.max_new_tokens - len(sample.response_ids)}
+        out = await engine.async_generate(input_ids=prompt + sample.response_ids, sampling_params=params, return_logprob=True)
+        turn_out = read_output(prompt, out, sampling, tok)
+        sample.response_ids += turn_out.response_ids
+        sample.rollout_logprobs += turn_out.rollout_logprobs
+        sample.model_mask += [1] * len(turn_out.response_ids)
+        texts.append(turn_out.text)
+        calls, malformed = parse_tool_calls(turn_out.text)
+        if turn_out.truncated or not (calls or malformed) or turn == tool_use.max_turns - 1:
+            sample.truncated = turn_out.truncated
+            break
+        results = await asyncio.gather(*(loop.run_in_executor(tool_use.pool, timed_call, tool_use.tools, c) for c in calls))
+        results += [(f"error: {problem}", "error", 0.0) for problem in malformed]  # said to the model, never raised
+        sample.tool_calls += [(c["name"], status, seconds) for c, (_, status, seconds) in zip(calls, results)]
+        sample.tool_calls += [("?", "error", 0.0)] * len(malformed)
+        replies = [tok.decode(tok.encode(r, add_special_tokens=False)[:tool_use.max_reply_tokens]) for r, _, _ in results]
+        reply_ids = tool_reply_ids(tok, replies, last_token=turn_out.response_ids[-1] if turn_out.response_ids else None)
+        if len(sample.response_ids) + len(reply_ids) >= sampling.max_new_tokens:  # no room for it and a next turn
+            sample.truncated = True
+            break
+        sample.response_ids += reply_ids
+        sample.rollout_logprobs += [0.0] * len(reply_ids)
+        sample.model_mask += [0] * len(reply_ids)
+    sample.turns, sample.text = len(texts), "\n".join(texts)
+    return sample
+
+
+async def all_or_none(coroutines) -> list:
+    """Run coroutines concurrently; the first exception surfaces, and the others are cancelled."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+_CONTENT = "\x00the assistant's content\x00"  # a string no chat template writes itself
+
+
+def tool_reply_ids(tokenizer, replies: list[str], last_token: int | None) -> list[int]:
+    """The tokens that follow a model turn with tool calls, as the chat template renders them:
+    whatever ends the assistant turn (less the stop token the model sampled itself), one tool
+    message per reply, and the next assistant turn's header. Taken as the token delta of a whole
+    rendered conversation: a tool message rendered alone loses what the template writes between
+    turns (verl#6501: the newline after Qwen's <|im_end|>)."""
+    base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _CONTENT}]
+    full = tokenizer.apply_chat_template(base + [{"role": "tool", "content": r} for r in replies], tokenize=False,
+                                         add_generation_prompt=True)
+    if _CONTENT not in full:
+        raise ValueError("the chat template rewrites an earlier assistant turn when tool messages follow it; "
+                         "a multi-turn rollout needs a template that keeps earlier turns as they were")
+    ids = tokenizer.encode(full[full.index(_CONTENT) + len(_CONTENT):], add_special_tokens=False)
+    return ids[1:] if ids and ids[0] == last_token else ids
 
 
 def logprob_gap(batch) -> float:

@@ -28,6 +28,14 @@ def trained_tiny_model_dir(tmp_path_factory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny-model-sft")), sft_steps=150)
 
 
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory) -> str:
+    """The SFT'd tiny model with a 2048-token context: the tools' system prompt alone is ~600 of its tokens."""
+    from tiny_model import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-model-tools")), sft_steps=150, context=2048)
+
+
 def install_fake_sglang(monkeypatch, engine_class):
     """Make `from sglang.srt.entrypoints.engine import Engine` give `engine_class` (SGLang is not
     installed on CPU machines)."""

@@ -6,6 +6,8 @@ MODE: engine_child  the HF engine owns a child process (a stand-in for SGLang's 
       nan_reward    every reward is NaN from step N (PATCH_FROM, default 1) to step M (PATCH_UNTIL, default: always)
       raising_reward  the reward function raises on every sample
       nan_loss      the first update's log-probs (with gradient) are NaN
+      tool_caller   the HF engine's first turn of every episode is a calculator call (its tokens
+                    forced, their log-probs the model's own); later turns are sampled
 """
 
 import multiprocessing
@@ -64,6 +66,29 @@ elif mode == "nan_loss":
         return logp, entropy
 
     fsdp.token_logprobs = token_logprobs
+elif mode == "tool_caller":
+    import torch
+
+    import rollout
+
+    CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'
+
+    class ToolCaller(rollout.HFEngine):
+        async def async_generate(self, input_ids, sampling_params, return_logprob=False):
+            from transformers import AutoTokenizer
+
+            tok = getattr(self, "tok", None) or AutoTokenizer.from_pretrained(self.model.name_or_path)
+            self.tok = tok
+            if tok.decode(input_ids).count("<|im_start|>assistant") > 1:  # a later turn: sampled
+                return await super().async_generate(input_ids, sampling_params, return_logprob)
+            forced = tok.encode(CALL, add_special_tokens=False) + [tok.eos_token_id]
+            with torch.no_grad():
+                logits = self.model(torch.tensor([input_ids + forced])).logits[0, len(input_ids) - 1:-1].float()
+            logp = torch.log_softmax(logits / sampling_params["temperature"], -1).gather(-1, torch.tensor(forced)[:, None])
+            return {"output_ids": forced, "meta_info": {"finish_reason": {"type": "stop"},
+                                                        "output_token_logprobs": [(lp, t, None) for lp, t in zip(logp[:, 0].tolist(), forced)]}}
+
+    rollout.HFEngine = ToolCaller
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 

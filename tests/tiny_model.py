@@ -12,7 +12,7 @@ CHAT_TEMPLATE = (
 
 
 def build_tiny_model(path: str, seed: int = 0, vocab_size: int = 512, hidden: int = 64, layers: int = 2,
-                     sft_steps: int = 150):
+                     sft_steps: int = 150, context: int = 512):
     """A 2-layer Llama with a BPE tokenizer trained on addition text. `sft_steps` of supervised
     warm-up on chat-formatted answers ("a + b = c\n#### c") make it answer in the task's format
     with wrong-ish numbers, so GRPO rewards vary within groups and updates have real gradients."""
@@ -36,7 +36,7 @@ def build_tiny_model(path: str, seed: int = 0, vocab_size: int = 512, hidden: in
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=True,
+                         max_position_embeddings=context, tie_word_embeddings=True,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id)
     model = LlamaForCausalLM(config)

@@ -1,0 +1,260 @@
+"""Tools a policy calls mid-answer, and the sandbox the `python` tool runs in.
+
+    TOOLS["calculator"]("(12 + 3) * 45")               # a tool is a plain function with a docstring
+    spec = tool_spec(calculator)                        # the JSON schema a chat template shows the model
+    calls, malformed = parse_tool_calls(text)           # Hermes/Qwen: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    reply, status = call_tool(TOOLS, calls[0])          # never raises: "ok", "error" or "timeout"
+
+Your own tool: a function with type hints and a Google-style docstring (a summary line, then
+`Args:` with one line per argument), returning text. Add it to the dict you pass to the rollout:
+its name, description and argument schema are read from the function (transformers'
+`get_json_schema`, the same that `apply_chat_template(tools=...)` uses). A tool runs in a thread of
+the trainer; one that runs code must hand the code to another process, as `python` does.
+"""
+
+import ast
+import json
+import math
+import operator
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+# ----------------------------------------------------------------------------------------------
+# The tools
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression: numbers, + - * / // % **, and parentheses.
+
+    Args:
+        expression: the expression, for example "(12 + 3) * 45" or "2 ** 10 / 7"
+    """
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"not an arithmetic expression: {expression!r}") from None
+    value = _evaluate(tree.body)
+    if isinstance(value, float):
+        return format(value, ".12g")
+    return str(value)
+
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+MAX_DIGITS = 1000  # a result (or a power's operands) beyond this is refused: '9 ** 9 ** 9' must not hang the tool
+
+
+def _evaluate(node):
+    """Walk the parsed expression: numbers and the operators above only, nothing is ever eval'd."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) * math.log10(max(abs(left), 2)) > MAX_DIGITS:
+            raise ValueError(f"{left} ** {right} has more than {MAX_DIGITS} digits")
+        try:
+            value = _BINARY[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise ValueError("division by zero") from None
+        if isinstance(value, complex) or (isinstance(value, int) and value.bit_length() > MAX_DIGITS * 3.33):
+            raise ValueError("the result is not a real number of at most 1000 digits")
+        return value
+    raise ValueError(f"only numbers, + - * / // % ** and parentheses are allowed, not {ast.unparse(node)!r}")
+
+
+def python(code: str) -> str:
+    """Run Python code in a sandbox and return what it prints (stdout, then stderr).
+
+    Args:
+        code: a Python program; print() the results you need
+    """
+    return run_sandboxed(code)
+
+
+TOOLS = {"calculator": calculator, "python": python}
+
+
+# ----------------------------------------------------------------------------------------------
+# The sandbox
+
+
+SANDBOX_LIMITS = {"seconds": 10.0, "memory_mb": 1024, "file_mb": 16, "output_chars": 4000}
+
+# Runs first in the sandbox's interpreter, before the user's code: limits, no network, and an
+# audit hook (PEP 578) that refuses what the code must not do. argv: dir, memory MB, cpu s, file MB.
+_BOOTSTRAP = r"""
+import ctypes, os, resource, sys
+root, memory_mb, cpu_s, file_mb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb << 20, file_mb << 20))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+libc = ctypes.CDLL(None, use_errno=True)
+for flags in (0x40000000, 0x10000000 | 0x40000000):  # CLONE_NEWNET; as a user: CLONE_NEWUSER too
+    if libc.unshare(flags) == 0:
+        break  # a network namespace of our own: no interfaces but a loopback that is down
+WRITES = ("w", "a", "x", "+")
+PATHS = {"os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.truncate", "os.chmod", "os.chown", "os.link",
+         "os.symlink", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
+REFUSED = ("subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.",
+           "socket.", "ctypes.", "os.kill", "resource.setrlimit", "sys.addaudithook")
+def inside(path):
+    try:
+        return os.path.realpath(os.fsdecode(path)).startswith(root + os.sep) or os.path.realpath(os.fsdecode(path)) == root
+    except TypeError:  # a file descriptor
+        return True
+def hook(event, args):
+    if event == "open" and args[0] is not None:
+        writing = (isinstance(args[1], str) and any(c in args[1] for c in WRITES)) or (args[2] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+        if writing and not inside(args[0]):
+            raise PermissionError(f"sandbox: no writing outside {root}: {args[0]}")
+    elif event in PATHS and not all(inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))):
+        raise PermissionError(f"sandbox: {event} outside {root}")
+    elif event.startswith(REFUSED):
+        raise PermissionError(f"sandbox: {event} is not allowed")
+sys.addaudithook(hook)
+del ctypes, libc
+sys.argv = ["main.py"]
+exec(compile(open("main.py").read(), "main.py", "exec"), {"__name__": "__main__"})
+"""
+
+
+def run_sandboxed(code: str, limits: dict | None = None) -> str:
+    """Run `code` in a fresh interpreter in its own temporary folder, with the limits of
+    SANDBOX_LIMITS: wall-clock and CPU seconds, address space, file size; no network where the
+    kernel allows a network namespace; an audit hook refusing writes outside the folder,
+    subprocesses, sockets and ctypes. Returns stdout then stderr, cut to `output_chars`; a timeout
+    or a crash comes back as text. See the README for what this does not protect against."""
+    lim = {**SANDBOX_LIMITS, **(limits or {})}
+    with tempfile.TemporaryDirectory(prefix="sandbox-") as root:
+        root = os.path.realpath(root)
+        with open(os.path.join(root, "main.py"), "w") as f:
+            f.write(code)
+        cpu_s = math.ceil(lim["seconds"]) + 1  # a busy loop meets the wall-clock limit first
+        cmd = [sys.executable, "-I", "-c", _BOOTSTRAP, root, str(lim["memory_mb"]), str(cpu_s), str(lim["file_mb"])]
+        env = {"PATH": "/usr/bin:/bin", "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
+               "OPENBLAS_NUM_THREADS": "1"}  # thread pools reserve memory that RLIMIT_AS counts
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=lim["seconds"])
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+            raise TimeoutError(f"the program ran longer than {lim['seconds']:g} s and was stopped") from None
+    if proc.returncode == -signal.SIGXCPU:
+        raise TimeoutError(f"the program used more than {cpu_s} s of CPU time and was stopped")
+    text = out.decode(errors="replace")
+    if err:
+        text += ("\n" if text else "") + "stderr:\n" + err.decode(errors="replace").strip()
+    if proc.returncode < 0:
+        text += f"\n(killed by signal {-proc.returncode}: out of memory or CPU time?)"
+    cut = lim["output_chars"]
+    return text if len(text) <= cut else text[:cut] + f"\n... ({len(text) - cut} more characters cut)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Calls: parse what the model wrote, run it, never raise
+
+
+TOOLS_SYSTEM_PROMPT = """You can call tools. To call one, write
+<tool_call>{{"name": "<tool name>", "arguments": {{<the arguments as JSON>}}}}</tool_call>
+and end your turn: its result comes back in the next message, then go on with your answer.
+The tools:
+{tools}
+For example, to compute 123 * 45: <tool_call>{{"name": "calculator", "arguments": {{"expression": "123 * 45"}}}}</tool_call>"""
+
+
+def tools_prompt(tokenizer, tools: dict) -> tuple[str | None, list[dict] | None]:
+    """How the model learns of the tools: (a system prompt, the tools' schemas for the chat
+    template). A template that renders tools itself (Qwen2.5 and 3, Llama 3.1, ...) gets the
+    schemas; any other gets TOOLS_SYSTEM_PROMPT describing them and the call format."""
+    specs = [tool_spec(fn) for fn in tools.values()]
+    if "tools" in (tokenizer.chat_template or ""):
+        return None, specs
+    described = [{k: v for k, v in s["function"].items() if k != "return"} for s in specs]
+    prompt = TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(d) for d in described))
+    return (prompt if "calculator" in tools else prompt.rsplit("\nFor example", 1)[0]), None
+
+
+def tool_call_stop_ids(tokenizer) -> list[int]:
+    """'</tool_call>' as a stop token where the vocabulary has it as one token (Qwen's): a turn then
+    ends at the complete call. Elsewhere a turn ends at the end-of-turn token."""
+    ids = tokenizer.encode("</tool_call>", add_special_tokens=False)
+    return ids if len(ids) == 1 else []
+
+
+def tool_stats(samples) -> dict:
+    """Turns and tool calls of a step's samples, over all ranks."""
+    import torch  # lazy: the sandbox's own process never imports this module's metrics
+
+    from fsdp import all_reduce
+
+    calls = [c for s in samples for c in s.tool_calls]
+    tot = all_reduce(torch.tensor([len(samples), sum(s.turns for s in samples), len(calls),
+                                   sum(status == "error" for _, status, _ in calls), sum(status == "timeout" for _, status, _ in calls),
+                                   sum(seconds for _, _, seconds in calls), sum(bool(s.tool_calls) for s in samples)],
+                                  dtype=torch.float64))
+    n = tot[0].clamp(min=1)
+    return {"tools/turns_mean": tot[1] / n, "tools/calls_per_sample": tot[2] / n, "tools/errors": tot[3],
+            "tools/timeouts": tot[4], "tools/seconds": tot[5], "tools/used_frac": tot[6] / n}
+
+
+def tool_spec(fn) -> dict:
+    """The JSON schema of a tool, as chat templates take it ({"type": "function", "function": ...})."""
+    from transformers.utils import get_json_schema  # lazy: only with tools
+
+    return get_json_schema(fn)
+
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
+    """Hermes/Qwen tool calls in a turn's text: ([{"name": ..., "arguments": {...}}, ...], [what was
+    malformed, ...]). An opened call that is never closed counts as malformed."""
+    calls, malformed = [], []
+    for body in _CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as e:
+            malformed.append(f"the tool call is not valid JSON ({e.msg}): {body.strip()[:200]}")
+            continue
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments", {}), dict)):
+            malformed.append(f'a tool call needs {{"name": "...", "arguments": {{...}}}}, got: {body.strip()[:200]}')
+            continue
+        calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
+    if text.count("<tool_call>") > text.count("</tool_call>"):
+        malformed.append("a <tool_call> was opened and never closed with </tool_call>")
+    return calls, malformed
+
+
+def call_tool(tools: dict, call: dict) -> tuple[str, str]:
+    """Run one parsed call: (the reply for the model, "ok" | "error" | "timeout"). Never raises: an
+    unknown tool, bad arguments or a tool that fails becomes an error message the model reads."""
+    fn = tools.get(call["name"])
+    if fn is None:
+        return f"error: there is no tool {call['name']!r}; the tools are {', '.join(tools)}", "error"
+    try:
+        return str(fn(**call["arguments"])), "ok"
+    except TimeoutError as e:
+        return f"error: {e}", "timeout"
+    except TypeError as e:  # missing, unknown or mistyped arguments
+        return f"error: bad arguments for {call['name']}: {e}", "error"
+    except Exception as e:  # noqa: BLE001 -- any failure of the tool is the model's to read, not the trainer's
+        return f"error: {type(e).__name__}: {e}", "error"
+
+
+def timed_call(tools: dict, call: dict) -> tuple[str, str, float]:
+    """call_tool, and the seconds it took."""
+    t0 = time.perf_counter()
+    reply, status = call_tool(tools, call)
+    return reply, status, time.perf_counter() - t0
