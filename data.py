@@ -170,10 +170,10 @@ class Prompts:
 
 
 def task_prompts(tokenizer, dataset: str, eval_dataset: str | None, *, seed: int, num_eval: int, max_prompt_len: int,
-                 template: str, system: str | None = None, tools: list[dict] | None = None) -> tuple[Prompts, Prompts, str]:
+                 template: str, context: list[dict] | None = None, tools: list[dict] | None = None) -> tuple[Prompts, Prompts, str]:
     """(train prompts, held-out prompts, a line saying what was loaded): load_task, then tokenize_prompts."""
     train, held, note = load_task(dataset, eval_dataset, seed=seed, num_eval=num_eval, template=template)
-    chat = {"system": system, "tools": tools}
+    chat = {"context": context, "tools": tools}
     train = Prompts(*tokenize_prompts(tokenizer, train, max_prompt_len, dataset, **chat))
     held = Prompts(*tokenize_prompts(tokenizer, held[:num_eval], max_prompt_len, eval_dataset or dataset, **chat))
     return train, held, (f"{len(train.ids)} train prompts, {len(held.ids)} eval prompts (dropped as longer than "
@@ -181,19 +181,19 @@ def task_prompts(tokenizer, dataset: str, eval_dataset: str | None, *, seed: int
 
 
 def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int, source: str = "the dataset", *,
-                     system: str | None = None, tools: list[dict] | None = None):
-    """Chat-template each prompt as one user turn (after a `system` turn if given; `tools`: their
-    JSON schemas, for templates that show tools). Prompts longer than `max_prompt_len` tokens are
-    dropped (never truncated: a cut question has a different answer) and counted; if every prompt
-    is dropped, an error names `source`. Returns (token ids, kept examples, number dropped)."""
+                     context: list[dict] | None = None, tools: list[dict] | None = None):
+    """Chat-template each prompt as one user turn, after the `context` messages if given (a system
+    prompt, worked examples; `tools`: their JSON schemas, for templates that show tools). Prompts
+    longer than `max_prompt_len` tokens are dropped (never truncated: a cut question has a
+    different answer) and counted; if every prompt is dropped, an error names `source`. Returns
+    (token ids, kept examples, number dropped)."""
     ids, kept = [], []
     for ex in examples:
         if tokenizer.chat_template is not None:
-            messages = [{"role": "system", "content": system}] if system else []
-            tokens = tokenizer.apply_chat_template(messages + [{"role": "user", "content": ex.prompt}], tools=tools,
+            tokens = tokenizer.apply_chat_template((context or []) + [{"role": "user", "content": ex.prompt}], tools=tools,
                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
         else:  # a base model without a template: the raw prompt
-            tokens = tokenizer.encode(f"{system}\n\n{ex.prompt}" if system else ex.prompt)
+            tokens = tokenizer.encode("\n\n".join([m["content"] for m in context or []] + [ex.prompt]))
         if len(tokens) <= max_prompt_len:
             ids.append(list(tokens))
             kept.append(ex)

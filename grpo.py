@@ -342,7 +342,7 @@ def main(args: Args):
     # and what a completion earns: any (completion, answer) -> float can be the reward.
     addition = args.dataset in ("addition", "multiplication")
     template = ADDITION_PROMPT if addition else GSM8K_PROMPT
-    system, tool_specs = tools_prompt(tokenizer, tools) if tools else (None, None)  # tools.TOOLS_SYSTEM_PROMPT
+    context, tool_specs = tools_prompt(tokenizer, tools, template) if tools else (None, None)  # the tools, worked calls
     SANDBOX_LIMITS["seconds"] = args.tool_timeout_s
     tool_use = ToolUse(tools, tokenizer, ThreadPoolExecutor(args.tool_workers), max_turns=args.max_turns,
                        max_reply_tokens=args.max_tool_reply_tokens) if tools else None
@@ -360,7 +360,7 @@ def main(args: Args):
     # ---- data: before any model loads, so a bad file fails fast --------------------------------------
     train_prompts, eval_prompts, data_line = task_prompts(
         tokenizer, args.dataset, args.eval_dataset, seed=args.seed, num_eval=args.num_eval_prompts,
-        max_prompt_len=args.max_prompt_len, template=template, system=system, tools=tool_specs)
+        max_prompt_len=args.max_prompt_len, template=template, context=context, tools=tool_specs)
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
     print0(f"data: {data_line} | {world_size} ranks, engine {engine_kind}")
     random.seed(seed_for(args.seed, "rank", rank))

@@ -169,20 +169,35 @@ TOOLS_SYSTEM_PROMPT = """You can call tools. To call one, write
 <tool_call>{{"name": "<tool name>", "arguments": {{<the arguments as JSON>}}}}</tool_call>
 and end your turn: its result comes back in the next message, then go on with your answer.
 The tools:
-{tools}
-For example, to compute 123 * 45: <tool_call>{{"name": "calculator", "arguments": {{"expression": "123 * 45"}}}}</tool_call>"""
+{tools}"""
+
+# Worked examples, shown as earlier turns before the question. Measured on SmolLM2-135M-Instruct
+# (multiplication, T=1, bench/tool_probe.py): with the system prompt alone 0 of 32 samples called
+# the calculator, with a one-line system prompt 0 of 24, after one worked example 5 of 24, after two
+# 13 of 24. RL needs samples that call a tool to have something to reinforce.
+EXAMPLES = [("What is 123 * 45?", "123 * 45", "5535"), ("What is 802 * 17?", "802 * 17", "13634")]
+EXAMPLE_CALLS = {"calculator": ("expression", "{}"), "python": ("code", "print({})")}
 
 
-def tools_prompt(tokenizer, tools: dict) -> tuple[str | None, list[dict] | None]:
-    """How the model learns of the tools: (a system prompt, the tools' schemas for the chat
-    template). A template that renders tools itself (Qwen2.5 and 3, Llama 3.1, ...) gets the
-    schemas; any other gets TOOLS_SYSTEM_PROMPT describing them and the call format."""
+def tools_prompt(tokenizer, tools: dict, template: str = "{question}") -> tuple[list[dict], list[dict] | None]:
+    """How the model learns of the tools: (the messages before each question, the tools' schemas
+    for the chat template). A template that renders tools itself (Qwen2.5 and 3, Llama 3.1, ...)
+    gets the schemas; any other a system prompt describing them. Then EXAMPLES as worked turns,
+    asked through the task's `template`, calling the first of `tools` that EXAMPLE_CALLS knows."""
     specs = [tool_spec(fn) for fn in tools.values()]
-    if "tools" in (tokenizer.chat_template or ""):
-        return None, specs
-    described = [{k: v for k, v in s["function"].items() if k != "return"} for s in specs]
-    prompt = TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(d) for d in described))
-    return (prompt if "calculator" in tools else prompt.rsplit("\nFor example", 1)[0]), None
+    messages = []
+    if "tools" not in (tokenizer.chat_template or ""):
+        described = [{k: v for k, v in s["function"].items() if k != "return"} for s in specs]
+        messages.append({"role": "system", "content": TOOLS_SYSTEM_PROMPT.format(tools="\n".join(map(json.dumps, described)))})
+    name = next((n for n in tools if n in EXAMPLE_CALLS), None)
+    for question, expression, result in EXAMPLES if name else []:
+        argument, fmt = EXAMPLE_CALLS[name]
+        call = json.dumps({"name": name, "arguments": {argument: fmt.format(expression)}})
+        messages += [{"role": "user", "content": template.format(question=question)},
+                     {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                     {"role": "tool", "content": result},
+                     {"role": "assistant", "content": f"{expression} = {result}\n#### {result}"}]
+    return messages, (specs if "tools" in (tokenizer.chat_template or "") else None)
 
 
 def tool_call_stop_ids(tokenizer) -> list[int]:

@@ -79,7 +79,7 @@ elif mode == "tool_caller":
 
             tok = getattr(self, "tok", None) or AutoTokenizer.from_pretrained(self.model.name_or_path)
             self.tok = tok
-            if tok.decode(input_ids).count("<|im_start|>assistant") > 1:  # a later turn: sampled
+            if not tok.decode(input_ids).split("<|im_start|>")[-2].startswith("user"):  # after a tool reply: sampled
                 return await super().async_generate(input_ids, sampling_params, return_logprob)
             forced = tok.encode(CALL, add_special_tokens=False) + [tok.eos_token_id]
             with torch.no_grad():

@@ -58,3 +58,18 @@ def test_grpo_three_full_steps(tmp_path, extra):
         assert m["rollout/logprob_abs_diff"] < LOGPROB_TOLERANCE, m
         assert m["train/grad_norm"] > 0
     assert (tmp_path / "t" / "checkpoints" / "step_000003" / "model" / "config.json").exists()
+
+
+def test_grpo_with_the_calculator_three_steps(tmp_path):
+    """Multi-turn episodes on SGLang's event loop: tool metrics logged, and the engine's per-turn
+    log-probs of the model's tokens match the trainer's (the masks line up)."""
+    run([sys.executable, "grpo.py", "--model", MODEL, "--dataset", "multiplication", "--tools", "calculator", "--steps", "3",
+         "--prompts-per-step", "16", "--group-size", "4", "--max-new-tokens", "192", "--eval-every", "0", "--save-every", "0",
+         "--sglang-disable-cuda-graph", "--sglang-mem-fraction", "0.5", "--lr", "1e-5", "--output-dir", str(tmp_path),
+         "--run-name", "t"])
+    steps = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [m for m in steps if "train/loss" in m]
+    assert [m["step"] for m in train_steps] == [1, 2, 3]
+    assert any(m["tools/calls_per_sample"] > 0 for m in train_steps)  # the worked examples make SmolLM2 call it
+    for m in train_steps:
+        assert m["rollout/logprob_abs_diff"] < LOGPROB_TOLERANCE, m

@@ -207,12 +207,20 @@ def test_an_error_in_one_episode_surfaces(tok):
                  tokenizer=tok, tool_use=tool_use)
 
 
-def test_tools_reach_the_model_in_a_system_prompt_or_the_template(tok):
-    system, specs = tools_prompt(tok, TOOLS)  # the tiny template knows nothing of tools
-    assert specs is None and '"name": "calculator"' in system and "<tool_call>" in system
+def test_tools_reach_the_model_in_a_system_prompt_or_the_template_then_worked_examples(tok):
+    context, specs = tools_prompt(tok, TOOLS, "{question} Put the final answer after ####.")  # the tiny template knows no tools
+    assert specs is None and context[0]["role"] == "system" and '"name": "calculator"' in context[0]["content"]
+    assert [m["role"] for m in context[1:]] == ["user", "assistant", "tool", "assistant"] * 2
+    assert context[1]["content"] == "What is 123 * 45? Put the final answer after ####."
+    assert parse_tool_calls(context[2]["content"])[0] == [{"name": "calculator", "arguments": {"expression": "123 * 45"}}]
+    assert context[3]["content"] == "5535" and context[4]["content"] == "123 * 45 = 5535\n#### 5535"
+    python_only = tools_prompt(tok, {"python": TOOLS["python"]})[0]
+    assert parse_tool_calls(python_only[2]["content"])[0][0]["arguments"] == {"code": "print(123 * 45)"}
     tok_with_tools = type(tok).from_pretrained(tok.name_or_path)
     tok_with_tools.chat_template = "{% if tools %}TOOLS{% endif %}" + tok.chat_template
-    assert tools_prompt(tok_with_tools, TOOLS)[0] is None and tool_call_stop_ids(tok) == []
+    context, specs = tools_prompt(tok_with_tools, TOOLS)
+    assert context[0]["role"] == "user" and [s["function"]["name"] for s in specs] == ["calculator", "python"]
+    assert tool_call_stop_ids(tok) == []
 
 
 def test_ppo_gae_carries_across_a_tool_reply():
