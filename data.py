@@ -187,7 +187,7 @@ def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int, so
     longer than `max_prompt_len` tokens are dropped (never truncated: a cut question has a
     different answer) and counted; if every prompt is dropped, an error names `source`. Returns
     (token ids, kept examples, number dropped)."""
-    ids, kept = [], []
+    ids, kept, shortest = [], [], None
     for ex in examples:
         if tokenizer.chat_template is not None:
             tokens = tokenizer.apply_chat_template((context or []) + [{"role": "user", "content": ex.prompt}], tools=tools,
@@ -197,9 +197,10 @@ def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int, so
         if len(tokens) <= max_prompt_len:
             ids.append(list(tokens))
             kept.append(ex)
+        shortest = min(shortest or len(tokens), len(tokens))
     if examples and not kept:
-        raise InputError(f"all {len(examples)} prompts of {source} are longer than --max-prompt-len "
-                         f"{max_prompt_len} tokens: raise it")
+        raise InputError(f"all {len(examples)} prompts of {source} are longer than --max-prompt-len {max_prompt_len} "
+                         f"tokens (the shortest: {shortest}{', with the system prompt before it' if context else ''}): raise it")
     return ids, kept, len(examples) - len(kept)
 
 

@@ -96,5 +96,5 @@ def main(args: Args):
 
 
 if __name__ == "__main__":  # SGLang spawns its scheduler: keep this guard
-    with friendly_errors("evaluate.py"):
+    with friendly_errors("evaluate.py", oom_hint="lower --mem-fraction or --num-prompts"):
         main(tyro.cli(Args))

@@ -38,11 +38,11 @@ from data import ADDITION_PROMPT, GSM8K_PROMPT, PromptSampler, collate, seed_for
 from fsdp import (all_reduce, all_reduce_dict, batch_forward, batch_logprobs, clip_and_step, init_distributed, load_model,
                   lr_lambda, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
-from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
-from reward import EVAL_LINE, eval_stats, format_reward, gsm8k_reward, int_match_reward, rollout_stats, score
+from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu, unless_given
+from reward import EVAL_LINE, EVAL_TOOLS_LINE, eval_stats, format_reward, gsm8k_reward, int_match_reward, rollout_stats, score
 from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
-from tools import SANDBOX_LIMITS, TOOLS, tool_call_stop_ids, tool_stats, tools_prompt
+from tools import SANDBOX_LIMITS, TOOLS, TOOLS_MAX_PROMPT_LEN, tool_call_stop_ids, tool_stats, tools_prompt
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
 
 
@@ -60,7 +60,8 @@ class Args:
     num_eval_prompts: int = 256
     """held-out prompts per evaluation (greedy)"""
     max_prompt_len: int = 256
-    """prompts longer than this (in tokens, after the chat template) are dropped and counted"""
+    """prompts longer than this (in tokens, after the chat template) are dropped and counted (1024 with --tools:
+    the tools' system prompt and worked examples come first)"""
     max_new_tokens: int = 256
     """response length limit; longer responses are truncated (see --overlong-filter)"""
     # --- sampling
@@ -378,6 +379,8 @@ def main(args: Args):
     t_launch = launch_time()
     handle_signals()  # Ctrl-C and SIGTERM stop the run between phases (stop.py)
     args = size_for_cpu(args, CPU_SIZES, "ppo.py")
+    if args.tools:
+        args = unless_given(args, max_prompt_len=TOOLS_MAX_PROMPT_LEN)
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     check_args(args, world_size)
     run_name = args.run_name or f"ppo-{os.path.basename(args.model.rstrip('/'))}-{os.path.basename(args.dataset.rstrip('/'))}-s{args.seed}"
@@ -529,7 +532,7 @@ def main(args: Args):
         for s, i in zip(samples, share):
             s.answer = eval_prompts.examples[i].answer
         out = eval_stats(samples, answer_fn)
-        print0(log_line(f"eval after step {step}", out, EVAL_LINE))
+        print0(log_line(f"eval after step {step}", out, EVAL_LINE + EVAL_TOOLS_LINE * bool(tools)))
         log.log({"step": step, **out})
 
     # ---- the loop ----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from contextlib import contextmanager
 
 
@@ -29,9 +30,14 @@ class Interrupted(BaseException):
     in SGLang's 20 s of imports, say) must not swallow it."""
 
 
+OOM_HINT = ("lower --micro-batch-size (one micro-batch's log-probs take micro-batch x tokens x vocabulary x 4 "
+            "bytes) or the engine's share, --sglang-mem-fraction")
+
+
 @contextmanager
-def friendly_errors(script: str):
-    """Run a script's main: an InputError prints '<script>: <message>' on rank 0 and exits 2."""
+def friendly_errors(script: str, oom_hint: str = OOM_HINT):
+    """Run a script's main: an InputError prints '<script>: <message>' on rank 0 and exits 2; a CUDA
+    out-of-memory error keeps its traceback and adds a line on which flags lower the memory."""
     try:
         yield
     except Interrupted as e:  # a signal during start-up: nothing was trained, nothing to save
@@ -48,6 +54,14 @@ def friendly_errors(script: str):
         else:  # torchrun stops all ranks when the first exits: let rank 0 print first
             time.sleep(5)
         raise SystemExit(2) from None
+    except Exception as e:
+        if type(e).__name__ != "OutOfMemoryError":  # torch's, not imported here
+            raise
+        traceback.print_exc()
+        leave_process_group()
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{script}: the GPU ran out of memory: {oom_hint}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def leave_process_group():
@@ -70,6 +84,12 @@ def check_flags(rules: list[tuple[str, object, bool, str]]):
 def given_flags(argv: list[str]) -> set[str]:
     """Field names of the flags on a command line: '--max-new-tokens=64' -> 'max_new_tokens'."""
     return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+
+
+def unless_given(args, **values):
+    """`values` for the fields not given on the command line: defaults that depend on other flags."""
+    given = given_flags(sys.argv[1:])
+    return dataclasses.replace(args, **{k: v for k, v in values.items() if k not in given})
 
 
 def size_for_cpu(args, sizes: dict, script: str):

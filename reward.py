@@ -137,10 +137,12 @@ def rollout_stats(samples, answer_fn, seconds: float) -> dict:
 def eval_stats(samples, answer_fn) -> dict:
     """Greedy held-out accuracy of the samples of all ranks."""
     counts = judge(samples, answer_fn)
-    tot = all_reduce(torch.tensor([counts["strict"], counts["flexible"], counts["format"], len(samples)]))
+    tot = all_reduce(torch.tensor([counts["strict"], counts["flexible"], counts["format"], len(samples),
+                                   sum(bool(s.tool_calls) for s in samples)]))
     return {"eval/strict_acc": float(tot[0] / tot[3]), "eval/flexible_acc": float(tot[1] / tot[3]),
-            "eval/format_rate": float(tot[2] / tot[3])}
+            "eval/format_rate": float(tot[2] / tot[3]), "eval/tool_used_frac": float(tot[4] / tot[3])}
 
 
 EVAL_LINE = [("eval strict acc", "eval/strict_acc", ".3f"), ("flexible acc", "eval/flexible_acc", ".3f"),
              ("format", "eval/format_rate", ".3f")]  # the console line of an evaluation
+EVAL_TOOLS_LINE = [("used a tool", "eval/tool_used_frac", ".3f")]  # and with tools

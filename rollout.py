@@ -20,6 +20,7 @@ import functools
 import multiprocessing
 import os
 import signal
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -99,9 +100,15 @@ def run_without_signals(target, *args, **kwargs):
     Ctrl-C reaches the whole process group, and Slurm signals every process of a job: the engine
     must not die of them (that would look like a crash), the trainer stops it itself when it has
     saved what it should (stop.stop_engine). A Ctrl-C in the few seconds before this line runs (the
-    child importing the script) can still end the child, with its KeyboardInterrupt traceback."""
+    child importing the script) can still end the child, with its KeyboardInterrupt traceback.
+    Its progress bars (CUDA-graph capture) take a thread lock, as the trainer's do (stop.EngineWatch):
+    tqdm's default is a multiprocessing semaphore, which the SIGKILL of stop_engine leaves behind
+    and the resource tracker warns about at the trainer's exit."""
+    from tqdm import tqdm  # lazy: only in SGLang's processes
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    tqdm.set_lock(threading.RLock())
     return target(*args, **kwargs)
 
 

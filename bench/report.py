@@ -3,6 +3,7 @@
     python bench/report.py arith  runs/<run> --out bench/results/grpo_arith_smollm2.json --png bench/results/grpo_arith_smollm2.png
     python bench/report.py memory runs/<run> --out bench/results/grpo_memory_1p5b.json
     python bench/report.py scaling runs/ --out bench/results/scaling_1p5b.json     # bench/run_scaling.sh's runs
+    python bench/report.py tools runs/ --out bench/results/tools_multiplication_smollm2.json --png ...  # run_tools.sh's
     python bench/report.py arith runs/<ppo run> --out ... --compare bench/results/raw/grpo_arith_smollm2.metrics.jsonl \
         --compare-png bench/results/ppo_vs_grpo_arith_smollm2.png
 """
@@ -17,10 +18,11 @@ import tyro
 
 @dataclass
 class Args:
-    kind: tyro.conf.Positional[Literal["arith", "memory", "scaling"]]
-    """arith: accuracy summary + curve; memory: per-phase memory and time; scaling: tokens/s by GPU count"""
+    kind: tyro.conf.Positional[Literal["arith", "memory", "scaling", "tools"]]
+    """arith: accuracy summary + curve; memory: per-phase memory and time; scaling: tokens/s by GPU count;
+    tools: accuracy and tool use with and without tools"""
     run_dir: tyro.conf.Positional[str]
-    """the run folder grpo.py / ppo.py wrote (scaling: the folder holding run_scaling.sh's runs)"""
+    """the run folder grpo.py / ppo.py wrote (scaling, tools: the folder holding run_scaling.sh's or run_tools.sh's runs)"""
     out: str
     """JSON summary to write"""
     png: str | None = None
@@ -107,9 +109,63 @@ def scaling(a: Args):
     print(json.dumps(out, indent=2))
 
 
+def tools(a: Args):
+    """run_tools.sh's pair: held-out greedy accuracy and tool use by step, rollout tokens/s and the
+    largest log-prob gap over model tokens, for the run with the calculator and the one without."""
+    runs = {}
+    for name in ("tools_calculator", "tools_none"):
+        path = os.path.join(a.run_dir, name)
+        if not os.path.isfile(os.path.join(path, "metrics.jsonl")):
+            raise SystemExit(f"{path}: no metrics.jsonl (run bench/run_tools.sh first)")
+        train, evals, info, args = load(path)
+        evals = sorted(evals, key=lambda r: r["step"])
+        timed = train[1:] or train  # step 1 includes warm-up
+        runs[name] = {
+            "steps": len(train), "eval_prompts": args["num_eval_prompts"], "tools": args["tools"],
+            "eval_curve": [[r["step"], round(r["eval/strict_acc"], 4), round(r.get("eval/tool_used_frac", 0.0), 4)]
+                           for r in evals],
+            "final_strict_acc": evals[-1]["eval/strict_acc"], "best_strict_acc": max(r["eval/strict_acc"] for r in evals),
+            "rollout_curve": [[r["step"], round(r["rollout/strict_acc"], 4), round(r.get("tools/used_frac", 0.0), 4),
+                               round(r.get("tools/calls_per_sample", 0.0), 3), round(r["rollout/logprob_abs_diff"], 4)]
+                              for r in train],
+            "logprob_abs_diff_max": max(r["rollout/logprob_abs_diff"] for r in train),
+            "rollout_tokens_per_s": statistics.mean(r["perf/rollout_tokens_per_s"] for r in timed),
+            "seconds_per_step": statistics.mean(r["perf/step_s"] for r in timed),
+            "tool_errors": sum(r.get("tools/errors", 0) for r in train), "tool_timeouts": sum(r.get("tools/timeouts", 0) for r in train),
+            "tool_seconds_per_step": statistics.mean(r.get("tools/seconds", 0.0) for r in train),
+            "gpu": info["gpu"], "date": info["date"], "command": info["command"]}
+    w, wo = runs["tools_calculator"], runs["tools_none"]
+    out = {"gpu": w["gpu"], "date": w["date"], "command": a.command, "note": a.note,
+           "with_tools_final_strict_acc": w["final_strict_acc"], "without_tools_final_strict_acc": wo["final_strict_acc"],
+           "multiturn_logprob_gap_max": w["logprob_abs_diff_max"],
+           "rollout_tokens_per_s_ratio_with_over_without": w["rollout_tokens_per_s"] / wo["rollout_tokens_per_s"],
+           "columns": {"eval_curve": ["updates", "strict acc (greedy)", "share of samples calling a tool (greedy)"],
+                       "rollout_curve": ["step", "strict acc (sampled)", "share of samples calling a tool",
+                                         "tool calls per sample", "logprob_abs_diff (model tokens)"]},
+           "runs": runs}
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))
+    if a.png:
+        fig, ax = pyplot().subplots(1, 2, figsize=(11, 4))
+        for name, style in (("tools_calculator", "o-"), ("tools_none", "s--")):
+            r = runs[name]
+            ax[0].plot([e[0] for e in r["eval_curve"]], [e[1] for e in r["eval_curve"]], style, label=f"{name} (greedy, held out)")
+            ax[1].plot([e[0] for e in r["rollout_curve"]], [e[2] for e in r["rollout_curve"]], style[-1], label=f"{name} (sampled)")
+        ax[1].plot([e[0] for e in w["eval_curve"]], [e[2] for e in w["eval_curve"]], "o", label="tools_calculator (greedy, held out)")
+        ax[0].set_ylabel("strict accuracy"), ax[1].set_ylabel("share of samples that call a tool")
+        for x in ax:
+            x.set_xlabel("updates"), x.set_ylim(-0.02, 1.02), x.legend()
+        fig.suptitle(f"GRPO on 3-digit x 2-digit multiplication, SmolLM2-135M-Instruct, with and without the calculator ({w['gpu']})")
+        fig.tight_layout()
+        fig.savefig(a.png, dpi=110)
+
+
 def main(a: Args):
     if a.kind == "scaling":
         return scaling(a)
+    if a.kind == "tools":
+        return tools(a)
     train, evals, info, args = load(a.run_dir)
     out = {"gpu": info["gpu"], "command": a.command or info["command"], "date": info["date"],
            "world_size": info["world_size"], "steps": len(train), "torch": info["torch"],

@@ -178,7 +178,8 @@ def test_tokenize_prompts_drops_long_prompts(tiny_model_dir):
     n = len(ids[0])
     # the limit is inclusive: exactly n tokens is kept, n - 1 drops it
     assert tokenize_prompts(tokenizer, [short], max_prompt_len=n)[2] == 0
-    with pytest.raises(InputError, match="all 1 prompts of my.jsonl are longer than --max-prompt-len"):
+    with pytest.raises(InputError, match=rf"all 1 prompts of my.jsonl are longer than --max-prompt-len {n - 1} tokens "
+                                         rf"\(the shortest: {n}\): raise it"):
         tokenize_prompts(tokenizer, [short], max_prompt_len=n - 1, source="my.jsonl")
 
 

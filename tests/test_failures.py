@@ -369,3 +369,19 @@ def test_an_error_or_a_start_cut_short_leaves_the_process_group(monkeypatch, cap
                 raise error
         assert exit_info.value.code == code and not dist.is_initialized()
     assert capsys.readouterr().err.splitlines() == ["grpo.py: stopped by SIGINT during start-up", "grpo.py: --lr 0 must be > 0"]
+
+
+def test_out_of_memory_keeps_its_traceback_and_says_which_flags_help(capsys):
+    import torch
+
+    from preflight import friendly_errors
+
+    with pytest.raises(SystemExit) as exit_info:
+        with friendly_errors("grpo.py"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.09 GiB.")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 1 and "Traceback" in err[0] and "Tried to allocate 15.09 GiB" in err[-2]
+    assert err[-1].startswith("grpo.py: the GPU ran out of memory: lower --micro-batch-size"), err
+    with pytest.raises(ValueError):  # any other error passes through as it is
+        with friendly_errors("grpo.py"):
+            raise ValueError("not ours")

@@ -242,7 +242,7 @@ def test_ppo_gae_carries_across_a_tool_reply():
 # ----------------------------------------------------------------------------------------------
 # grpo.py and ppo.py with --tools (the HF engine's first turn is a forced calculator call)
 
-TOOL_RUN = ["--tools", "calculator", "--max-new-tokens", "160", "--max-prompt-len", "1024", "--max-turns", "3"]
+TOOL_RUN = ["--tools", "calculator", "--max-new-tokens", "160", "--max-turns", "3"]  # --max-prompt-len: 1024 with tools
 
 
 def tool_run(model, out_dir, *extra, script="grpo.py", nproc=1):
@@ -252,10 +252,10 @@ def tool_run(model, out_dir, *extra, script="grpo.py", nproc=1):
                     launch=[os.path.join("tests", "patched_run.py"), "tool_caller"])
 
 
-def step_rows(out_dir):
+def step_rows(out_dir, key="tools/turns_mean"):
     import json
 
-    return [r for r in map(json.loads, open(os.path.join(out_dir, "r", "metrics.jsonl"))) if "tools/turns_mean" in r]
+    return [r for r in map(json.loads, open(os.path.join(out_dir, "r", "metrics.jsonl"))) if key in r]
 
 
 @pytest.mark.parametrize("script, nproc", [("grpo.py", 1), ("grpo.py", 2), ("ppo.py", 1)])
@@ -269,6 +269,9 @@ def test_a_run_with_tools_trains_on_the_models_tokens(tool_model_dir, tmp_path, 
         assert r["tools/calls_per_sample"] == 1.0 and r["tools/used_frac"] == 1.0 and r["tools/errors"] == 0
         assert r["tools/turns_mean"] >= 1.5 and r["rollout/logprob_abs_diff"] < 0.05
     assert "| turns 2" in proc.stdout or "| turns 1." in proc.stdout
+    assert "dropped as longer than 1024 tokens" in proc.stdout  # the default prompt length with tools
+    evals = step_rows(tmp_path, "eval/strict_acc")  # greedy evaluation after step 2, its share of tool use
+    assert [(r["step"], r["eval/tool_used_frac"]) for r in evals] == [(2, 1.0)] and "used a tool 1.000" in proc.stdout
     assert "Traceback" not in proc.stderr
 
 
