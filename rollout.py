@@ -100,10 +100,8 @@ def run_without_signals(target, *args, **kwargs):
     Ctrl-C reaches the whole process group, and Slurm signals every process of a job: the engine
     must not die of them (that would look like a crash), the trainer stops it itself when it has
     saved what it should (stop.stop_engine). A Ctrl-C in the few seconds before this line runs (the
-    child importing the script) can still end the child, with its KeyboardInterrupt traceback.
-    Its progress bars (CUDA-graph capture) take a thread lock, as the trainer's do (stop.EngineWatch):
-    tqdm's default is a multiprocessing semaphore, which the SIGKILL of stop_engine leaves behind
-    and the resource tracker warns about at the trainer's exit."""
+    child importing the script) can still end the child, with its KeyboardInterrupt traceback. Its
+    progress bars get a thread lock, as the trainer's (stop.EngineWatch says why)."""
     from tqdm import tqdm  # lazy: only in SGLang's processes
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -109,7 +109,8 @@ class EngineWatch:
             return
         # tqdm's default lock is a multiprocessing semaphore; once SGLang has made "spawn" the start
         # method, multiprocessing's resource tracker warns about it at every exit that skips clean-up
-        # (a dead engine, a second Ctrl-C, SIGKILL). A thread lock serves the progress bars as well.
+        # (a dead engine, a second Ctrl-C, SIGKILL; in SGLang's processes, which stop_engine SIGKILLs,
+        # the CUDA-graph capture bar's). A thread lock serves the progress bars as well.
         tqdm.set_lock(threading.RLock())
         manager = getattr(engine, "tokenizer_manager", None)  # SGLang's; the HF stand-in has none
         if manager is not None:

@@ -151,11 +151,11 @@ def tools(a: Args):
         for name, style in (("tools_calculator", "o-"), ("tools_none", "s--")):
             r = runs[name]
             ax[0].plot([e[0] for e in r["eval_curve"]], [e[1] for e in r["eval_curve"]], style, label=f"{name} (greedy, held out)")
-            ax[1].plot([e[0] for e in r["rollout_curve"]], [e[2] for e in r["rollout_curve"]], style[-1], label=f"{name} (sampled)")
+            ax[1].plot([e[0] for e in r["rollout_curve"]], [e[2] for e in r["rollout_curve"]], style[1:], label=f"{name} (sampled)")
         ax[1].plot([e[0] for e in w["eval_curve"]], [e[2] for e in w["eval_curve"]], "o", label="tools_calculator (greedy, held out)")
         ax[0].set_ylabel("strict accuracy"), ax[1].set_ylabel("share of samples that call a tool")
         for x in ax:
-            x.set_xlabel("updates"), x.set_ylim(-0.02, 1.02), x.legend()
+            x.set_xlabel("updates"), x.set_ylim(-0.02, 1.02), x.legend(loc="center right")
         fig.suptitle(f"GRPO on 3-digit x 2-digit multiplication, SmolLM2-135M-Instruct, with and without the calculator ({w['gpu']})")
         fig.tight_layout()
         fig.savefig(a.png, dpi=110)

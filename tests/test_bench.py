@@ -29,3 +29,33 @@ def test_scaling_efficiency_is_tokens_per_gpu_relative_to_one_gpu(tmp_path):
     assert [r["gpus"] for r in runs] == [1, 4]
     assert runs[0]["rollout_scaling_efficiency"] == 1.0
     assert abs(runs[1]["rollout_scaling_efficiency"] - 3200 / 4000) < 1e-9
+
+
+def fake_tool_run(folder, tools, evals, used, tokens_per_s, gap):
+    """A run_tools.sh run folder: two steps, evaluations at `evals` (step -> strict acc)."""
+    os.makedirs(folder)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for step, tps in enumerate(tokens_per_s, 1):
+            f.write(json.dumps({"step": step, "train/loss": 0.0, "perf/rollout_tokens_per_s": tps, "perf/step_s": 5.0,
+                                "rollout/strict_acc": 0.5, "rollout/logprob_abs_diff": gap * step / len(tokens_per_s),
+                                **({"tools/used_frac": used, "tools/calls_per_sample": used, "tools/errors": 2.0,
+                                    "tools/timeouts": 0.0, "tools/seconds": 0.01} if tools else {})}) + "\n")
+        for step, acc in evals.items():
+            f.write(json.dumps({"step": step, "eval/strict_acc": acc, "eval/tool_used_frac": used if tools else 0.0}) + "\n")
+    json.dump({"world_size": 1, "gpu": "H", "date": "d", "command": "c", "torch": "t"},
+              open(os.path.join(folder, "run_info.json"), "w"))
+    json.dump({"num_eval_prompts": 8, "tools": tools}, open(os.path.join(folder, "args.json"), "w"))
+
+
+def test_tools_report_pairs_the_runs_with_and_without_tools(tmp_path):
+    fake_tool_run(tmp_path / "runs" / "tools_calculator", "calculator", {0: 0.25, 2: 0.75}, 1.0, [1.0, 600.0], 0.03)
+    fake_tool_run(tmp_path / "runs" / "tools_none", "", {0: 0.0, 2: 0.125}, 0.0, [1.0, 1000.0], 0.02)
+    out = tmp_path / "tools.json"
+    subprocess.run([sys.executable, "bench/report.py", "tools", str(tmp_path / "runs"), "--out", str(out)],
+                   cwd=ROOT, check=True, capture_output=True)
+    r = json.loads(out.read_text())
+    assert (r["with_tools_final_strict_acc"], r["without_tools_final_strict_acc"]) == (0.75, 0.125)
+    assert r["multiturn_logprob_gap_max"] == 0.03
+    assert r["rollout_tokens_per_s_ratio_with_over_without"] == 0.6  # step 1 (warm-up) left out
+    assert r["runs"]["tools_calculator"]["eval_curve"] == [[0, 0.25, 1.0], [2, 0.75, 1.0]]
+    assert r["runs"]["tools_calculator"]["tool_errors"] == 4.0 and r["runs"]["tools_none"]["tool_errors"] == 0
