@@ -176,31 +176,46 @@ def task_prompts(tokenizer, dataset: str, eval_dataset: str | None, *, seed: int
     chat = {"context": context, "tools": tools}
     train = Prompts(*tokenize_prompts(tokenizer, train, max_prompt_len, dataset, **chat))
     held = Prompts(*tokenize_prompts(tokenizer, held[:num_eval], max_prompt_len, eval_dataset or dataset, **chat))
+    extra = context_tokens(tokenizer, context, tools)
     return train, held, (f"{len(train.ids)} train prompts, {len(held.ids)} eval prompts (dropped as longer than "
-                         f"{max_prompt_len} tokens: {train.dropped} train, {held.dropped} eval); {note}")
+                         f"{max_prompt_len} tokens: {train.dropped} train, {held.dropped} eval"
+                         + (f"; before each, the tools' prompt: {extra} tokens" if extra else "") + f"); {note}")
+
+
+def prompt_tokens(tokenizer, question: str, context: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
+    """The question as one user turn after the `context` messages, through the chat template with
+    the generation prompt; a base model without a template: the contents joined by blank lines."""
+    if tokenizer.chat_template is not None:
+        return list(tokenizer.apply_chat_template((context or []) + [{"role": "user", "content": question}], tools=tools,
+                                                  add_generation_prompt=True, tokenize=True, return_dict=False))
+    return tokenizer.encode("\n\n".join([m["content"] for m in context or []] + [question]))
+
+
+def context_tokens(tokenizer, context: list[dict] | None, tools: list[dict] | None = None) -> int:
+    """Tokens the `context` messages (the tools' system prompt and worked calls) add before every
+    question. --max-prompt-len counts the question; these come on top."""
+    if not context:
+        return 0
+    return len(prompt_tokens(tokenizer, "?", context, tools)) - len(prompt_tokens(tokenizer, "?"))
 
 
 def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int, source: str = "the dataset", *,
                      context: list[dict] | None = None, tools: list[dict] | None = None):
     """Chat-template each prompt as one user turn, after the `context` messages if given (a system
     prompt, worked examples; `tools`: their JSON schemas, for templates that show tools). Prompts
-    longer than `max_prompt_len` tokens are dropped (never truncated: a cut question has a
-    different answer) and counted; if every prompt is dropped, an error names `source`. Returns
-    (token ids, kept examples, number dropped)."""
-    ids, kept, shortest = [], [], None
+    longer than `max_prompt_len` tokens, the context's not counted, are dropped (never truncated: a
+    cut question has a different answer) and counted; if every prompt is dropped, an error names
+    `source`. Returns (token ids, kept examples, number dropped)."""
+    ids, kept, extra, shortest = [], [], context_tokens(tokenizer, context, tools), None
     for ex in examples:
-        if tokenizer.chat_template is not None:
-            tokens = tokenizer.apply_chat_template((context or []) + [{"role": "user", "content": ex.prompt}], tools=tools,
-                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
-        else:  # a base model without a template: the raw prompt
-            tokens = tokenizer.encode("\n\n".join([m["content"] for m in context or []] + [ex.prompt]))
-        if len(tokens) <= max_prompt_len:
-            ids.append(list(tokens))
+        tokens = prompt_tokens(tokenizer, ex.prompt, context, tools)
+        if len(tokens) - extra <= max_prompt_len:
+            ids.append(tokens)
             kept.append(ex)
-        shortest = min(shortest or len(tokens), len(tokens))
+        shortest = min(shortest or len(tokens) - extra, len(tokens) - extra)
     if examples and not kept:
         raise InputError(f"all {len(examples)} prompts of {source} are longer than --max-prompt-len {max_prompt_len} "
-                         f"tokens (the shortest: {shortest}{', with the system prompt before it' if context else ''}): raise it")
+                         f"tokens (the shortest: {shortest}): raise it")
     return ids, kept, len(examples) - len(kept)
 
 

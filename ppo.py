@@ -34,15 +34,15 @@ import torch.distributed as dist
 import tyro
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
-from data import ADDITION_PROMPT, GSM8K_PROMPT, PromptSampler, collate, seed_for, shard, task_prompts
+from data import ADDITION_PROMPT, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, task_prompts
 from fsdp import (all_reduce, all_reduce_dict, batch_forward, batch_logprobs, clip_and_step, init_distributed, load_model,
                   lr_lambda, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
-from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu, unless_given
+from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, eval_stats, format_reward, gsm8k_reward, int_match_reward, rollout_stats, score
 from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
-from tools import SANDBOX_LIMITS, TOOLS, TOOLS_MAX_PROMPT_LEN, tool_call_stop_ids, tool_stats, tools_prompt
+from tools import SANDBOX_LIMITS, TOOLS, tool_call_stop_ids, tool_stats, tools_prompt
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
 
 
@@ -60,8 +60,8 @@ class Args:
     num_eval_prompts: int = 256
     """held-out prompts per evaluation (greedy)"""
     max_prompt_len: int = 256
-    """prompts longer than this (in tokens, after the chat template) are dropped and counted (1024 with --tools:
-    the tools' system prompt and worked examples come first)"""
+    """prompts longer than this (in tokens, after the chat template) are dropped and counted; with --tools
+    the tools' prompt before each (system prompt, worked calls) comes on top"""
     max_new_tokens: int = 256
     """response length limit; longer responses are truncated (see --overlong-filter)"""
     # --- sampling
@@ -379,18 +379,15 @@ def main(args: Args):
     t_launch = launch_time()
     handle_signals()  # Ctrl-C and SIGTERM stop the run between phases (stop.py)
     args = size_for_cpu(args, CPU_SIZES, "ppo.py")
-    if args.tools:
-        args = unless_given(args, max_prompt_len=TOOLS_MAX_PROMPT_LEN)
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     check_args(args, world_size)
     run_name = args.run_name or f"ppo-{os.path.basename(args.model.rstrip('/'))}-{os.path.basename(args.dataset.rstrip('/'))}-s{args.seed}"
     run_dir = os.path.join(args.output_dir, run_name)
     resume_from = checkpoint_to_resume(run_dir, args.resume)
     engine_kind = check_engine(args.rollout_engine)
-    tokenizer, context = check_model(args.model)  # before SGLang starts: a bad --model fails in one line
+    tokenizer, context_len = check_model(args.model)  # before SGLang starts: a bad --model fails in one line
     if args.critic_model:
         check_model(args.critic_model, "--critic-model", with_tokenizer=False)
-    check_context(context, args.max_prompt_len, args.max_new_tokens)
     tools = {name: TOOLS[name] for name in args.tools.split(",") if name}
     stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
@@ -417,6 +414,8 @@ def main(args: Args):
         return correct + args.format_weight * format_reward(completion)
 
     # ---- data: before any model loads, so a bad file fails fast --------------------------------------
+    check_context(context_len, args.max_prompt_len, args.max_new_tokens,
+                  tools_prompt=context_tokens(tokenizer, context, tool_specs))  # before SGLang starts
     train_prompts, eval_prompts, data_line = task_prompts(
         tokenizer, args.dataset, args.eval_dataset, seed=args.seed, num_eval=args.num_eval_prompts,
         max_prompt_len=args.max_prompt_len, template=template, context=context, tools=tool_specs)

@@ -86,12 +86,6 @@ def given_flags(argv: list[str]) -> set[str]:
     return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
 
 
-def unless_given(args, **values):
-    """`values` for the fields not given on the command line: defaults that depend on other flags."""
-    given = given_flags(sys.argv[1:])
-    return dataclasses.replace(args, **{k: v for k, v in values.items() if k not in given})
-
-
 def size_for_cpu(args, sizes: dict, script: str):
     """On a machine without a GPU, the GPU-sized defaults would take hours a step: use `sizes`
     for every field not given on the command line, and say so in one line."""
@@ -200,9 +194,12 @@ def hub_reachable(name: str, flag: str):
                          f"{TINY_MODEL_HINT}") from None
 
 
-def check_context(context: int | None, max_prompt_len: int, max_new_tokens: int, flag: str = "--max-prompt-len"):
-    """A prompt of max_prompt_len tokens plus max_new_tokens must fit the model's context."""
-    if context is not None and max_prompt_len + max_new_tokens > context:
-        raise InputError(f"{flag} {max_prompt_len} + --max-new-tokens {max_new_tokens} = "
-                         f"{max_prompt_len + max_new_tokens} tokens, more than the model's context of {context} "
-                         f"(max_position_embeddings): lower one of them")
+def check_context(context: int | None, max_prompt_len: int, max_new_tokens: int, flag: str = "--max-prompt-len", *,
+                  tools_prompt: int = 0):
+    """A prompt of max_prompt_len tokens (after the tools' prompt, if any) plus max_new_tokens must
+    fit the model's context."""
+    total = max_prompt_len + tools_prompt + max_new_tokens
+    if context is not None and total > context:
+        tools = f" + the tools' prompt {tools_prompt}" if tools_prompt else ""
+        raise InputError(f"{flag} {max_prompt_len}{tools} + --max-new-tokens {max_new_tokens} = {total} tokens, "
+                         f"more than the model's context of {context} (max_position_embeddings): lower one of them")

@@ -86,8 +86,6 @@ TOOLS = {"calculator": calculator, "python": python}
 # The sandbox
 
 
-TOOLS_MAX_PROMPT_LEN = 1024  # --max-prompt-len with --tools unless given: the system prompt and worked examples
-# come before every question (~560 tokens for the calculator with SmolLM2's template)
 SANDBOX_LIMITS = {"seconds": 10.0, "memory_mb": 1024, "file_mb": 16, "output_chars": 4000}
 
 # Runs first in the sandbox's interpreter, before the user's code: limits, no network, and an

@@ -223,6 +223,25 @@ def test_tools_reach_the_model_in_a_system_prompt_or_the_template_then_worked_ex
     assert tool_call_stop_ids(tok) == []
 
 
+def test_max_prompt_len_counts_the_question_and_the_tools_prompt_comes_on_top(tok):
+    from data import Example, context_tokens, prompt_tokens, tokenize_prompts
+    from preflight import InputError, check_context
+
+    context, specs = tools_prompt(tok, TOOLS, "{question}")
+    extra = context_tokens(tok, context, specs)
+    assert extra > 100 and context_tokens(tok, None) == 0
+    for question in ("What is 1 * 2?", "What is 123456 * 789? " * 5):  # the same number before any question
+        assert len(prompt_tokens(tok, question, context, specs)) == extra + len(prompt_tokens(tok, question))
+    short, long = Example("What is 1 * 2?", "2"), Example("What is 1 * 2? " * 40, "2")
+    n = len(prompt_tokens(tok, short.prompt))
+    ids, kept, dropped = tokenize_prompts(tok, [short, long], n, context=context, tools=specs)
+    assert kept == [short] and dropped == 1 and ids[0] == prompt_tokens(tok, short.prompt, context, specs)
+    with pytest.raises(InputError, match=rf"longer than --max-prompt-len {n - 1} tokens \(the shortest: {n}\)"):
+        tokenize_prompts(tok, [short], n - 1, context=context, tools=specs)
+    with pytest.raises(InputError, match=rf"--max-prompt-len 256 \+ the tools' prompt {extra} \+ --max-new-tokens 64 = "):
+        check_context(256, 256, 64, tools_prompt=extra)
+
+
 def test_ppo_gae_carries_across_a_tool_reply():
     """GAE over model tokens only: the tool's positions (mask 0) leave the running values unchanged,
     so the advantages equal those of the sequence with the tool tokens taken out."""
@@ -242,7 +261,7 @@ def test_ppo_gae_carries_across_a_tool_reply():
 # ----------------------------------------------------------------------------------------------
 # grpo.py and ppo.py with --tools (the HF engine's first turn is a forced calculator call)
 
-TOOL_RUN = ["--tools", "calculator", "--max-new-tokens", "160", "--max-turns", "3"]  # --max-prompt-len: 1024 with tools
+TOOL_RUN = ["--tools", "calculator", "--max-new-tokens", "160", "--max-turns", "3"]
 
 
 def tool_run(model, out_dir, *extra, script="grpo.py", nproc=1):
@@ -269,7 +288,7 @@ def test_a_run_with_tools_trains_on_the_models_tokens(tool_model_dir, tmp_path, 
         assert r["tools/calls_per_sample"] == 1.0 and r["tools/used_frac"] == 1.0 and r["tools/errors"] == 0
         assert r["tools/turns_mean"] >= 1.5 and r["rollout/logprob_abs_diff"] < 0.05
     assert "| turns 2" in proc.stdout or "| turns 1." in proc.stdout
-    assert "dropped as longer than 1024 tokens" in proc.stdout  # the default prompt length with tools
+    assert "dropped as longer than 256 tokens: 0 train, 0 eval; before each, the tools' prompt: " in proc.stdout
     evals = step_rows(tmp_path, "eval/strict_acc")  # greedy evaluation after step 2, its share of tool use
     assert [(r["step"], r["eval/tool_used_frac"]) for r in evals] == [(2, 1.0)] and "used a tool 1.000" in proc.stdout
     assert "Traceback" not in proc.stderr
