@@ -357,13 +357,15 @@ async def episode(engine, prompt: list[int], seed: int, *, sampling: Sampling, t
 
 
 async def all_or_none(coroutines) -> list:
-    """Run coroutines concurrently; the first exception surfaces, and the others are cancelled."""
+    """Run coroutines concurrently; the first exception surfaces, and the others are cancelled
+    (and awaited: no task is left pending on the loop)."""
     tasks = [asyncio.ensure_future(c) for c in coroutines]
     try:
         return await asyncio.gather(*tasks)
     finally:
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 _CONTENT = "\x00the assistant's content\x00"  # a string no chat template writes itself

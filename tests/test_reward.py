@@ -148,8 +148,9 @@ def test_task_metrics_by_hand_without_a_process_group():
     texts = ["5 + 7 = 12\n#### 12", "the answer is 12", "#### 13"]  # strict right; flexible right; wrong
     samples = [Sample([1], [2] * n, [0.0] * n, truncated=n == 4, answer="12", text=t, reward=r)
                for t, n, r in zip(texts, (2, 4, 6), (1.0, 0.25, 0.0))]
+    samples[0].tool_calls = [("calculator", "ok", 0.01)]
     out = eval_stats(samples, gsm8k_reward)
-    assert out == {"eval/strict_acc": 1 / 3, "eval/flexible_acc": 2 / 3, "eval/format_rate": 2 / 3}
+    assert out == {"eval/strict_acc": 1 / 3, "eval/flexible_acc": 2 / 3, "eval/format_rate": 2 / 3, "eval/tool_used_frac": 1 / 3}
     stats = rollout_stats(samples, gsm8k_reward, seconds=2.0)
     assert float(stats["rollout/reward_mean"]) == 1.25 / 3 and float(stats["rollout/response_len_max"]) == 6
     assert float(stats["rollout/truncated_frac"]) == 1 / 3 and float(stats["perf/rollout_tokens_per_s"]) == 6.0
