@@ -206,16 +206,16 @@ def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int, so
     longer than `max_prompt_len` tokens, the context's not counted, are dropped (never truncated: a
     cut question has a different answer) and counted; if every prompt is dropped, an error names
     `source`. Returns (token ids, kept examples, number dropped)."""
-    ids, kept, extra, shortest = [], [], context_tokens(tokenizer, context, tools), None
+    ids, kept, lengths, extra = [], [], [], context_tokens(tokenizer, context, tools)
     for ex in examples:
         tokens = prompt_tokens(tokenizer, ex.prompt, context, tools)
-        if len(tokens) - extra <= max_prompt_len:
+        lengths.append(len(tokens) - extra)  # the question's own tokens
+        if lengths[-1] <= max_prompt_len:
             ids.append(tokens)
             kept.append(ex)
-        shortest = min(shortest or len(tokens) - extra, len(tokens) - extra)
     if examples and not kept:
         raise InputError(f"all {len(examples)} prompts of {source} are longer than --max-prompt-len {max_prompt_len} "
-                         f"tokens (the shortest: {shortest}): raise it")
+                         f"tokens (the shortest: {min(lengths)}): raise it")
     return ids, kept, len(examples) - len(kept)
 
 
