@@ -11,28 +11,50 @@ and per-token log-probs out), so rollout.generate and rollout.episode drive eith
 over HTTP to SGLang's `/generate` (endpoints of SGLang 0.5.16); a batch is split evenly over the
 URLs (data parallel over servers), each part sent as one request. Nothing here waits without a
 limit: a server that does not answer within `timeout_s` ends the run with an error naming it.
+
+Weights go to the servers over NCCL, never through disk or HTTP (SGLang's distributed weight
+update). The trainer's rank 0 and every server's TP ranks form one group; rank 0 broadcasts:
+
+    rank 0 (trainer)     server 1: ranks 1 .. tp1     server 2: ranks tp1+1 .. tp1+tp2   ...
+    `update_weights_from_tensor(bucket)` announces the bucket's names, dtypes and shapes to each
+    server (/update_weights_from_distributed), then broadcasts it as one flat byte tensor, which
+    the servers' ranks receive and load. memory.sync_weights drives it as it drives sglang.Engine.
 """
 
 import asyncio
+import datetime
 import json
+import os
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
+import torch
+import torch.distributed as dist
+
+from preflight import InputError
+
+SHAPES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 LAUNCH_HINT = "start it with: python -m sglang.launch_server --model-path <the policy's model> --port <port>"
 
 
-class ServerError(RuntimeError):
-    """A rollout server failed, stalled or could not be reached; the message names the URL."""
+class ServerError(InputError):
+    """A rollout server failed, stalled, could not be reached or serves another model; the message
+    names the URL (an InputError: the run ends with the message, no traceback)."""
 
 
 def post(url: str, path: str, payload: dict, timeout_s: float):
-    """POST JSON to url + path and read the JSON answer; any failure -> ServerError naming the URL."""
-    request = urllib.request.Request(url + path, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    """POST JSON to url + path (payload None: GET) and read the answer (JSON, or the text some of
+    SGLang's calls answer with); any failure -> ServerError naming the URL."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-            return json.loads(answer.read())
+            body = answer.read()
+            return json.loads(body) if body[:1] in (b"{", b"[") else body.decode()
     except urllib.error.HTTPError as e:  # the server answered with an error: its message is the useful part
         raise ServerError(f"rollout server {url}{path} answered {e.code}: {e.read().decode(errors='replace')[:500]}") from None
     except TimeoutError:
@@ -40,6 +62,21 @@ def post(url: str, path: str, payload: dict, timeout_s: float):
     except (urllib.error.URLError, ConnectionError) as e:
         reason = getattr(e, "reason", e)
         raise ServerError(f"rollout server {url}{path} cannot be reached ({reason}); is it still running?") from None
+
+
+def in_thread(fn, *args, **kwargs) -> Future:
+    """fn(*args, **kwargs) in a daemon thread. A request in flight never holds the process at exit (the
+    workers of a ThreadPoolExecutor are joined at exit: a stalled server would keep a stopped run
+    alive until its timeout)."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 (it goes to whoever waits on the future)
+            future.set_exception(e)
+    threading.Thread(target=run, daemon=True, name="rollout-http").start()
+    return future
 
 
 def wait_healthy(url: str, timeout_s: float, every_s: float = 2.0):
@@ -63,22 +100,32 @@ def wait_healthy(url: str, timeout_s: float, every_s: float = 2.0):
 class ServerEngine:
     """sglang.Engine's generate/async_generate over HTTP, on one or several servers (or a router)."""
 
-    def __init__(self, urls: list[str], *, timeout_s: float, start_timeout_s: float | None = None):
+    def __init__(self, urls: list[str], *, timeout_s: float, start_timeout_s: float | None = None, model: str | None = None,
+                 sync_backend: str | None = None, sync_address: str | None = None):
+        """Wait for every server, refuse one that serves another model than `model`; with
+        `sync_backend` ('nccl', 'gloo', 'auto': NCCL on GPUs, gloo on CPUs) form the weight-update
+        group, this process listening at `sync_address` (default: its address on the route to the
+        first server)."""
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s = timeout_s
         for url in self.urls:
             wait_healthy(url, timeout_s if start_timeout_s is None else start_timeout_s)
-        self.pool = ThreadPoolExecutor(max(4, 2 * len(self.urls)), thread_name_prefix="rollout-http")
         self.loop = asyncio.new_event_loop()  # drives multi-turn episodes (rollout.episode), as SGLang's Engine's
         self.processes = []  # none of ours: stop.EngineWatch has nothing to watch, the timeouts do that job
         self._next = 0  # round-robin over the URLs for single requests
+        if model is not None:
+            for url, info in zip(self.urls, self.server_info()):
+                check_same_model(url, info, model, timeout_s)
+        if sync_backend == "auto":
+            sync_backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.group = self.join_weight_sync(sync_backend, sync_address) if sync_backend else None
 
     def generate(self, input_ids: list[list[int]], sampling_params: list[dict], return_logprob: bool = False) -> list[dict]:
         """A batch, split into one contiguous part per URL, the parts sent concurrently."""
         n, k = len(input_ids), len(self.urls)
         bounds = [n * i // k for i in range(k + 1)]
         parts = [(url, lo, hi) for url, lo, hi in zip(self.urls, bounds, bounds[1:]) if hi > lo]
-        futures = [self.pool.submit(post, url, "/generate", {"input_ids": input_ids[lo:hi], "sampling_params": sampling_params[lo:hi],
+        futures = [in_thread(post, url, "/generate", {"input_ids": input_ids[lo:hi], "sampling_params": sampling_params[lo:hi],
                                                              "return_logprob": return_logprob}, self.timeout_s)
                    for url, lo, hi in parts]
         return [out for f in futures for out in f.result()]
@@ -88,9 +135,129 @@ class ServerEngine:
         url = self.urls[self._next % len(self.urls)]
         self._next += 1
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
-        return await self.loop.run_in_executor(self.pool, post, url, "/generate", payload, self.timeout_s)
+        return await asyncio.wrap_future(in_thread(post, url, "/generate", payload, self.timeout_s), loop=self.loop)
+
+    def server_info(self) -> list[dict]:
+        return [post(url, "/server_info", None, self.timeout_s) for url in self.urls]
+
+    def join_weight_sync(self, backend: str, address: str | None):
+        """Form the weight-update group. Each server's side of the init blocks until every member
+        has joined, so the requests go out first and this process joins while they wait."""
+        sizes = []
+        for url, info in zip(self.urls, self.server_info()):
+            if info.get("dp_size", 1) > 1 and not info.get("enable_dp_attention"):
+                raise ServerError(f"rollout server {url} runs --dp-size {info['dp_size']}: SGLang's weight update needs "
+                                  f"one data-parallel rank per server; start one server per GPU group and pass each URL")
+            sizes.append(info.get("tp_size", 1))
+        host = self.urls[0].split("://")[-1].rsplit(":", 1)[0]
+        address = address or reachable_address(host)
+        with socket.socket() as s:  # a free port for the group's store (rank 0 hosts it)
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        world = 1 + sum(sizes)
+        self.group_name = f"weight_sync_{address}_{port}"  # a new name for each trainer: a server outlives restarts
+        requests = [in_thread(post, url, "/init_weights_update_group", {
+            "master_address": address, "master_port": port, "rank_offset": 1 + sum(sizes[:i]), "world_size": world,
+            "group_name": self.group_name, "backend": backend}, self.timeout_s) for i, url in enumerate(self.urls)]
+        joined = in_thread(join_group, address=address, port=port, world_size=world, rank=0, group_name=self.group_name,
+                           backend=backend, timeout_s=self.timeout_s)  # we wait
+        # on it and on the requests at once: a server that fails its side must not leave us waiting for the timeout
+        deadline = time.time() + self.timeout_s
+        while not joined.done() and time.time() < deadline:
+            for r in requests:
+                if r.done() and r.exception():  # e.g. the server could not reach address:port
+                    raise r.exception()
+            time.sleep(0.1)
+        if not joined.done() or joined.exception():
+            raise ServerError(f"the weight-update group did not form within --rollout-timeout {self.timeout_s:g} s "
+                              f"({joined.exception() if joined.done() else 'no answer'}): can the servers reach this machine "
+                              f"at {address}:{port}? (--rollout-sync-address)")
+        for r in requests:
+            r.result()
+        return joined.result()
+
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True):
+        """sglang.Engine's call, over NCCL: announce the bucket to every server, then broadcast its
+        tensors as one flat byte tensor (SGLang's "flattened_bucket" format, in order)."""
+        payload = {"names": [n for n, _ in named_tensors], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
+                   "shapes": [list(t.shape) for _, t in named_tensors], "group_name": self.group_name, "flush_cache": flush_cache,
+                   "load_format": "flattened_bucket"}
+        requests = [in_thread(post, url, "/update_weights_from_distributed", payload, self.timeout_s) for url in self.urls]
+        flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named_tensors])  # [bytes]
+        try:
+            dist.broadcast(flat, src=0, group=self.group)
+        except RuntimeError as e:  # a member gone mid-broadcast (gloo says so; NCCL's watchdog ends the process)
+            raise ServerError(f"sending the weights to the rollout servers {', '.join(self.urls)} failed ({e}); "
+                              f"is every server still running?") from None
+        for r in requests:
+            r.result()  # each server has loaded the bucket (or its error is raised here)
+
+    def flush_cache(self):
+        """The prefix cache holds KV computed with the old weights."""
+        for url in self.urls:
+            post(url, "/flush_cache", {}, self.timeout_s)
+
+    def release_memory_occupation(self, tags=None):
+        """A server on GPUs of its own keeps its memory between rollouts (memory.py's phases: no-ops)."""
+
+    def resume_memory_occupation(self, tags=None):
+        """See release_memory_occupation."""
 
     def shutdown(self):
-        """The servers are the user's: only this client's threads and loop end here."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """The servers are the user's: only this client's loop and group end here."""
         self.loop.close()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+def check_same_model(url: str, info: dict, model: str, timeout_s: float):
+    """Refuse a server whose model is not the policy's: its architecture, and its shapes where this
+    machine can read the server's --model-path (else the first weight sync finds a mismatch)."""
+    from transformers import AutoConfig  # lazy
+
+    ours = AutoConfig.from_pretrained(model)
+    fix = f"start it with --model-path {model}"
+    theirs = post(url, "/model_info", None, timeout_s).get("architectures")
+    if theirs and theirs != ours.architectures:
+        raise ServerError(f"rollout server {url} serves a {theirs[0]}, the policy --model {model} is a {ours.architectures[0]}; {fix}")
+    try:
+        config = AutoConfig.from_pretrained(info["model_path"], local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return
+    diff = [f"{k} {getattr(config, k, None)} vs {getattr(ours, k, None)}" for k in SHAPES if getattr(config, k, None) != getattr(ours, k, None)]
+    if diff:
+        raise ServerError(f"rollout server {url} serves {info['model_path']}, whose shapes are not the policy's "
+                          f"(--model {model}): {', '.join(diff)}; {fix}")
+
+
+def reachable_address(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent: a UDP socket's connect
+    only picks the route). The servers connect to the weight-update group's store there."""
+    if host in ("localhost", "127.0.0.1", "[::1]"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host.strip("[]"), 9))
+        return s.getsockname()[0]
+
+
+def join_group(*, address: str, port: int, world_size: int, rank: int, group_name: str, backend: str, timeout_s: float):
+    """One member's side of the weight-update group, formed step for step as SGLang 0.5.16 forms
+    its side (sglang.srt.utils.common.init_custom_process_group): a TCP rendezvous whose rank 0
+    hosts the store, the group's name as the store's key prefix, a group beside the default one.
+    Formed any other way (a plain init_process_group, other store keys), both sides wait for each
+    other until the timeout."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # torchrun's: rank 0 must host this store itself
+    try:
+        store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
+    finally:
+        if agent_store is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                         group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group

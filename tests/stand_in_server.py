@@ -7,23 +7,39 @@ rollout.HFEngine on the CPU: tests run the client end to end without a GPU.
 
 `starting`: how many /health_generate calls answer 503 first; `delay_s`: how long each /generate
 waits before answering (a stalled server).
+
+It also takes weights as SGLang does (/init_weights_update_group, /update_weights_from_distributed
+in the "flattened_bucket" format), over gloo. Two members of one group cannot live in one
+process, so a test that syncs runs the stand-in in a process of its own, as a real server is:
+
+    python tests/stand_in_server.py MODEL_DIR [--port P]     # prints "ready <url>" once it listens
 """
 
 import json
+import os
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from rollout import HFEngine
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rollout import HFEngine  # noqa: E402
+from server import join_group  # noqa: E402  (the steps of SGLang's init_custom_process_group)
 
 GENERATE = threading.Lock()  # one generation at a time in this process: torch's RNG is global, and
 # two stand-ins in one test would otherwise interleave their seeds
 
 
 class StandInServer:
-    def __init__(self, model_dir: str, *, starting: int = 0, delay_s: float = 0.0, seed: int = 0):
+    def __init__(self, model_dir: str, *, starting: int = 0, delay_s: float = 0.0, seed: int = 0, port: int = 0):
         self.engine, self.starting, self.delay_s = HFEngine(model_dir, seed=seed), starting, delay_s
         self.requests = []  # the /generate payloads received
+        self.info = {"model_path": model_dir, "tp_size": 1, "dp_size": 1}  # /server_info (SGLang's has many more)
+        self.group, self.syncs = None, 0
+        self.events = []  # ["generate", prompts, weight version] and ["flush", version]: GET /stand_in_events
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -39,6 +55,12 @@ class StandInServer:
                 self.wfile.write(data)
 
             def do_GET(self):
+                if self.path == "/server_info":
+                    return self.answer(200, stand_in.info)
+                if self.path == "/stand_in_events":
+                    return self.answer(200, stand_in.events)
+                if self.path == "/model_info":
+                    return self.answer(200, {"architectures": stand_in.engine.model.config.architectures})
                 if self.path != "/health_generate":
                     return self.answer(404, {"error": self.path})
                 if stand_in.starting > 0:
@@ -48,9 +70,20 @@ class StandInServer:
 
             def do_POST(self):
                 payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/init_weights_update_group":  # blocks until every member joined, as SGLang's
+                    stand_in.group = join_group(address=payload["master_address"], port=payload["master_port"],
+                                                world_size=payload["world_size"], rank=payload["rank_offset"],
+                                                group_name=payload["group_name"], backend=payload["backend"], timeout_s=60)
+                    return self.answer(200, {"success": True, "message": "joined"})
+                if self.path == "/update_weights_from_distributed":
+                    return self.answer(*stand_in.receive(payload))
+                if self.path == "/flush_cache":  # once per weight sync: the weights' version
+                    stand_in.events.append(["flush", sum(e[0] == "flush" for e in stand_in.events) + 1])
+                    return self.answer(200, "Cache flushed.")
                 if self.path != "/generate":
                     return self.answer(404, {"error": self.path})
                 stand_in.requests.append(payload)
+                stand_in.events.append(["generate", len(payload["input_ids"]), sum(e[0] == "flush" for e in stand_in.events)])
                 time.sleep(stand_in.delay_s)
                 batch = isinstance(payload["input_ids"][0], list)
                 ids = payload["input_ids"] if batch else [payload["input_ids"]]
@@ -60,9 +93,28 @@ class StandInServer:
                             for p, sp in zip(ids, params)]
                 self.answer(200, outs if batch else outs[0])
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.http.daemon_threads = False  # stop() waits for requests in flight (no torch call left running at exit)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+
+    def receive(self, payload: dict) -> tuple[int, dict]:
+        """One bucket: a flat byte tensor from rank 0, cut back into the announced tensors."""
+        assert payload["load_format"] == "flattened_bucket", payload["load_format"]
+        shaped = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in zip(payload["dtypes"], payload["shapes"])]
+        flat = torch.empty(sum(t.numel() * t.element_size() for t in shaped), dtype=torch.uint8)
+        dist.broadcast(flat, src=0, group=self.group)
+        offset, named = 0, []
+        for name, t in zip(payload["names"], shaped):
+            n = t.numel() * t.element_size()
+            named.append((name, flat[offset:offset + n].view(t.dtype).view(t.shape)))
+            offset += n
+        try:
+            with GENERATE:
+                self.engine.update_weights_from_tensor(named)
+        except KeyError as e:  # SGLang answers a failed load with 400 and its message
+            return 400, {"success": False, "message": f"Failed to update parameter online: {e}"}
+        self.syncs += 1
+        return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
     def start(self) -> "StandInServer":
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
@@ -71,3 +123,10 @@ class StandInServer:
     def stop(self):
         self.http.shutdown()
         self.http.server_close()
+
+
+if __name__ == "__main__":  # a stand-in in a process of its own: python tests/stand_in_server.py MODEL_DIR [--port P]
+    port = int(sys.argv[sys.argv.index("--port") + 1]) if "--port" in sys.argv else 0
+    server = StandInServer(sys.argv[1], port=port)
+    print(f"ready {server.url}", flush=True)
+    server.http.serve_forever()

@@ -1,14 +1,24 @@
 """server.ServerEngine against a stand-in SGLang server (tests/stand_in_server.py) on the CPU:
-generation equal to the in-process engine's, the health wait, timeouts, a server that goes away."""
+generation equal to the in-process engine's, the health wait, timeouts, a server that goes away;
+weights over a gloo group; generation ahead (--async-rollout); grpo.py against the stand-in."""
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
+import torch
 from stand_in_server import StandInServer
+from test_smoke import ROOT, metrics, run_grpo
+from transformers import AutoModelForCausalLM
 
-from rollout import HFEngine, Sampling, generate
-from server import ServerEngine, ServerError, wait_healthy
+from memory import sync_weights
+from rollout import HFEngine, Sampling, generate, send
+from server import ServerEngine, ServerError, post, wait_healthy
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
 
@@ -71,3 +81,148 @@ def test_a_server_that_went_away_is_named(tiny_model_dir):
     with pytest.raises(ServerError, match=rf"rollout server {server.url}/generate cannot be reached"):
         engine.generate(input_ids=PROMPTS[:1], sampling_params=[Sampling(4, [0]).params(0)])
     engine.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights over a process group, to a stand-in in a process of its own (as a real server is)
+
+
+@pytest.fixture
+def server_process(tiny_model_dir):
+    """A stand-in server in its own process: (its URL, the process)."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "stand_in_server.py"), tiny_model_dir],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("ready "), line
+    yield line.split()[1], proc
+    proc.kill()
+    proc.wait()
+
+
+def events(url: str) -> list:
+    return post(url, "/stand_in_events", None, 5)
+
+
+def test_weights_reach_the_server_bucket_by_bucket(server_process, tiny_model_dir):
+    url, _ = server_process
+    engine = ServerEngine([url], timeout_s=30, model=tiny_model_dir, sync_backend="gloo")
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    for p in policy.parameters():  # weights the server has never seen
+        p.data.add_(0.05 * torch.randn_like(p))
+    sync_weights(policy, engine, bucket_bytes=64 * 1024)  # memory.py's sync, as in the scripts: many buckets
+    local = HFEngine(tiny_model_dir)
+    local.update_weights_from_tensor([(n, p.detach().to(torch.bfloat16)) for n, p in policy.named_parameters()])
+    greedy = [Sampling(max_new_tokens=8, stop_ids=[0], temperature=0.0).params(0)] * len(PROMPTS)
+    got = engine.generate(input_ids=PROMPTS, sampling_params=greedy, return_logprob=True)
+    want = local.generate(PROMPTS, greedy, return_logprob=True)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert [lp for o in got for lp, _, _ in o["meta_info"]["output_token_logprobs"]] == pytest.approx(
+        [lp for o in want for lp, _, _ in o["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    assert events(url) == [["flush", 1], ["generate", len(PROMPTS), 1]]
+    engine.shutdown()
+
+
+def test_a_server_of_another_model_is_refused(tiny_model_dir, tmp_path):
+    config = json.load(open(os.path.join(tiny_model_dir, "config.json")))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**config, "hidden_size": config["hidden_size"] * 2}))
+    server = StandInServer(tiny_model_dir).start()
+    server.info["model_path"] = str(other)  # what /server_info says it serves
+    with pytest.raises(ServerError, match=rf"{server.url} serves {other}, whose shapes are not the policy's .*hidden_size "
+                                          rf"{config['hidden_size'] * 2} vs {config['hidden_size']}.*--model-path"):
+        ServerEngine([server.url], timeout_s=5, model=tiny_model_dir)
+    server.stop()
+
+
+def test_a_group_that_cannot_form_fails_within_the_timeout(server_process):
+    url, _ = server_process
+    t0 = time.time()  # the server is told to join at an address nobody listens on
+    with pytest.raises(ServerError, match=r"weight-update group did not form within --rollout-timeout 3 s.*--rollout-sync-address"):
+        ServerEngine([url], timeout_s=3, sync_backend="gloo", sync_address="192.0.2.1")
+    assert time.time() - t0 < 10
+
+
+def test_a_server_that_died_fails_the_sync_naming_it(server_process, tiny_model_dir):
+    url, proc = server_process
+    engine = ServerEngine([url], timeout_s=10, sync_backend="gloo")
+    proc.kill()
+    proc.wait()
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    t0 = time.time()
+    with pytest.raises(ServerError, match=rf"{url}.*(cannot be reached|still running)"):
+        sync_weights(policy, engine)
+    assert time.time() - t0 < 12
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation ahead (--async-rollout): in the background, errors reach the trainer
+
+
+class SlowEngine:
+    def __init__(self, error=None):
+        self.error, self.started = error, threading.Event()
+
+    def generate(self, input_ids, sampling_params, return_logprob=False):
+        self.started.set()
+        time.sleep(0.3)
+        if self.error:
+            raise self.error
+        return [{"output_ids": [7, 0], "meta_info": {"finish_reason": {"type": "stop"},
+                                                     "output_token_logprobs": [(-0.1, 7, None), (-0.2, 0, None)]}}
+                for _ in input_ids]
+
+
+def test_a_batch_sent_ahead_generates_while_the_caller_goes_on():
+    engine = SlowEngine()
+    t0 = time.time()
+    pending = send(engine, [[1, 2]] * 3, [1, 2, 3], sampling=Sampling(4, [0]), ahead=True)
+    assert time.time() - t0 < 0.2 and engine.started.wait(1)  # sent, not waited for
+    samples = pending.result()
+    assert [s.response_ids for s in samples] == [[7, 0]] * 3 and pending.seconds >= 0.3
+    assert pending.result() is samples  # once: every rank calls it once, whatever the script does twice
+
+
+def test_an_error_in_the_background_generation_reaches_the_trainer():
+    pending = send(SlowEngine(error=ServerError("rollout server http://x/generate did not answer")), [[1, 2]], [1],
+                   sampling=Sampling(4, [0]), ahead=True)
+    t0 = time.time()
+    with pytest.raises(ServerError, match="did not answer"):
+        pending.result()
+    assert time.time() - t0 < 2
+
+
+# ----------------------------------------------------------------------------------------------
+# grpo.py against a stand-in server: plain, and torchrun x2 with --async-rollout
+
+
+def test_grpo_trains_against_a_server(server_process, trained_tiny_model_dir, tmp_path):
+    url, _ = server_process
+    run_grpo(trained_tiny_model_dir, tmp_path / "sync", "--rollout-mode", "server", "--rollout-url", url, "--steps", "3",
+             "--eval-every", "0")
+    train, _ = metrics(tmp_path / "sync")
+    assert [r["step"] for r in train] == [1, 2, 3] and any(r["train/grad_norm"] > 0 for r in train)
+    assert all(r["rollout/logprob_abs_diff"] < 0.05 and r["rollout/staleness"] == 0 for r in train)  # synced every step
+    assert [e for e in events(url) if e[0] == "generate"] == [["generate", 16, 1], ["generate", 16, 2], ["generate", 16, 3]]
+
+
+def test_grpo_async_under_torchrun_is_one_step_off_policy(server_process, trained_tiny_model_dir, tmp_path):
+    url, _ = server_process
+    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--rollout-mode", "server", "--rollout-url", url, "--steps", "4",
+                    "--eval-every", "0", "--async-rollout", nproc=2)
+    train, _ = metrics(tmp_path)
+    assert [r["rollout/staleness"] for r in train] == [0, 1, 1, 1]
+    assert all(r["train/tis_weight"] > 0 and 0 <= r["train/tis_capped_frac"] <= 1 for r in train)  # --tis-cap 2 by default
+    # the server's view: batch k+1 is asked for before the weights of update k arrive (one flush per sync)
+    assert [e[2] for e in events(url) if e[0] == "generate"] == [1, 1, 2, 3]
+    assert "step 4 |" in proc.stdout
+
+
+def test_ppo_async_against_a_server(server_process, trained_tiny_model_dir, tmp_path):
+    url, _ = server_process
+    run_grpo(trained_tiny_model_dir, tmp_path, "--rollout-mode", "server", "--rollout-url", url, "--steps", "3",
+             "--eval-every", "0", "--async-rollout", script="ppo.py")
+    train, _ = metrics(tmp_path)
+    assert [r["rollout/staleness"] for r in train] == [0, 1, 1] and all("train/tis_weight" in r for r in train)
+    assert [e[2] for e in events(url) if e[0] == "generate"] == [1, 1, 2]
