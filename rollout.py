@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -250,35 +251,94 @@ def generate(engine, prompt_ids: list[list[int]], seeds: list[int], *, sampling:
     With a TP group, non-owner ranks (engine=None) send their prompts to the group's owner, which
     generates for the whole group and sends each rank its own samples back.
     """
+    return send(engine, prompt_ids, seeds, sampling=sampling, tokenizer=tokenizer, tp=tp, tool_use=tool_use).result()
+
+
+def send(engine, prompt_ids: list[list[int]], seeds: list[int], *, sampling: Sampling, tokenizer=None,
+         tp: TPGroup | None = None, tool_use: "ToolUse | None" = None, ahead: bool = False) -> "Pending":
+    """`generate`'s first half: the group's requests gathered on the owner and run there, at once,
+    or with `ahead` in a thread of their own while the caller goes on (--async-rollout: the next
+    batch generates while this one trains). Every rank of the group calls `.result()` next."""
     group = tp.process_group if tp is not None else None
-    requests = (prompt_ids, seeds)
+    requests, pending = (prompt_ids, seeds), Pending(tp)
     if group is not None:
         gathered = [None] * dist.get_world_size(group) if dist.get_rank() == tp.owner else None
         dist.gather_object(requests, gathered, dst=tp.owner, group=group)
         if dist.get_rank() == tp.owner:
             requests = ([p for g in gathered for p in g[0]], [s for g in gathered for s in g[1]])
-    samples = []
+            pending.sizes = [len(g[0]) for g in gathered]
     if engine is not None:
+        run = functools.partial(run_requests, engine, *requests, sampling=sampling, tokenizer=tokenizer, tool_use=tool_use)
+        pending.start(run) if ahead else pending.run(run)
+    return pending
+
+
+def run_requests(engine, prompts: list[list[int]], seeds: list[int], *, sampling: Sampling, tokenizer, tool_use) -> list[Sample]:
+    if tool_use is None:
+        outputs = engine.generate(input_ids=prompts, sampling_params=[sampling.params(s) for s in seeds], return_logprob=True)
+        return [read_output(prompt, out, sampling, tokenizer) for prompt, out in zip(prompts, outputs)]
+    # the engine's own event loop drives the episodes (SGLang's Engine owns one)
+    return engine.loop.run_until_complete(all_or_none(
+        [episode(engine, prompt, seed, sampling=sampling, tool_use=tool_use) for prompt, seed in zip(prompts, seeds)]))
+
+
+class Pending:
+    """A generation sent (`send`): `result()` waits for it on the owner and hands each rank of the
+    group its samples. Only the engine's work runs in the background thread; the collectives stay
+    with the caller, in order. The script may hang its own bookkeeping on it (which prompts)."""
+
+    def __init__(self, tp: TPGroup | None):
+        self.tp, self.sizes, self.samples, self.error, self.mine = tp, None, [], None, None
+        self.seconds = 0.0  # the engine's time on it (on the owner)
+        self.done = threading.Event()
+        self.done.set()
+
+    def run(self, fn):
+        """Now, in this thread; a signal cuts it short (no samples)."""
+        t0 = time.perf_counter()
         try:
             with interruptible():
-                if tool_use is None:
-                    outputs = engine.generate(input_ids=requests[0], sampling_params=[sampling.params(s) for s in requests[1]],
-                                              return_logprob=True)
-                    samples = [read_output(prompt, out, sampling, tokenizer) for prompt, out in zip(requests[0], outputs)]
-                else:  # the engine's own event loop drives the episodes (SGLang's Engine owns one)
-                    samples = engine.loop.run_until_complete(all_or_none(
-                        [episode(engine, prompt, seed, sampling=sampling, tool_use=tool_use) for prompt, seed in zip(*requests)]))
-        except Interrupted:  # Ctrl-C or SIGTERM: no samples; the loop stops at its next check
-            samples = []
-    if group is not None:
-        if dist.get_rank() == tp.owner:
-            sizes = [len(g[0]) for g in gathered]
-            starts = [sum(sizes[:i]) for i in range(len(sizes))]
-            scatter = [samples[s:s + n] for s, n in zip(starts, sizes)]
-        mine = [None]
-        dist.scatter_object_list(mine, scatter if dist.get_rank() == tp.owner else None, src=tp.owner, group=group)
-        samples = mine[0]
-    return samples
+                self.samples = fn()
+        except Interrupted:  # Ctrl-C or SIGTERM: the loop stops at its next check
+            self.samples = []
+        self.seconds = time.perf_counter() - t0
+
+    def start(self, fn):
+        """In a daemon thread; an exception there is raised by `result()`, in the trainer."""
+        def target():
+            t0 = time.perf_counter()
+            try:
+                self.samples = fn()
+            except BaseException as e:  # noqa: BLE001 (it goes to the trainer)
+                self.error = e
+            self.seconds = time.perf_counter() - t0
+            self.done.set()
+        self.done.clear()
+        threading.Thread(target=target, daemon=True, name="rollout-ahead").start()
+
+    def result(self) -> list[Sample]:
+        """This rank's samples (a collective over the TP group, once). A signal while waiting: none."""
+        if self.mine is not None:
+            return self.mine
+        try:
+            with interruptible():
+                while not self.done.wait(0.5):
+                    pass
+        except Interrupted:
+            self.samples = []
+        if self.error is not None:
+            raise self.error
+        samples = self.samples
+        if self.tp is not None and self.tp.process_group is not None:
+            if dist.get_rank() == self.tp.owner:
+                starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+                scatter = [samples[s:s + n] for s, n in zip(starts, self.sizes)]  # [] each if cut short
+            mine = [None]
+            dist.scatter_object_list(mine, scatter if dist.get_rank() == self.tp.owner else None, src=self.tp.owner,
+                                     group=self.tp.process_group)
+            samples = mine[0]
+        self.mine = samples
+        return samples
 
 
 def read_output(prompt: list[int], out: dict, sampling: Sampling, tokenizer=None) -> Sample:
