@@ -3,6 +3,7 @@
     python grpo.py --model HuggingFaceTB/SmolLM2-135M-Instruct                # 1 GPU, built-in addition task
     torchrun --nproc_per_node=8 grpo.py --model Qwen/Qwen2.5-7B-Instruct --dataset openai/gsm8k --offload
     python grpo.py --model ./tiny-model --rollout-engine hf                   # CPU, no SGLang
+    python grpo.py --rollout-mode server --rollout-url http://HOST:30000 [--async-rollout]   # SGLang on GPUs of its own
 
 Each step: wake SGLang up and sync the weights (memory.py), sample `group_size` completions per
 prompt, score them (reward.py), sleep SGLang, recompute old (and reference) log-probs, normalize
@@ -37,8 +38,9 @@ from fsdp import (all_reduce, all_reduce_dict, batch_logprobs, clip_and_step, in
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, eval_stats, format_reward, gsm8k_reward, int_match_reward, rollout_stats, score
-from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, start_engine, stop_token_ids, tp_group
+from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, send, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
+from server import ServerEngine
 from tools import SANDBOX_LIMITS, TOOLS, tool_call_stop_ids, tool_stats, tools_prompt
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
 
@@ -145,6 +147,25 @@ class Args:
     """'sglang' (GPU), 'hf' (plain transformers, CPU tests), 'auto': sglang when CUDA is available"""
     rollout_tp: int = 1
     """tensor parallel size of each SGLang engine; the first rank of each group of k owns it"""
+    rollout_mode: Literal["colocate", "server"] = "colocate"
+    """'colocate': an engine on the training GPUs, taking turns with training (memory.py); 'server': SGLang
+    servers you start on other GPUs or nodes (--rollout-url), weights sent over NCCL (server.py)"""
+    rollout_url: tuple[str, ...] = ()
+    """with --rollout-mode server: each server's http://HOST:PORT (python -m sglang.launch_server ...)"""
+    rollout_timeout: float = 600.0
+    """with --rollout-mode server: seconds a server may take to start, answer a request or take the weights"""
+    rollout_sync_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """with --rollout-mode server: how weights travel; auto: NCCL on GPUs, gloo on CPUs. gloo also serves a server on
+    the trainer's own GPU (NCCL refuses two members of one group on one GPU), through host memory"""
+    rollout_sync_address: str | None = None
+    """with --rollout-mode server: this machine's address the servers reach for the weight sync (default: found
+    from the route to the first server)"""
+    async_rollout: bool = False
+    """with --rollout-mode server: generate the next step's batch while this one trains; each batch is then
+    sampled by the weights from before the last update (one step off-policy; see --tis-cap)"""
+    tis_cap: float | None = None
+    """truncated importance sampling: each token's loss x min(exp(old_logprob - sampler_logprob), cap), for a
+    sampler that is not the trained policy; None: 2.0 with --async-rollout, else off; 0: off"""
     sglang_mem_fraction: float = 0.6
     """share of GPU memory for SGLang's weights + KV cache while it is awake"""
     sglang_attention_backend: str = "triton"
@@ -256,14 +277,21 @@ def aggregate(values, mask, mode: str, num_seqs: float, num_tokens: float, max_l
 
 
 def grpo_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, kl_coef: float, kl_estimator: str,
-              loss_agg: str, num_seqs: float, num_tokens: float, max_len: int):
+              loss_agg: str, num_seqs: float, num_tokens: float, max_len: int, tis_cap: float = 0.0):
     """One micro-batch's loss: PPO-clip on the group advantages, plus kl_coef * KL to the reference
     model (0: no KL in the loss), reduced by `aggregate`. logp, entropy [b, t]: the policy now.
+    tis_cap > 0: each token's loss is weighted by min(p_old / p_sampler, tis_cap), the truncated
+    importance weight of the policy that computed old_logprobs over the one that sampled (an older
+    one with --async-rollout), as slime and OpenRLHF offer.
     Returns (this rank's share of the mini-batch loss, sums over loss tokens for the metrics)."""
     m = mb.loss_mask                                                                             # [b, t]
     token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, clip_low, clip_high)  # [b, t]
     stats = {"clip_frac": (clipped.float() * m).sum(), "entropy": (entropy * m).sum(), "tokens": m.sum(),
              "approx_kl": (kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum()}  # KL(old || now)
+    if tis_cap > 0:
+        weight = torch.exp(mb.old_logprobs - mb.rollout_logprobs)                                 # [b, t]
+        token_loss = token_loss * weight.clamp(max=tis_cap)  # both log-probs are constants: no gradient through it
+        stats.update(tis_weight=(weight.clamp(max=tis_cap) * m).sum(), tis_capped=((weight > tis_cap).float() * m).sum())
     if kl_coef > 0:
         kl = kl_penalty(logp, mb.ref_logprobs, kl_estimator)                                   # [b, t]
         token_loss = token_loss + kl_coef * kl
@@ -276,7 +304,7 @@ def grpo_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, kl_coef: 
 def check_args(args: Args, world_size: int):
     """Bad input fails here, before anything is loaded or written."""
     per_rank = args.prompts_per_step // world_size * args.group_size
-    a = args
+    a, server = args, args.rollout_mode == "server"
     check_flags([  # (flag, value, holds, what it must be)
         ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
         ("--prompts-per-step", a.prompts_per_step, a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
@@ -301,7 +329,14 @@ def check_args(args: Args, world_size: int):
         ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
         ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, ">= 1"),
         ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
-        ("--rollout-tp", a.rollout_tp, a.rollout_tp >= 1 and world_size % a.rollout_tp == 0, f"divide the {world_size} ranks"),
+        ("--rollout-tp", a.rollout_tp, a.rollout_tp >= 1 and world_size % a.rollout_tp == 0 and (a.rollout_tp == 1 or not server),
+         f"a divisor of the {world_size} ranks" + " (with a server: 1, its own --tp-size counts)" * server),
+        ("--rollout-url", a.rollout_url, bool(a.rollout_url) == server and all(u.startswith("http") for u in a.rollout_url),
+         "http://HOST:PORT of each server, with --rollout-mode server only"),
+        ("--rollout-timeout", a.rollout_timeout, a.rollout_timeout > 0, "> 0"),
+        ("--async-rollout", a.async_rollout, not a.async_rollout or (server and not a.dynamic_sampling),
+         "with --rollout-mode server, without --dynamic-sampling (its refills wait on this step's rewards)"),
+        ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap >= 0, ">= 0"),
         ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
         ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
         ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
@@ -330,7 +365,7 @@ def main(args: Args):
     run_name = args.run_name or f"grpo-{os.path.basename(args.model.rstrip('/'))}-{os.path.basename(args.dataset.rstrip('/'))}-s{args.seed}"
     run_dir = os.path.join(args.output_dir, run_name)
     resume_from = checkpoint_to_resume(run_dir, args.resume)
-    engine_kind = check_engine(args.rollout_engine)
+    engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
     tokenizer, context_len = check_model(args.model)  # before SGLang starts: a bad --model fails in one line
     tools = {name: TOOLS[name] for name in args.tools.split(",") if name}
     stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])
@@ -374,12 +409,17 @@ def main(args: Args):
     t0 = time.time()
     mem = MemoryLog()
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
-    tp = tp_group(args.rollout_tp)
-    sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=args.rollout_tp,
-                           attention_backend=args.sglang_attention_backend, sampling_backend=args.sglang_sampling_backend,
-                           cuda_graph_max_bs=args.sglang_cuda_graph_max_bs, disable_cuda_graph=args.sglang_disable_cuda_graph,
-                           prefill_cuda_graph=args.sglang_prefill_cuda_graph)
-    engine = start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang) if rank == tp.owner else None
+    if args.rollout_mode == "server":  # rank 0 speaks to the servers for all ranks, as one TP group's owner
+        tp = tp_group(world_size)
+        engine = ServerEngine(list(args.rollout_url), model=args.model, timeout_s=args.rollout_timeout,
+                              sync_backend=args.rollout_sync_backend, sync_address=args.rollout_sync_address) if rank == 0 else None
+    else:
+        tp = tp_group(args.rollout_tp)
+        sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=args.rollout_tp,
+                               attention_backend=args.sglang_attention_backend, sampling_backend=args.sglang_sampling_backend,
+                               cuda_graph_max_bs=args.sglang_cuda_graph_max_bs, disable_cuda_graph=args.sglang_disable_cuda_graph,
+                               prefill_cuda_graph=args.sglang_prefill_cuda_graph)
+        engine = start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang) if rank == tp.owner else None
     release(engine, ALL_TAGS)  # until the first weight sync
     watch = EngineWatch(engine, phase=lambda: mem.current)  # a dead engine ends the run
     dist.barrier()  # no rank loads its model before every engine has measured free memory
@@ -457,15 +497,33 @@ def main(args: Args):
         print0(log_line(f"eval after step {step}", out, EVAL_LINE + EVAL_TOOLS_LINE * bool(tools)))
         log.log({"step": step, **out})
 
+    def send_rollout(step: int, rounds: int, ahead: bool = False):
+        """Draw this rank's prompts and send them to the engine; `.result()` gives the samples. `ahead`:
+        they generate in the background (--async-rollout), with the weights the engine has now."""
+        before = sampler.state_dict()  # the data position before this draw (a checkpoint's, while it generates)
+        prompt_idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)  # this rank's prompts
+        sample_idx = [i for i in prompt_idx for _ in range(args.group_size)]     # each prompt G times in a row
+        seeds = [seed_for(args.seed, "sample", step, rounds, rank, k) for k in range(len(sample_idx))]
+        pending = send(engine, [train_prompts.ids[i] for i in sample_idx], seeds, sampling=sampling, tool_use=tool_use,
+                       tokenizer=tokenizer, tp=tp, ahead=ahead)
+        pending.sample_idx, pending.before, pending.ahead = sample_idx, before, ahead
+        return pending
+
     # ---- the loop ----------------------------------------------------------------------------------
     local_prompts = args.prompts_per_step // world_size
+    tis_cap = args.tis_cap if args.tis_cap is not None else 2.0 * args.async_rollout  # 0: off
+    ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
     for step in range(start_step + 1, args.steps + 1):
         t_step = time.time()
         mem.reset()
         metrics = {"step": step}
-        sampler_state = sampler.state_dict()  # the data position after step - 1, for a save if stopped mid-step
+        sampler_state = ahead.before if ahead else sampler.state_dict()  # the data position after step - 1
 
-        # -- 1. wake SGLang up with the current weights (memory.py: the first half of the diagram)
+        # -- 1. wake SGLang up with the current weights (memory.py: the first half of the diagram). With
+        # --async-rollout, this step's batch is generating since the last step: the engine finishes it first
+        if ahead is not None:
+            with mem.phase("generate"):
+                ahead.result()
         wake_up(engine, policy=policy, bucket_bytes=args.sync_bucket_mb * 2**20, **phases)
         if eval_due(step - 1):
             with mem.phase("eval"):
@@ -475,16 +533,13 @@ def main(args: Args):
         with mem.phase("generate"):
             kept, seen, rounds = [], [], 0
             while True:
-                prompt_idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)  # this rank's prompts
-                sample_idx = [i for i in prompt_idx for _ in range(args.group_size)]     # each prompt G times in a row
-                seeds = [seed_for(args.seed, "sample", step, rounds, rank, k) for k in range(len(sample_idx))]
-                samples = generate(engine, [train_prompts.ids[i] for i in sample_idx], seeds, sampling=sampling, tool_use=tool_use,
-                                   tokenizer=tokenizer, tp=tp)
-                for k, (s, i) in enumerate(zip(samples, sample_idx)):
+                pending, ahead = ahead or send_rollout(step, rounds), None
+                samples = pending.result()
+                for k, (s, i) in enumerate(zip(samples, pending.sample_idx)):
                     s.answer = train_prompts.examples[i].answer
                     s.group_id = (len(seen) + k) // args.group_size  # the same for the G samples of a prompt
                     s.reward, s.reward_error = score(reward_fn, s.text, s.answer)
-                groups = [samples[g * args.group_size:(g + 1) * args.group_size] for g in range(len(prompt_idx))]
+                groups = [samples[g * args.group_size:(g + 1) * args.group_size] for g in range(len(samples) // args.group_size)]
                 seen += samples
                 rounds += 1
                 if args.dynamic_sampling:  # ALGO: a group of equal rewards has zero advantage: no signal
@@ -498,11 +553,14 @@ def main(args: Args):
             kept = kept[:n_groups]
         if signum := agreed_signal():  # a signal during generation: stop before anything is trained on
             stop_now(signum, step - 1, sampler_state)
+        if args.async_rollout and step < args.steps:  # ALGO: one step off-policy: the next batch is sampled
+            ahead = send_rollout(step + 1, 0, ahead=True)  # by these weights while they are updated below
 
         # -- 3. SGLang sleeps, training state comes back
         sleep(engine, device=device, **phases)
 
-        metrics.update(rollout_stats(seen, answer_fn, mem.seconds["generate"]))  # every sample generated
+        metrics.update(rollout_stats(seen, answer_fn, pending.seconds if pending.ahead else mem.seconds["generate"]))
+        metrics["rollout/staleness"] = float(pending.ahead)  # updates between the sampling weights and the trained ones
         if tools:
             metrics.update(tool_stats(seen))
         metrics.update({"rollout/kept_groups": all_reduce(len(kept)), "rollout/sampling_rounds": rounds})
@@ -536,7 +594,7 @@ def main(args: Args):
             # -- 6. update: epochs x mini-batches of PPO-clip steps
             policy.train()
             totals = {k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
-                      for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens")}
+                      for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens", "tis_weight", "tis_capped")}
             grad_norms = []
             with mem.phase("update"):
                 for epoch in range(args.epochs):
@@ -553,7 +611,8 @@ def main(args: Args):
                             loss, stats = grpo_loss(logp, entropy, mb, clip_low=args.clip_low, clip_high=args.clip_high,
                                                     kl_coef=0.0 if args.kl_in_reward else args.beta,
                                                     kl_estimator=args.kl_estimator, loss_agg=args.loss_agg,
-                                                    num_seqs=num_seqs, num_tokens=num_tokens, max_len=args.max_new_tokens)
+                                                    num_seqs=num_seqs, num_tokens=num_tokens, max_len=args.max_new_tokens,
+                                                    tis_cap=tis_cap)
                             loss.backward()
                             for k, v in stats.items():
                                 totals[k] += v
@@ -568,6 +627,8 @@ def main(args: Args):
                 "train/lr": scheduler.get_last_lr()[0], "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms),
                 "perf/tokens_per_s": all_reduce(batch.attention_mask.sum()) / (time.time() - t_step),
             })
+            if tis_cap:
+                metrics.update({"train/tis_weight": totals["tis_weight"] / tokens, "train/tis_capped_frac": totals["tis_capped"] / tokens})
 
         # -- 7. metrics, log, checkpoint
         metrics["perf/step_s"] = time.time() - t_step
@@ -584,10 +645,11 @@ def main(args: Args):
             print0(warning)
         if args.log_samples_every and step % args.log_samples_every == 0:
             log.samples(step, seen)
+        after = ahead.before if ahead else sampler.state_dict()  # the data position after this step
         if args.save_every >= 0 and ((args.save_every and step % args.save_every == 0) or step == args.steps):
-            save(step, sampler.state_dict())
+            save(step, after)
         if signum := agreed_signal():
-            stop_now(signum, step, sampler.state_dict())
+            stop_now(signum, step, after)
 
     # ---- final evaluation and cleanup --------------------------------------------------------------
     if args.eval_every and start_step < args.steps:

@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=8 ppo.py --model Qwen/Qwen2.5-7B-Instruct --critic-model Qwen/Qwen2.5-7B-Instruct \
         --dataset openai/gsm8k --offload
     python ppo.py --model ./tiny-model --rollout-engine hf                    # CPU, no SGLang
+    python ppo.py --rollout-mode server --rollout-url http://HOST:30000 [--async-rollout]    # SGLang on GPUs of its own
 
 Each step: wake SGLang up and sync the actor's weights (memory.py), sample completions, score them
 (reward.py), sleep SGLang, recompute old log-probs, reference log-probs and values, turn the score
@@ -40,8 +41,9 @@ from fsdp import (all_reduce, all_reduce_dict, batch_forward, batch_logprobs, cl
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, eval_stats, format_reward, gsm8k_reward, int_match_reward, rollout_stats, score
-from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, start_engine, stop_token_ids, tp_group
+from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, send, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
+from server import ServerEngine
 from tools import SANDBOX_LIMITS, TOOLS, tool_call_stop_ids, tool_stats, tools_prompt
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
 
@@ -158,6 +160,25 @@ class Args:
     """'sglang' (GPU), 'hf' (plain transformers, CPU tests), 'auto': sglang when CUDA is available"""
     rollout_tp: int = 1
     """tensor parallel size of each SGLang engine; the first rank of each group of k owns it"""
+    rollout_mode: Literal["colocate", "server"] = "colocate"
+    """'colocate': an engine on the training GPUs, taking turns with training (memory.py); 'server': SGLang
+    servers you start on other GPUs or nodes (--rollout-url), weights sent over NCCL (server.py)"""
+    rollout_url: tuple[str, ...] = ()
+    """with --rollout-mode server: each server's http://HOST:PORT (python -m sglang.launch_server ...)"""
+    rollout_timeout: float = 600.0
+    """with --rollout-mode server: seconds a server may take to start, answer a request or take the weights"""
+    rollout_sync_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """with --rollout-mode server: how weights travel; auto: NCCL on GPUs, gloo on CPUs. gloo also serves a server on
+    the trainer's own GPU (NCCL refuses two members of one group on one GPU), through host memory"""
+    rollout_sync_address: str | None = None
+    """with --rollout-mode server: this machine's address the servers reach for the weight sync (default: found
+    from the route to the first server)"""
+    async_rollout: bool = False
+    """with --rollout-mode server: generate the next step's batch while this one trains; each batch is then
+    sampled by the weights from before the last update (one step off-policy; see --tis-cap)"""
+    tis_cap: float | None = None
+    """truncated importance sampling: each token's actor loss x min(exp(old_logprob - sampler_logprob), cap), for a
+    sampler that is not the trained actor; None: 2.0 with --async-rollout, else off; 0: off"""
     sglang_mem_fraction: float = 0.6
     """share of GPU memory for SGLang's weights + KV cache while it is awake"""
     sglang_attention_backend: str = "triton"
@@ -294,15 +315,22 @@ def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) 
     return out[:, :-1, 0].float()
 
 
-def actor_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, entropy_coef: float, num_tokens: float):
+def actor_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, entropy_coef: float, num_tokens: float,
+               tis_cap: float = 0.0):
     """One micro-batch's actor loss: PPO-clip on the GAE advantages minus entropy_coef * entropy,
     token-mean over the whole mini-batch (num_tokens counts all ranks: see grpo.py's `aggregate`).
+    tis_cap > 0: the clipped term weighted by min(p_old / p_sampler, tis_cap) (grpo.py's grpo_loss).
     logp, entropy [b, t]: the actor now. Returns (loss, sums over loss tokens for the metrics)."""
     m = mb.loss_mask                                                                             # [b, t]
     token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, clip_low, clip_high)  # [b, t]
+    stats = {"clip_frac": (clipped.float() * m).sum(), "entropy": (entropy.detach() * m).sum(),
+             "approx_kl": (kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum()}
+    if tis_cap > 0:
+        weight = torch.exp(mb.old_logprobs - mb.rollout_logprobs)                                 # [b, t]
+        token_loss = token_loss * weight.clamp(max=tis_cap)  # both log-probs are constants: no gradient through it
+        stats.update(tis_weight=(weight.clamp(max=tis_cap) * m).sum(), tis_capped=((weight > tis_cap).float() * m).sum())
     loss = ((token_loss - entropy_coef * entropy) * m).sum() / num_tokens
-    return loss, {"loss": loss.detach(), "clip_frac": (clipped.float() * m).sum(), "entropy": (entropy.detach() * m).sum(),
-                  "approx_kl": (kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum()}
+    return loss, {"loss": loss.detach(), **stats}
 
 
 def critic_loss(values, mb, *, value_clip: float, num_tokens: float):
@@ -323,7 +351,7 @@ def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: int, n: int
 def check_args(args: Args, world_size: int):
     """Bad input fails here, before anything is loaded or written."""
     per_rank = args.prompts_per_step // world_size * args.samples_per_prompt
-    a = args
+    a, server = args, args.rollout_mode == "server"
     check_flags([  # (flag, value, holds, what it must be)
         ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
         ("--prompts-per-step", a.prompts_per_step, a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
@@ -355,7 +383,13 @@ def check_args(args: Args, world_size: int):
         ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
         ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
         ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
-        ("--rollout-tp", a.rollout_tp, a.rollout_tp >= 1 and world_size % a.rollout_tp == 0, f"divide the {world_size} ranks"),
+        ("--rollout-tp", a.rollout_tp, a.rollout_tp >= 1 and world_size % a.rollout_tp == 0 and (a.rollout_tp == 1 or not server),
+         f"a divisor of the {world_size} ranks" + " (with a server: 1, its own --tp-size counts)" * server),
+        ("--rollout-url", a.rollout_url, bool(a.rollout_url) == server and all(u.startswith("http") for u in a.rollout_url),
+         "http://HOST:PORT of each server, with --rollout-mode server only"),
+        ("--rollout-timeout", a.rollout_timeout, a.rollout_timeout > 0, "> 0"),
+        ("--async-rollout", a.async_rollout, not a.async_rollout or server, "with --rollout-mode server"),
+        ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap >= 0, ">= 0"),
         ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
         ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
         ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
@@ -384,7 +418,7 @@ def main(args: Args):
     run_name = args.run_name or f"ppo-{os.path.basename(args.model.rstrip('/'))}-{os.path.basename(args.dataset.rstrip('/'))}-s{args.seed}"
     run_dir = os.path.join(args.output_dir, run_name)
     resume_from = checkpoint_to_resume(run_dir, args.resume)
-    engine_kind = check_engine(args.rollout_engine)
+    engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
     tokenizer, context_len = check_model(args.model)  # before SGLang starts: a bad --model fails in one line
     if args.critic_model:
         check_model(args.critic_model, "--critic-model", with_tokenizer=False)
@@ -430,12 +464,17 @@ def main(args: Args):
     t0 = time.time()
     mem = MemoryLog()
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
-    tp = tp_group(args.rollout_tp)
-    sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=args.rollout_tp,
-                           attention_backend=args.sglang_attention_backend, sampling_backend=args.sglang_sampling_backend,
-                           cuda_graph_max_bs=args.sglang_cuda_graph_max_bs, disable_cuda_graph=args.sglang_disable_cuda_graph,
-                           prefill_cuda_graph=args.sglang_prefill_cuda_graph)
-    engine = start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang) if rank == tp.owner else None
+    if args.rollout_mode == "server":  # rank 0 speaks to the servers for all ranks, as one TP group's owner
+        tp = tp_group(world_size)
+        engine = ServerEngine(list(args.rollout_url), model=args.model, timeout_s=args.rollout_timeout,
+                              sync_backend=args.rollout_sync_backend, sync_address=args.rollout_sync_address) if rank == 0 else None
+    else:
+        tp = tp_group(args.rollout_tp)
+        sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=args.rollout_tp,
+                               attention_backend=args.sglang_attention_backend, sampling_backend=args.sglang_sampling_backend,
+                               cuda_graph_max_bs=args.sglang_cuda_graph_max_bs, disable_cuda_graph=args.sglang_disable_cuda_graph,
+                               prefill_cuda_graph=args.sglang_prefill_cuda_graph)
+        engine = start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang) if rank == tp.owner else None
     release(engine, ALL_TAGS)  # until the first weight sync
     watch = EngineWatch(engine, phase=lambda: mem.current)  # a dead engine ends the run
     dist.barrier()  # no rank loads its model before every engine has measured free memory
@@ -534,14 +573,32 @@ def main(args: Args):
         print0(log_line(f"eval after step {step}", out, EVAL_LINE + EVAL_TOOLS_LINE * bool(tools)))
         log.log({"step": step, **out})
 
+    def send_rollout(step: int, ahead: bool = False):
+        """Draw this rank's prompts and send them to the engine; `.result()` gives the samples. `ahead`:
+        they generate in the background (--async-rollout), with the weights the engine has now."""
+        before = sampler.state_dict()  # the data position before this draw (a checkpoint's, while it generates)
+        prompt_idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)  # this rank's prompts
+        sample_idx = [i for i in prompt_idx for _ in range(args.samples_per_prompt)]
+        seeds = [seed_for(args.seed, "sample", step, rank, k) for k in range(len(sample_idx))]
+        pending = send(engine, [train_prompts.ids[i] for i in sample_idx], seeds, sampling=sampling, tool_use=tool_use,
+                       tokenizer=tokenizer, tp=tp, ahead=ahead)
+        pending.sample_idx, pending.before, pending.ahead = sample_idx, before, ahead
+        return pending
+
     # ---- the loop ----------------------------------------------------------------------------------
+    tis_cap = args.tis_cap if args.tis_cap is not None else 2.0 * args.async_rollout  # 0: off
+    ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
     for step in range(start_step + 1, args.steps + 1):
         t_step = time.time()
         mem.reset()
         metrics = {"step": step}
-        sampler_state = sampler.state_dict()  # the data position after step - 1, for a save if stopped mid-step
+        sampler_state = ahead.before if ahead else sampler.state_dict()  # the data position after step - 1
 
-        # -- 1. wake SGLang up with the actor's weights (memory.py: the first half of the diagram)
+        # -- 1. wake SGLang up with the actor's weights (memory.py: the first half of the diagram). With
+        # --async-rollout, this step's batch is generating since the last step: the engine finishes it first
+        if ahead is not None:
+            with mem.phase("generate"):
+                ahead.result()
         wake_up(engine, policy=policy, bucket_bytes=args.sync_bucket_mb * 2**20, **phases)
         if eval_due(step - 1):
             with mem.phase("eval"):
@@ -549,20 +606,20 @@ def main(args: Args):
 
         # -- 2. rollout: samples_per_prompt episodes per prompt, scored
         with mem.phase("generate"):
-            prompt_idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)  # this rank's prompts
-            sample_idx = [i for i in prompt_idx for _ in range(args.samples_per_prompt)]
-            seeds = [seed_for(args.seed, "sample", step, rank, k) for k in range(len(sample_idx))]
-            samples = generate(engine, [train_prompts.ids[i] for i in sample_idx], seeds, sampling=sampling, tool_use=tool_use,
-                               tokenizer=tokenizer, tp=tp)
-            for s, i in zip(samples, sample_idx):
+            pending, ahead = ahead or send_rollout(step), None
+            samples = pending.result()
+            for s, i in zip(samples, pending.sample_idx):
                 s.answer = train_prompts.examples[i].answer
                 s.reward, s.reward_error = score(reward_fn, s.text, s.answer)
         if signum := agreed_signal():  # a signal during generation: stop before anything is trained on
             stop_now(signum, step - 1, sampler_state)
+        if args.async_rollout and step < args.steps:  # ALGO: one step off-policy: the next batch is sampled
+            ahead = send_rollout(step + 1, ahead=True)  # by these weights while they are updated below
 
         # -- 3. SGLang sleeps, training state comes back
         sleep(engine, device=device, **phases)
-        metrics.update(rollout_stats(samples, answer_fn, mem.seconds["generate"]))
+        metrics.update(rollout_stats(samples, answer_fn, pending.seconds if pending.ahead else mem.seconds["generate"]))
+        metrics["rollout/staleness"] = float(pending.ahead)  # updates between the sampling weights and the trained ones
         if tools:
             metrics.update(tool_stats(samples))
 
@@ -607,7 +664,8 @@ def main(args: Args):
         policy.train()
         critic.train()
         totals = {k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
-                  for k in ("loss", "clip_frac", "entropy", "approx_kl", "value_loss", "value_clip_frac", "tokens")}
+                  for k in ("loss", "clip_frac", "entropy", "approx_kl", "value_loss", "value_clip_frac", "tokens",
+                            "tis_weight", "tis_capped")}
         grad_norms, critic_grad_norms = [], []
         with mem.phase("update"):
             for epoch in range(args.epochs):
@@ -625,7 +683,8 @@ def main(args: Args):
                             logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature,
                                                            with_entropy=True, entropy_grad=args.entropy_coef > 0)
                             loss, actor_stats = actor_loss(logp, entropy, mb, clip_low=args.clip_low, clip_high=args.clip_high,
-                                                           entropy_coef=args.entropy_coef, num_tokens=num_tokens)
+                                                           entropy_coef=args.entropy_coef, num_tokens=num_tokens,
+                                                           tis_cap=tis_cap)
                             loss.backward()
                             stats |= actor_stats
                         for k, v in stats.items():
@@ -648,6 +707,8 @@ def main(args: Args):
             metrics.update({"train/loss": totals["loss"] / n_opt, "train/clip_frac": totals["clip_frac"] / tokens,
                             "train/entropy": totals["entropy"] / tokens, "train/approx_kl": totals["approx_kl"] / tokens,
                             "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/lr": scheduler.get_last_lr()[0]})
+            if tis_cap:
+                metrics.update({"train/tis_weight": totals["tis_weight"] / tokens, "train/tis_capped_frac": totals["tis_capped"] / tokens})
         else:
             metrics["train/critic_warmup"] = 1.0
 
@@ -667,10 +728,11 @@ def main(args: Args):
             print0(warning)
         if args.log_samples_every and step % args.log_samples_every == 0:
             log.samples(step, samples)
+        after = ahead.before if ahead else sampler.state_dict()  # the data position after this step
         if args.save_every >= 0 and ((args.save_every and step % args.save_every == 0) or step == args.steps):
-            save(step, sampler.state_dict(), kl_coef)
+            save(step, after, kl_coef)
         if signum := agreed_signal():
-            stop_now(signum, step, sampler.state_dict())
+            stop_now(signum, step, after)
 
     # ---- final evaluation and cleanup --------------------------------------------------------------
     if args.eval_every and start_step < args.steps:

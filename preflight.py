@@ -96,8 +96,10 @@ def size_for_cpu(args, sizes: dict, script: str):
     changed = {k: v for k, v in sizes.items() if k not in given_flags(sys.argv[1:])}
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in changed.items())
     if os.environ.get("RANK", "0") == "0":
-        print(f"{script}: no GPU found (torch.cuda.is_available() is False): generating with plain transformers "
-              f"(--rollout-engine hf) on the CPU" + (f", CPU-sized defaults: {flags}" if flags else ""), flush=True)
+        where = ("training on the CPU" if getattr(args, "rollout_mode", "colocate") == "server" else
+                 "generating with plain transformers (--rollout-engine hf) on the CPU")
+        print(f"{script}: no GPU found (torch.cuda.is_available() is False): {where}"
+              + (f", CPU-sized defaults: {flags}" if flags else ""), flush=True)
     return dataclasses.replace(args, **changed)
 
 

@@ -292,6 +292,22 @@ def test_check_args_lists_every_problem():
     assert "--prompts-per-step" in message and "--group-size" in message and "--num-minibatches" in message
 
 
+def test_decoupled_rollout_flags_are_checked_together():
+    from preflight import InputError
+
+    with pytest.raises(InputError) as e:
+        check_args(Args(async_rollout=True, rollout_url=("localhost:30000",), tis_cap=-1.0), world_size=1)
+    message = str(e.value)
+    assert "--async-rollout True must be with --rollout-mode server" in message
+    assert "--rollout-url ('localhost:30000',) must be http://HOST:PORT of each server, with --rollout-mode server only" in message
+    assert "--tis-cap -1.0 must be >= 0" in message
+    with pytest.raises(InputError, match=r"--rollout-url \(\) must be http://HOST:PORT"):
+        check_args(Args(rollout_mode="server"), world_size=1)
+    with pytest.raises(InputError, match="--rollout-tp 2 must be a divisor of the 2 ranks \\(with a server: 1"):
+        check_args(Args(rollout_mode="server", rollout_url=("http://h:1",), rollout_tp=2), world_size=2)
+    check_args(Args(rollout_mode="server", rollout_url=("http://h:1", "http://h:2"), async_rollout=True), world_size=1)
+
+
 # ----------------------------------------------------------------------------------------------
 # grpo_loss: one micro-batch
 
@@ -319,3 +335,25 @@ def test_grpo_loss_by_hand():
     # each of the 4 tokens adds 0.5 * 0.2 = 0.1: (2 + 0.4) / 4 = 0.6; the KL sum is 4 * 0.2 = 0.8
     assert_close(loss, torch.tensor(0.6))
     assert_close(stats["kl"], torch.tensor(0.8))
+
+
+def test_truncated_importance_sampling_by_hand():
+    """The sampler (an older policy, --async-rollout) gave the tokens log-probs `rollout`; each token's
+    loss is weighted by min(p_old / p_sampler, cap), with no gradient through the weight."""
+    from types import SimpleNamespace
+
+    old = torch.log(torch.tensor([[0.5, 0.5]]))
+    rollout = torch.log(torch.tensor([[0.25, 0.5]]))  # weights 2.0 and 1.0
+    mb = SimpleNamespace(loss_mask=torch.ones(1, 2), old_logprobs=old, rollout_logprobs=rollout,
+                         advantages=torch.ones(1, 2))
+    logp = old.clone().requires_grad_()
+    common = dict(clip_low=0.2, clip_high=0.2, kl_coef=0.0, kl_estimator="k1", loss_agg="token-mean", num_seqs=1.0,
+                  num_tokens=2.0, max_len=2)
+    loss, stats = grpo_loss(logp, torch.ones(1, 2), mb, tis_cap=1.5, **common)
+    # token losses -1 * min(2, 1.5) and -1 * 1 -> mean -1.25; the weight sum 2.5, one token capped
+    assert_close(loss, torch.tensor(-1.25))
+    assert_close(stats["tis_weight"], torch.tensor(2.5)) and assert_close(stats["tis_capped"], torch.tensor(1.0))
+    loss.backward()  # d/dlogp of -A * ratio * w at ratio 1: -w / num_tokens
+    assert_close(logp.grad, torch.tensor([[-0.75, -0.5]]))
+    off, off_stats = grpo_loss(old, torch.ones(1, 2), mb, tis_cap=0.0, **common)
+    assert_close(off, torch.tensor(-1.0)) and "tis_weight" not in off_stats
