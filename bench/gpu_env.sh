@@ -8,5 +8,10 @@ if [ -d .whl ] && [ ! -e /tmp/site-extra/.done ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-extra .whl/*.whl \
     && touch /tmp/site-extra/.done
 fi
-export PYTHONPATH=/tmp/site-extra:$PYTHONPATH PYTHONUNBUFFERED=1
+# sglang.launch_server (the HTTP server, issue 13) imports more than the in-process Engine: .whl-server/
+if [ -d .whl-server ] && [ ! -e /tmp/site-server/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-server .whl-server/*.whl \
+    && touch /tmp/site-server/.done
+fi
+export PYTHONPATH=/tmp/site-extra:/tmp/site-server:$PYTHONPATH PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -4,6 +4,7 @@
     python bench/report.py memory runs/<run> --out bench/results/grpo_memory_1p5b.json
     python bench/report.py scaling runs/ --out bench/results/scaling_1p5b.json     # bench/run_scaling.sh's runs
     python bench/report.py tools runs/ --out bench/results/tools_multiplication_smollm2.json --png ...  # run_tools.sh's
+    python bench/report.py server runs/ --out bench/results/server_smollm2_....json --png ...           # run_server.sh's
     python bench/report.py arith runs/<ppo run> --out ... --compare bench/results/raw/grpo_arith_smollm2.metrics.jsonl \
         --compare-png bench/results/ppo_vs_grpo_arith_smollm2.png
 """
@@ -18,9 +19,9 @@ import tyro
 
 @dataclass
 class Args:
-    kind: tyro.conf.Positional[Literal["arith", "memory", "scaling", "tools"]]
+    kind: tyro.conf.Positional[Literal["arith", "memory", "scaling", "tools", "server"]]
     """arith: accuracy summary + curve; memory: per-phase memory and time; scaling: tokens/s by GPU count;
-    tools: accuracy and tool use with and without tools"""
+    tools: accuracy and tool use with and without tools; server: colocate vs server vs async (run_server.sh)"""
     run_dir: tyro.conf.Positional[str]
     """the run folder grpo.py / ppo.py wrote (scaling, tools: the folder holding run_scaling.sh's or run_tools.sh's runs)"""
     out: str
@@ -35,6 +36,8 @@ class Args:
     """another run's metrics.jsonl to draw beside this one (arith): held-out accuracy by updates and by seconds"""
     compare_png: str | None = None
     """where to draw that comparison"""
+    gpu: str | None = None
+    """server: the GPU, for runs whose run_info.json did not come back (only metrics.jsonl)"""
 
 
 def pyplot():
@@ -161,11 +164,80 @@ def tools(a: Args):
         fig.savefig(a.png, dpi=110)
 
 
+SERVER_RUNS = ("colocate", "colocate_x2", "server_sync", "server_async")
+
+
+def server(a: Args):
+    """run_server.sh's runs (those present): held-out accuracy by updates, the log-prob gap, step time
+    and where it goes; colocate minus server accuracy after the same updates; async over sync steps/s."""
+    runs = {}
+    for name in SERVER_RUNS:
+        path = os.path.join(a.run_dir, name)
+        if not os.path.isfile(os.path.join(path, "metrics.jsonl")):
+            continue
+        rows = read_metrics(os.path.join(path, "metrics.jsonl"))
+        train, evals = [r for r in rows if "train/loss" in r], [r for r in rows if "eval/strict_acc" in r]
+        info_path = os.path.join(path, "run_info.json")
+        log = os.path.join(a.run_dir, f"{name}.log")  # run_server.sh's: its first line "=== <UTC time> <run>"
+        started = open(log).readline().split()[1][:10] if os.path.isfile(log) else None
+        info = json.load(open(info_path)) if os.path.isfile(info_path) else {"gpu": a.gpu, "date": started, "command": None,
+                                                                             "world_size": 2 if name == "colocate_x2" else 1}
+        evals, timed = sorted(evals, key=lambda r: r["step"]), train[1:] or train  # step 1 includes warm-up
+        runs[name] = {
+            "steps": len(train), "world_size": info["world_size"],
+            "eval_curve": [[r["step"], round(r["eval/strict_acc"], 4), round(r["eval/flexible_acc"], 4)] for r in evals],
+            "logprob_abs_diff_max": max(r["rollout/logprob_abs_diff"] for r in train),
+            "staleness_mean": statistics.mean(r.get("rollout/staleness", 0.0) for r in train),
+            "seconds_per_step": statistics.mean(r["perf/step_s"] for r in timed),
+            "seconds_per_phase": {k[len("time/"):]: statistics.mean(r.get(k, 0.0) for r in timed)
+                                  for k in ("time/generate", "time/sync_weights", "time/logprob", "time/update")},
+            "startup_to_first_step_s": train[0].get("time/startup_to_first_step_s"),
+            "gpu": info["gpu"], "date": info["date"], "command": info["command"]}
+    if not runs:
+        raise SystemExit(f"{a.run_dir}: none of {', '.join(SERVER_RUNS)} has a metrics.jsonl (run bench/run_server.sh first)")
+    out = {"gpu": next(iter(runs.values()))["gpu"], "date": next(iter(runs.values()))["date"], "command": a.command, "note": a.note,
+           "columns": {"eval_curve": ["updates", "strict acc (greedy)", "flexible acc (greedy)"]}}
+    if "colocate" in runs and "server_sync" in runs:  # after the last update both evaluated
+        done = {e[0]: e for e in runs["server_sync"]["eval_curve"]}
+        last = max(e[0] for e in runs["colocate"]["eval_curve"] if e[0] in done)
+        col = next(e for e in runs["colocate"]["eval_curve"] if e[0] == last)
+        out.update(server_acc_gap=round(col[1] - done[last][1], 4), server_flexible_acc_gap=round(col[2] - done[last][2], 4),
+                   acc_gap_after_updates=last)
+    if "server_sync" in runs:
+        out["server_logprob_gap_max"] = runs["server_sync"]["logprob_abs_diff_max"]
+    if "server_sync" in runs and "server_async" in runs:
+        out["async_speedup"] = runs["server_sync"]["seconds_per_step"] / runs["server_async"]["seconds_per_step"]
+    out["runs"] = runs
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))
+    if a.png:
+        fig, ax = pyplot().subplots(1, 2, figsize=(11, 4))
+        for name, r in runs.items():
+            line, = ax[0].plot([e[0] for e in r["eval_curve"]], [e[2] for e in r["eval_curve"]], "o-", label=f"{name} flexible")
+            ax[0].plot([e[0] for e in r["eval_curve"]], [e[1] for e in r["eval_curve"]], "x:", color=line.get_color(),
+                       label=f"{name} strict")
+        names = list(runs)
+        bottom = [0.0] * len(names)
+        for phase in ("generate", "sync_weights", "logprob", "update"):
+            height = [runs[n]["seconds_per_phase"][phase] for n in names]
+            ax[1].bar(names, height, bottom=bottom, label=phase)
+            bottom = [b + h for b, h in zip(bottom, height)]
+        ax[1].plot(names, [runs[n]["seconds_per_step"] for n in names], "k_", markersize=30, label="step (all of it)")
+        ax[0].set_xlabel("updates"), ax[0].set_ylabel("held-out accuracy (greedy)"), ax[0].set_ylim(-0.02, 1.02), ax[0].legend()
+        ax[1].set_ylabel("seconds per step (mean, step 1 left out)"), ax[1].legend(loc="lower center", fontsize=8, framealpha=0.9)
+        fig.suptitle(f"GRPO on addition, SmolLM2-135M-Instruct: colocated engine vs SGLang server ({out['gpu']})")
+        fig.tight_layout()
+        fig.savefig(a.png, dpi=110)
+
+
 def main(a: Args):
     if a.kind == "scaling":
         return scaling(a)
     if a.kind == "tools":
         return tools(a)
+    if a.kind == "server":
+        return server(a)
     train, evals, info, args = load(a.run_dir)
     out = {"gpu": info["gpu"], "command": a.command or info["command"], "date": info["date"],
            "world_size": info["world_size"], "steps": len(train), "torch": info["torch"],

@@ -76,3 +76,39 @@ def test_grpo_with_the_calculator_three_steps(tmp_path):
     assert any(m["tools/calls_per_sample"] > 0 for m in train_steps)  # the worked examples make SmolLM2 call it
     for m in train_steps:
         assert m["rollout/logprob_abs_diff"] < LOGPROB_TOLERANCE, m
+
+
+@pytest.fixture
+def sglang_server(tmp_path):
+    """`python -m sglang.launch_server` as a user starts it: on GPU 1 (weights over NCCL) where there
+    are two GPUs, else beside the trainer on GPU 0 (weights over gloo). Yields the trainer's flags."""
+    two = torch.cuda.device_count() >= 2
+    log = open(tmp_path / "server.log", "w")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1" if two else "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", MODEL, "--port", "30555",
+                             "--skip-tokenizer-init", "--mem-fraction-static", "0.6" if two else "0.3",
+                             "--attention-backend", "triton", "--sampling-backend", "pytorch", "--cuda-graph-backend-prefill",
+                             "disabled"], stdout=log, stderr=log, env=env)
+    yield ["--rollout-mode", "server", "--rollout-url", "http://127.0.0.1:30555", "--rollout-timeout", "300",
+           *([] if two else ["--rollout-sync-backend", "gloo"])]
+    proc.kill()
+    proc.wait()
+    print((tmp_path / "server.log").read_text()[-3000:])
+
+
+def test_grpo_against_an_sglang_server_sync_then_async_with_tools(tmp_path, sglang_server):
+    """The weights reach a real server (the log-prob gap of every synced step), then a run with
+    --async-rollout and the calculator (multi-turn turns over HTTP, one step off-policy)."""
+    common = ["--model", MODEL, "--steps", "3", "--prompts-per-step", "16", "--group-size", "4", "--eval-every", "0",
+              "--save-every", "0", "--lr", "1e-5", "--output-dir", str(tmp_path), *sglang_server]
+    run([sys.executable, "grpo.py", *common, "--max-new-tokens", "64", "--run-name", "sync"])
+    sync = [json.loads(line) for line in (tmp_path / "sync" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in sync] == [1, 2, 3]
+    for m in sync:
+        assert m["rollout/logprob_abs_diff"] < LOGPROB_TOLERANCE and m["rollout/staleness"] == 0, m
+    run([sys.executable, "grpo.py", *common, "--dataset", "multiplication", "--tools", "calculator", "--max-new-tokens", "192",
+         "--async-rollout", "--run-name", "async"])
+    steps = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/staleness"] for m in steps] == [0, 1, 1]
+    assert steps[0]["rollout/logprob_abs_diff"] < LOGPROB_TOLERANCE  # step 1 is sampled by the synced weights
+    assert any(m["tools/calls_per_sample"] > 0 for m in steps) and all(m["train/tis_weight"] > 0 for m in steps)
