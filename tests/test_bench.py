@@ -59,3 +59,31 @@ def test_tools_report_pairs_the_runs_with_and_without_tools(tmp_path):
     assert r["rollout_tokens_per_s_ratio_with_over_without"] == 0.6  # step 1 (warm-up) left out
     assert r["runs"]["tools_calculator"]["eval_curve"] == [[0, 0.25, 1.0], [2, 0.75, 1.0]]
     assert r["runs"]["tools_calculator"]["tool_errors"] == 4.0 and r["runs"]["tools_none"]["tool_errors"] == 0
+
+
+def fake_server_run(folder, evals, step_s, gap, staleness=0.0):
+    """A run_server.sh run folder: three steps, evaluations at `evals` (step -> (strict, flexible))."""
+    os.makedirs(folder)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for step in (1, 2, 3):
+            f.write(json.dumps({"step": step, "train/loss": 0.0, "perf/step_s": 99.0 if step == 1 else step_s,
+                                "rollout/logprob_abs_diff": gap / step, "rollout/staleness": staleness * (step > 1),
+                                "time/generate": 1.0, "time/sync_weights": 0.1, "time/logprob": 1.0, "time/update": 2.0}) + "\n")
+        for step, (strict, flexible) in evals.items():
+            f.write(json.dumps({"step": step, "eval/strict_acc": strict, "eval/flexible_acc": flexible}) + "\n")
+    json.dump({"world_size": 1, "gpu": "H", "date": "d", "command": "c", "torch": "t"},
+              open(os.path.join(folder, "run_info.json"), "w"))
+    json.dump({"num_eval_prompts": 8}, open(os.path.join(folder, "args.json"), "w"))
+
+
+def test_server_report_compares_after_the_same_updates(tmp_path):
+    fake_server_run(tmp_path / "runs" / "colocate", {0: (0.0, 0.1), 2: (0.5, 0.6), 3: (0.75, 0.8)}, 5.0, 0.04)
+    fake_server_run(tmp_path / "runs" / "server_sync", {0: (0.0, 0.1), 2: (0.625, 0.7)}, 4.0, 0.05)  # stopped before 3
+    fake_server_run(tmp_path / "runs" / "server_async", {0: (0.0, 0.1), 3: (0.5, 0.5)}, 2.5, 0.3, staleness=1.0)
+    out = tmp_path / "server.json"
+    subprocess.run([sys.executable, "bench/report.py", "server", str(tmp_path / "runs"), "--out", str(out)],
+                   cwd=ROOT, check=True, capture_output=True)
+    r = json.loads(out.read_text())
+    assert (r["acc_gap_after_updates"], r["server_acc_gap"], r["server_flexible_acc_gap"]) == (2, -0.125, -0.1)
+    assert r["server_logprob_gap_max"] == 0.05 and r["async_speedup"] == 4.0 / 2.5  # step 1 (warm-up) left out
+    assert r["runs"]["server_async"]["staleness_mean"] == 2 / 3 and set(r["runs"]) == {"colocate", "server_sync", "server_async"}
