@@ -159,13 +159,14 @@ class ServerEngine:
         requests = [in_thread(post, url, "/init_weights_update_group", {
             "master_address": address, "master_port": port, "rank_offset": 1 + sum(sizes[:i]), "world_size": world,
             "group_name": self.group_name, "backend": backend}, self.timeout_s) for i, url in enumerate(self.urls)]
+        # rank 0 joins in a thread, watched together with the requests: a server that fails its side
+        # (it cannot reach address:port, say) must not leave us waiting for the whole timeout
         joined = in_thread(join_group, address=address, port=port, world_size=world, rank=0, group_name=self.group_name,
-                           backend=backend, timeout_s=self.timeout_s)  # we wait
-        # on it and on the requests at once: a server that fails its side must not leave us waiting for the timeout
+                           backend=backend, timeout_s=self.timeout_s)
         deadline = time.time() + self.timeout_s
         while not joined.done() and time.time() < deadline:
             for r in requests:
-                if r.done() and r.exception():  # e.g. the server could not reach address:port
+                if r.done() and r.exception():
                     raise r.exception()
             time.sleep(0.1)
         if not joined.done() or joined.exception():
