@@ -566,7 +566,7 @@ def main(args: Args):
         samples = generate(engine, [eval_prompts.ids[i] for i in share], [0] * len(share), sampling=greedy,
                            tokenizer=tokenizer, tp=tp, tool_use=tool_use)
         if signum := agreed_signal():  # a signal cut the evaluation short: not logged
-            stop_now(signum, step, sampler.state_dict())
+            stop_now(signum, step, ahead.before if ahead else sampler.state_dict())  # not the batch in flight
         for s, i in zip(samples, share):
             s.answer = eval_prompts.examples[i].answer
         out = eval_stats(samples, answer_fn)
