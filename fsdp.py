@@ -13,6 +13,7 @@ PLUMBING: a reader of the algorithm can take these as given.
 import datetime
 import math
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,19 @@ def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int, torch.dev
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
                                 device_id=device if use_cuda else None)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+@contextmanager
+def without_agent_store():
+    """Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes every new TCPStore a client of torchrun's
+    store: one this process (or a child inheriting its environment) must host itself would wait
+    forever. Hidden meanwhile (SGLang's start, the weight-update group's rendezvous)."""
+    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
 
 
 def all_reduce(x: float | torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -18,7 +18,6 @@ import asyncio
 import concurrent.futures
 import functools
 import multiprocessing
-import os
 import signal
 import threading
 import time
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from data import Sample, seed_for
-from fsdp import all_reduce
+from fsdp import all_reduce, without_agent_store
 from preflight import Interrupted
 from stop import interruptible, stop_engine
 from tools import parse_tool_calls, timed_call
@@ -73,25 +72,20 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
     engine = Engine.__new__(Engine)
     engine.run_scheduler_process_func = functools.partial(run_without_signals, Engine.run_scheduler_process_func)
     engine.run_detokenizer_process_func = functools.partial(run_without_signals, Engine.run_detokenizer_process_func)
-    # Under torchrun this flag makes every TCPStore a client of torchrun's store: SGLang's schedulers
-    # inherit our environment and would wait forever for their own process group. Hide it meanwhile.
-    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     before = set(multiprocessing.active_children())
     o = options or SGLangOptions()
-    try:
-        engine.__init__(
-            model_path=model_path, skip_tokenizer_init=True, load_format=o.load_format, dtype="bfloat16",
-            enable_memory_saver=True, mem_fraction_static=o.mem_fraction, base_gpu_id=gpu_id, tp_size=o.tp_size,
-            random_seed=seed, attention_backend=o.attention_backend, sampling_backend=o.sampling_backend,
-            cuda_graph_max_bs_decode=o.cuda_graph_max_bs, disable_cuda_graph=o.disable_cuda_graph,
-            log_level=o.log_level, cuda_graph_backend_prefill=None if o.prefill_cuda_graph else "disabled")
-    except BaseException:  # Ctrl-C during start-up, or a failed start: stop what was started
-        engine.processes = [p for p in multiprocessing.active_children() if p not in before]
-        stop_engine(engine, None)
-        raise
-    finally:
-        if agent_store is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
+    with without_agent_store():  # SGLang's schedulers inherit our environment and host their own group's store
+        try:
+            engine.__init__(
+                model_path=model_path, skip_tokenizer_init=True, load_format=o.load_format, dtype="bfloat16",
+                enable_memory_saver=True, mem_fraction_static=o.mem_fraction, base_gpu_id=gpu_id, tp_size=o.tp_size,
+                random_seed=seed, attention_backend=o.attention_backend, sampling_backend=o.sampling_backend,
+                cuda_graph_max_bs_decode=o.cuda_graph_max_bs, disable_cuda_graph=o.disable_cuda_graph,
+                log_level=o.log_level, cuda_graph_backend_prefill=None if o.prefill_cuda_graph else "disabled")
+        except BaseException:  # Ctrl-C during start-up, or a failed start: stop what was started
+            engine.processes = [p for p in multiprocessing.active_children() if p not in before]
+            stop_engine(engine, None)
+            raise
     engine.processes = [p for p in multiprocessing.active_children() if p not in before]  # scheduler(s), detokenizer
     return engine
 

@@ -24,7 +24,6 @@ update). The trainer's rank 0 and every server's TP ranks form one group; rank 0
 import asyncio
 import datetime
 import json
-import os
 import socket
 import threading
 import time
@@ -35,6 +34,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
+from fsdp import without_agent_store
 from preflight import InputError
 
 SHAPES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
@@ -113,12 +113,13 @@ class ServerEngine:
         self.loop = asyncio.new_event_loop()  # drives multi-turn episodes (rollout.episode), as SGLang's Engine's
         self.processes = []  # none of ours: stop.EngineWatch has nothing to watch, the timeouts do that job
         self._next = 0  # round-robin over the URLs for single requests
+        infos = [post(url, "/server_info", None, timeout_s) for url in self.urls]  # SGLang's settings of each
         if model is not None:
-            for url, info in zip(self.urls, self.server_info()):
+            for url, info in zip(self.urls, infos):
                 check_same_model(url, info, model, timeout_s)
         if sync_backend == "auto":
             sync_backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.group = self.join_weight_sync(sync_backend, sync_address) if sync_backend else None
+        self.group = self.join_weight_sync(infos, sync_backend, sync_address) if sync_backend else None
 
     def generate(self, input_ids: list[list[int]], sampling_params: list[dict], return_logprob: bool = False) -> list[dict]:
         """A batch, split into one contiguous part per URL, the parts sent concurrently."""
@@ -137,14 +138,12 @@ class ServerEngine:
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
         return await asyncio.wrap_future(in_thread(post, url, "/generate", payload, self.timeout_s), loop=self.loop)
 
-    def server_info(self) -> list[dict]:
-        return [post(url, "/server_info", None, self.timeout_s) for url in self.urls]
-
-    def join_weight_sync(self, backend: str, address: str | None):
-        """Form the weight-update group. Each server's side of the init blocks until every member
-        has joined, so the requests go out first and this process joins while they wait."""
+    def join_weight_sync(self, infos: list[dict], backend: str, address: str | None):
+        """Form the weight-update group (`infos`: each server's /server_info). Each server's side of
+        the init blocks until every member has joined, so the requests go out first and this process
+        joins while they wait."""
         sizes = []
-        for url, info in zip(self.urls, self.server_info()):
+        for url, info in zip(self.urls, infos):
             if info.get("dp_size", 1) > 1 and not info.get("enable_dp_attention"):
                 raise ServerError(f"rollout server {url} runs --dp-size {info['dp_size']}: SGLang's weight update needs "
                                   f"one data-parallel rank per server; start one server per GPU group and pass each URL")
@@ -251,12 +250,8 @@ def join_group(*, address: str, port: int, world_size: int, rank: int, group_nam
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # torchrun's: rank 0 must host this store itself
-    try:
+    with without_agent_store():  # rank 0 hosts this store itself, under torchrun too
         store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
-    finally:
-        if agent_store is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
     store.set_timeout(timeout)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                          group_name=group_name, timeout=timeout)
