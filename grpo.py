@@ -40,7 +40,7 @@ from preflight import check_context, check_engine, check_flags, check_model, fri
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, eval_stats, format_reward, gsm8k_reward, int_match_reward, rollout_stats, score
 from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, send, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
-from server import ServerEngine
+from server import ServerEngine, launch_servers
 from tools import SANDBOX_LIMITS, TOOLS, tool_call_stop_ids, tool_stats, tools_prompt
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
 
@@ -152,6 +152,9 @@ class Args:
     servers you start on other GPUs or nodes (--rollout-url), weights sent over NCCL (server.py)"""
     rollout_url: tuple[str, ...] = ()
     """with --rollout-mode server: each server's http://HOST:PORT (python -m sglang.launch_server ...)"""
+    rollout_gpus: int = 0
+    """with --rollout-mode server, instead of --rollout-url: rank 0 starts servers (SGLang's launcher, one per
+    --rollout-tp GPUs) on the last k GPUs of its node; training takes the others (torchrun --nproc_per_node N-k)"""
     rollout_timeout: float = 600.0
     """with --rollout-mode server: seconds a server may take to start, answer a request or take the weights"""
     rollout_sync_backend: Literal["auto", "nccl", "gloo"] = "auto"
@@ -305,6 +308,7 @@ def check_args(args: Args, world_size: int):
     """Bad input fails here, before anything is loaded or written."""
     per_rank = args.prompts_per_step // world_size * args.group_size
     a, server = args, args.rollout_mode == "server"
+    local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count()
     check_flags([  # (flag, value, holds, what it must be)
         ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
         ("--prompts-per-step", a.prompts_per_step, a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
@@ -329,10 +333,15 @@ def check_args(args: Args, world_size: int):
         ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
         ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, ">= 1"),
         ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
-        ("--rollout-tp", a.rollout_tp, a.rollout_tp >= 1 and world_size % a.rollout_tp == 0 and (a.rollout_tp == 1 or not server),
-         f"a divisor of the {world_size} ranks" + " (with a server: 1, its own --tp-size counts)" * server),
-        ("--rollout-url", a.rollout_url, bool(a.rollout_url) == server and all(u.startswith("http") for u in a.rollout_url),
-         "http://HOST:PORT of each server, with --rollout-mode server only"),
+        ("--rollout-tp", a.rollout_tp, a.rollout_tp >= 1 and (not a.rollout_url or a.rollout_tp == 1)
+         and (server or world_size % a.rollout_tp == 0), f"a divisor of the {world_size} ranks" if not server else
+         "1 with --rollout-url (the server's own --tp-size counts); with --rollout-gpus, each server's GPUs"),
+        ("--rollout-url", a.rollout_url, all(u.startswith("http") for u in a.rollout_url) and
+         (bool(a.rollout_url) != (a.rollout_gpus > 0) if server else not a.rollout_url), "http://HOST:PORT of each "
+         "server, with --rollout-mode server; that mode takes these or --rollout-gpus k (servers this job starts), not both"),
+        ("--rollout-gpus", a.rollout_gpus, a.rollout_gpus == 0 or (server and a.rollout_gpus % a.rollout_tp == 0 and
+         local_ranks + a.rollout_gpus <= gpus), f"with --rollout-mode server, a multiple of --rollout-tp, at most the "
+         f"{gpus} GPUs of this node less its {local_ranks} training ranks (torchrun --nproc_per_node {gpus - a.rollout_gpus})"),
         ("--rollout-timeout", a.rollout_timeout, a.rollout_timeout > 0, "> 0"),
         ("--async-rollout", a.async_rollout, not a.async_rollout or (server and not a.dynamic_sampling),
          "with --rollout-mode server, without --dynamic-sampling (its refills wait on this step's rewards)"),
@@ -409,16 +418,20 @@ def main(args: Args):
     t0 = time.time()
     mem = MemoryLog()
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
+    sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=args.rollout_tp,
+                           attention_backend=args.sglang_attention_backend, sampling_backend=args.sglang_sampling_backend,
+                           cuda_graph_max_bs=args.sglang_cuda_graph_max_bs, disable_cuda_graph=args.sglang_disable_cuda_graph,
+                           prefill_cuda_graph=args.sglang_prefill_cuda_graph)
     if args.rollout_mode == "server":  # rank 0 speaks to the servers for all ranks, as one TP group's owner
         tp = tp_group(world_size)
-        engine = ServerEngine(list(args.rollout_url), model=args.model, timeout_s=args.rollout_timeout,
+        urls, processes = list(args.rollout_url), None
+        if args.rollout_gpus and rank == 0:  # servers of this job's own, on the last GPUs of rank 0's node
+            urls, processes = launch_servers(args.model, gpus=list(range(torch.cuda.device_count()))[-args.rollout_gpus:],
+                                             tp_size=args.rollout_tp, seed=args.seed, options=sglang, log_dir=run_dir)
+        engine = ServerEngine(urls, processes=processes, model=args.model, timeout_s=args.rollout_timeout,
                               sync_backend=args.rollout_sync_backend, sync_address=args.rollout_sync_address) if rank == 0 else None
     else:
         tp = tp_group(args.rollout_tp)
-        sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=args.rollout_tp,
-                               attention_backend=args.sglang_attention_backend, sampling_backend=args.sglang_sampling_backend,
-                               cuda_graph_max_bs=args.sglang_cuda_graph_max_bs, disable_cuda_graph=args.sglang_disable_cuda_graph,
-                               prefill_cuda_graph=args.sglang_prefill_cuda_graph)
         engine = start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang) if rank == tp.owner else None
     release(engine, ALL_TAGS)  # until the first weight sync
     watch = EngineWatch(engine, phase=lambda: mem.current)  # a dead engine ends the run

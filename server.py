@@ -4,6 +4,11 @@ own launcher, and for several GPUs or nodes SGLang's router in front:
 
     python -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct --port 30000 --base-gpu-id 1
     engine = ServerEngine(["http://localhost:30000"], timeout_s=600)   # waits for /health_generate
+
+or the job starts them itself on GPUs of its own (grpo.py --rollout-mode server --rollout-gpus k):
+
+    urls, processes = launch_servers(model, gpus=[6, 7], tp_size=1, seed=0, options=SGLangOptions(), log_dir=run_dir)
+    engine = ServerEngine(urls, timeout_s=600, processes=processes)    # watched, and stopped with the run
     engine.generate(input_ids=[[...], ...], sampling_params=[{...}, ...], return_logprob=True)
 
 `generate` and `async_generate` take and return what sglang.Engine's do (token ids in, token ids
@@ -24,7 +29,10 @@ update). The trainer's rank 0 and every server's TP ranks form one group; rank 0
 import asyncio
 import datetime
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -36,6 +44,8 @@ import torch.distributed as dist
 
 from fsdp import without_agent_store
 from preflight import InputError
+from rollout import SGLangOptions
+from stop import kill
 
 SHAPES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 LAUNCH_HINT = "start it with: python -m sglang.launch_server --model-path <the policy's model> --port <port>"
@@ -79,11 +89,15 @@ def in_thread(fn, *args, **kwargs) -> Future:
     return future
 
 
-def wait_healthy(url: str, timeout_s: float, every_s: float = 2.0):
+def wait_healthy(url: str, timeout_s: float, every_s: float = 2.0, process: "ServerProcess | None" = None):
     """Wait until the server generates (`/health_generate`: 503 while it starts, 200 once it can
-    produce a token). Not up within `timeout_s` -> ServerError saying how to start one."""
+    produce a token). Not up within `timeout_s` -> ServerError saying how to start one; a `process`
+    of ours that exits meanwhile -> ServerError with the end of its log, at once."""
     deadline, last = time.time() + timeout_s, "no answer"
     while True:
+        if process is not None and process.poll() is not None:
+            raise ServerError(f"the rollout server {url} (GPUs {process.gpus}) exited with code {process.returncode} while "
+                              f"starting; the end of its log {process.log}:\n{tail(process.log)}")
         try:
             with urllib.request.urlopen(url + "/health_generate", timeout=max(1.0, min(every_s * 5, timeout_s))) as answer:
                 if answer.status == 200:
@@ -93,7 +107,8 @@ def wait_healthy(url: str, timeout_s: float, every_s: float = 2.0):
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             last = str(getattr(e, "reason", e))
         if time.time() >= deadline:
-            raise ServerError(f"no rollout server ready at {url} after {timeout_s:g} s (last: {last}); {LAUNCH_HINT}")
+            raise ServerError(f"no rollout server ready at {url} after {timeout_s:g} s (last: {last}); "
+                              + (f"its log: {process.log}" if process else LAUNCH_HINT))
         time.sleep(every_s)
 
 
@@ -101,22 +116,31 @@ class ServerEngine:
     """sglang.Engine's generate/async_generate over HTTP, on one or several servers (or a router)."""
 
     def __init__(self, urls: list[str], *, timeout_s: float, start_timeout_s: float | None = None, model: str | None = None,
-                 sync_backend: str | None = None, sync_address: str | None = None):
+                 sync_backend: str | None = None, sync_address: str | None = None, processes: list | None = None):
         """Wait for every server, refuse one that serves another model than `model`; with
         `sync_backend` ('nccl', 'gloo', 'auto': NCCL on GPUs, gloo on CPUs) form the weight-update
         group, this process listening at `sync_address` (default: its address on the route to the
-        first server)."""
+        first server). `processes`: the servers' own processes where this job started them
+        (launch_servers), one per URL: stop.EngineWatch watches them, stop_engine stops them, and
+        they are stopped here if the start fails."""
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s = timeout_s
-        for url in self.urls:
-            wait_healthy(url, timeout_s if start_timeout_s is None else start_timeout_s)
+        self.processes = processes or []  # the user's servers: none; their timeouts do the watch's job
         self.loop = asyncio.new_event_loop()  # drives multi-turn episodes (rollout.episode), as SGLang's Engine's
-        self.processes = []  # none of ours: stop.EngineWatch has nothing to watch, the timeouts do that job
-        self._next = 0  # round-robin over the URLs for single requests
-        infos = [post(url, "/server_info", None, timeout_s) for url in self.urls]  # SGLang's settings of each
+        self._next, self.group = 0, None  # round-robin over the URLs for single requests
+        try:
+            self.start(model, start_timeout_s, sync_backend, sync_address)
+        except BaseException:  # a failed start, or Ctrl-C: nothing of ours left running
+            kill(self.processes)
+            raise
+
+    def start(self, model: str | None, start_timeout_s: float | None, sync_backend: str | None, sync_address: str | None):
+        for url, process in zip(self.urls, self.processes or [None] * len(self.urls)):
+            wait_healthy(url, self.timeout_s if start_timeout_s is None else start_timeout_s, process=process)
+        infos = [post(url, "/server_info", None, self.timeout_s) for url in self.urls]  # SGLang's settings of each
         if model is not None:
             for url, info in zip(self.urls, infos):
-                check_same_model(url, info, model, timeout_s)
+                check_same_model(url, info, model, self.timeout_s)
         if sync_backend == "auto":
             sync_backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.group = self.join_weight_sync(infos, sync_backend, sync_address) if sync_backend else None
@@ -204,11 +228,78 @@ class ServerEngine:
         """See release_memory_occupation."""
 
     def shutdown(self):
-        """The servers are the user's: only this client's loop and group end here."""
+        """Only this client's loop and group end here (servers this job started: stop.stop_engine)."""
         self.loop.close()
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+class ServerProcess(subprocess.Popen):
+    """A server this job launched, seen as stop.EngineWatch and stop.kill see an engine's processes
+    (multiprocessing.Process's names)."""
+    name = "sglang.launch_server"
+
+    def is_alive(self) -> bool:
+        return self.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.poll()
+
+    def join(self, timeout: float | None = None):
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def launch_servers(model: str, *, gpus: list[int], tp_size: int, seed: int, options: SGLangOptions, log_dir: str,
+                   mem_fraction: float | None = None, command: tuple = (sys.executable, "-m", "sglang.launch_server")):
+    """Start one server with SGLang's own launcher per `tp_size` GPUs of `gpus` (their index on this
+    node), each on a free port of this machine, its output in log_dir/rollout_server_<first GPU>.log.
+    Returns their URLs and processes (not waited for: ServerEngine waits). Weights: random until the
+    first sync (`options.load_format`, "dummy" as the colocated engine's). `mem_fraction` None:
+    SGLang's default for a GPU of its own. One server per GPU group, not one with --dp-size: SGLang's
+    distributed weight update takes one data-parallel rank per server."""
+    env = {k: v for k, v in os.environ.items()  # not a torchrun worker: SGLang forms its own groups
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                        "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE") and not k.startswith("TORCHELASTIC_")}
+    flags = {"--skip-tokenizer-init": True, "--load-format": options.load_format, "--dtype": "bfloat16",
+             "--random-seed": seed, "--attention-backend": options.attention_backend, "--tp-size": tp_size,
+             "--sampling-backend": options.sampling_backend, "--cuda-graph-max-bs-decode": options.cuda_graph_max_bs,
+             "--disable-cuda-graph": options.disable_cuda_graph, "--mem-fraction-static": mem_fraction,
+             "--cuda-graph-backend-prefill": None if options.prefill_cuda_graph else "disabled", "--log-level": "warning"}
+    args = [str(x) for k, v in flags.items() if v not in (None, False) for x in ((k,) if v is True else (k, v))]
+    urls, processes = [], []
+    os.makedirs(log_dir, exist_ok=True)
+    for first in gpus[::tp_size]:
+        with socket.socket() as s:  # a free port (the server binds it a moment later)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        log = os.path.join(log_dir, f"rollout_server_{first}.log")
+        with open(log, "ab") as out:
+            p = ServerProcess([*command, "--model-path", model, "--host", "127.0.0.1", "--port", str(port),
+                               "--base-gpu-id", str(first), *args], env=env, stdout=out, stderr=subprocess.STDOUT,
+                              start_new_session=True, preexec_fn=die_with_parent)  # a Ctrl-C is the trainer's to handle
+        p.gpus, p.log = list(range(first, first + tp_size)), log
+        urls.append(f"http://127.0.0.1:{port}")
+        processes.append(p)
+    return urls, processes
+
+
+def die_with_parent():
+    """In the server's process before it starts (Linux): SIGKILL when the trainer ends, however it
+    ends (killed, out of memory), so no server is left holding a GPU. SGLang's own processes end with
+    their launcher."""
+    import ctypes
+    import signal
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def tail(path: str, lines: int = 15) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:]).rstrip()
 
 
 def check_same_model(url: str, info: dict, model: str, timeout_s: float):

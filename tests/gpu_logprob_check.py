@@ -1,17 +1,22 @@
 """After a weight sync, SGLang's log-probs of its sampled tokens must match the FSDP2 model's.
 
     python tests/gpu_logprob_check.py --model $SMOLLM2 --out result.json
+    python tests/gpu_logprob_check.py --model $SMOLLM2 --engine launched   # an SGLang server (--rollout-gpus's)
 
 Four measurements of the mean absolute difference over response tokens:
   synced:        sync, sample, rescore with the training model                  -> small (bf16 numerics)
   stale:         the training weights change, the engine is not synced          -> large
   synced_twice:  release, wake up and sync the changed weights (step 2)         -> small
   garbage:       one tensor of the sync is noise                                -> large
-tests/test_gpu.py runs this and asserts on the JSON it writes.
+and sync_s, the seconds of step 2's weight sync. tests/test_gpu.py runs this and asserts on the JSON it writes.
+'launched': server.launch_servers starts SGLang's launcher on GPU 1, weights over NCCL (with one GPU:
+beside the trainer on GPU 0, weights over gloo), as --rollout-gpus does.
 """
 
 import json
+import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +28,7 @@ from data import addition_task, collate, tokenize_prompts  # noqa: E402
 from fsdp import init_distributed, load_model, shard_model, token_logprobs  # noqa: E402
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up  # noqa: E402
 from rollout import HFEngine, SGLangOptions, Sampling, generate, logprob_gap, start_sglang, stop_token_ids  # noqa: E402
+from server import ServerEngine, launch_servers  # noqa: E402
 from stop import stop_engine  # noqa: E402
 
 
@@ -39,7 +45,7 @@ class Args:
     mem_fraction: float = 0.5
     """SGLang memory fraction"""
     engine: str = "sglang"
-    """'sglang', or 'hf' to check the logic on a CPU"""
+    """'sglang' (in this process), 'launched' (an SGLang server), or 'hf' to check the logic on a CPU"""
 
 
 DEVICE = torch.device("cpu")
@@ -59,8 +65,16 @@ def mean_abs_diff(engine, policy, prompts, stop_ids, args, seed) -> float:
 def main(args: Args):
     global DEVICE
     _, _, DEVICE = init_distributed()
+    backend = None  # of the weight sync to a launched server
     if args.engine == "sglang":
         engine = start_sglang(args.model, gpu_id=0, options=SGLangOptions(mem_fraction=args.mem_fraction, disable_cuda_graph=True))
+    elif args.engine == "launched":
+        two = torch.cuda.device_count() >= 2
+        backend = "nccl" if two else "gloo"
+        urls, processes = launch_servers(args.model, gpus=[1 if two else 0], tp_size=1, seed=0, mem_fraction=None if two else
+                                         args.mem_fraction, options=SGLangOptions(disable_cuda_graph=True),
+                                         log_dir=os.path.dirname(os.path.abspath(args.out)))
+        engine = ServerEngine(urls, processes=processes, timeout_s=300, model=args.model, sync_backend=backend)
     else:
         engine = HFEngine(args.model)
     release(engine, ALL_TAGS)
@@ -88,7 +102,9 @@ def main(args: Args):
 
     # step 2: release everything, wake up again with a sync of the moved weights
     sleep(engine, device=DEVICE, **phases)
-    wake_up(engine, policy=policy, **phases)
+    t0 = time.time()
+    wake_up(engine, policy=policy, **phases)  # returns once the engine holds the weights
+    result["sync_s"] = time.time() - t0
     result["synced_twice"] = mean_abs_diff(engine, policy, prompts, stop_ids, args, 2000)
 
     # garbage: one tensor of the sync is noise (what a wrong name mapping or wrong shard would do)
@@ -98,7 +114,8 @@ def main(args: Args):
     result["garbage"] = mean_abs_diff(engine, policy, prompts, stop_ids, args, 3000)
 
     result.update({"model": args.model, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                   "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "engine": args.engine})
+                   "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "engine": args.engine,
+                   "sync_backend": backend})
     print(json.dumps(result, indent=2))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -13,6 +13,9 @@ in the "flattened_bucket" format), over gloo. Two members of one group cannot li
 process, so a test that syncs runs the stand-in in a process of its own, as a real server is:
 
     python tests/stand_in_server.py MODEL_DIR [--port P]     # prints "ready <url>" once it listens
+
+server.launch_servers(..., command=(sys.executable, "tests/stand_in_server.py")) starts it as it starts
+SGLang's launcher (the flags it does not know are ignored).
 """
 
 import json
@@ -125,8 +128,12 @@ class StandInServer:
         self.http.server_close()
 
 
-if __name__ == "__main__":  # a stand-in in a process of its own: python tests/stand_in_server.py MODEL_DIR [--port P]
-    port = int(sys.argv[sys.argv.index("--port") + 1]) if "--port" in sys.argv else 0
-    server = StandInServer(sys.argv[1], port=port)
+if __name__ == "__main__":  # python tests/stand_in_server.py MODEL_DIR [--port P], or with sglang.launch_server's flags
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-path")
+    parser.add_argument("--port", type=int, default=0)
+    cli, rest = parser.parse_known_args()  # the rest of launch_servers' flags mean nothing on a CPU
+    server = StandInServer(cli.model_path or rest[0], port=cli.port)
     print(f"ready {server.url}", flush=True)
     server.http.serve_forever()

@@ -44,6 +44,35 @@ def test_sglang_logprobs_match_fsdp_after_sync(tmp_path):
     assert result["garbage"] > 2 * LOGPROB_TOLERANCE    # ... and a corrupted tensor
 
 
+def test_a_launched_server_takes_the_weights(tmp_path):
+    """server.launch_servers (what --rollout-gpus runs): SGLang's launcher on GPU 1 with NCCL, or on a
+    one-GPU machine beside the trainer with gloo; the same four measurements as the in-process engine."""
+    out = tmp_path / "logprob_check.json"
+    run([sys.executable, "tests/gpu_logprob_check.py", "--model", MODEL, "--out", str(out), "--engine", "launched",
+         "--mem-fraction", "0.3"])
+    result = json.loads(out.read_text())
+    print("launched server, mean |logprob diff|:", {k: result[k] for k in ("synced", "stale", "synced_twice", "garbage", "sync_s")})
+    assert result["synced"] < LOGPROB_TOLERANCE and result["synced_twice"] < LOGPROB_TOLERANCE
+    assert result["stale"] > 2 * LOGPROB_TOLERANCE and result["garbage"] > 2 * LOGPROB_TOLERANCE
+    assert (tmp_path / f"rollout_server_{1 if torch.cuda.device_count() >= 2 else 0}.log").exists()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="--rollout-gpus 1 needs a GPU beside the trainer's")
+def test_grpo_rollout_gpus_async(tmp_path):
+    """torchrun --nproc_per_node 1 on a two-GPU machine: the job starts its server on GPU 1, trains on
+    GPU 0, one step off-policy; the server ends with the run."""
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "grpo.py", "--model", MODEL,
+         "--rollout-mode", "server", "--rollout-gpus", "1", "--async-rollout", "--steps", "3", "--prompts-per-step", "16",
+         "--group-size", "4", "--max-new-tokens", "64", "--eval-every", "3", "--num-eval-prompts", "32", "--save-every", "0",
+         "--lr", "1e-5", "--output-dir", str(tmp_path), "--run-name", "t"])
+    steps = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [m for m in steps if "train/loss" in m]
+    assert [m["rollout/staleness"] for m in train_steps] == [0, 1, 1]
+    assert train_steps[0]["rollout/logprob_abs_diff"] < LOGPROB_TOLERANCE
+    assert (tmp_path / "t" / "rollout_server_1.log").exists()
+    assert subprocess.run(["pgrep", "-f", "sglang[.]launch_server"], capture_output=True).stdout == b""
+
+
 @pytest.mark.parametrize("extra", [[], ["--offload", "--beta", "0.01", "--gradient-checkpointing"]],
                          ids=["resident", "offload+ref"])
 def test_grpo_three_full_steps(tmp_path, extra):

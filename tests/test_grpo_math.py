@@ -292,20 +292,31 @@ def test_check_args_lists_every_problem():
     assert "--prompts-per-step" in message and "--group-size" in message and "--num-minibatches" in message
 
 
-def test_decoupled_rollout_flags_are_checked_together():
+def test_decoupled_rollout_flags_are_checked_together(monkeypatch):
     from preflight import InputError
 
     with pytest.raises(InputError) as e:
         check_args(Args(async_rollout=True, rollout_url=("localhost:30000",), tis_cap=-1.0), world_size=1)
     message = str(e.value)
     assert "--async-rollout True must be with --rollout-mode server" in message
-    assert "--rollout-url ('localhost:30000',) must be http://HOST:PORT of each server, with --rollout-mode server only" in message
+    assert "--rollout-url ('localhost:30000',) must be http://HOST:PORT of each server, with --rollout-mode server;" in message
     assert "--tis-cap -1.0 must be >= 0" in message
-    with pytest.raises(InputError, match=r"--rollout-url \(\) must be http://HOST:PORT"):
+    with pytest.raises(InputError, match=r"--rollout-url \(\) must be .* takes these or --rollout-gpus k"):
         check_args(Args(rollout_mode="server"), world_size=1)
-    with pytest.raises(InputError, match="--rollout-tp 2 must be a divisor of the 2 ranks \\(with a server: 1"):
+    with pytest.raises(InputError, match=r"--rollout-url \('http://h:1',\) must be .*not both"):
+        check_args(Args(rollout_mode="server", rollout_url=("http://h:1",), rollout_gpus=1), world_size=1)
+    with pytest.raises(InputError, match="--rollout-tp 2 must be 1 with --rollout-url"):
         check_args(Args(rollout_mode="server", rollout_url=("http://h:1",), rollout_tp=2), world_size=2)
     check_args(Args(rollout_mode="server", rollout_url=("http://h:1", "http://h:2"), async_rollout=True), world_size=1)
+    # servers of the job's own: the GPUs must be there beside the training ranks (this machine has none)
+    with pytest.raises(InputError, match=r"--rollout-gpus 1 must be with --rollout-mode server, .* 0 GPUs of this node"):
+        check_args(Args(rollout_mode="server", rollout_gpus=1), world_size=1)
+    with pytest.raises(InputError, match=r"--rollout-gpus 1 must be with --rollout-mode server"):
+        check_args(Args(rollout_gpus=1), world_size=1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    check_args(Args(rollout_mode="server", rollout_gpus=2, rollout_tp=2, async_rollout=True, prompts_per_step=36), world_size=6)
+    with pytest.raises(InputError, match=r"--rollout-gpus 2 must be .* the 8 GPUs of this node less its 7 .*nproc_per_node 6"):
+        check_args(Args(rollout_mode="server", rollout_gpus=2, prompts_per_step=35), world_size=7)
 
 
 # ----------------------------------------------------------------------------------------------

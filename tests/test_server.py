@@ -17,8 +17,9 @@ from test_smoke import ROOT, metrics, run_grpo
 from transformers import AutoModelForCausalLM
 
 from memory import sync_weights
-from rollout import HFEngine, Sampling, generate, send
-from server import ServerEngine, ServerError, post, wait_healthy
+from rollout import HFEngine, SGLangOptions, Sampling, generate, send
+from server import ServerEngine, ServerError, launch_servers, post, wait_healthy
+from stop import EngineWatch, stop_engine
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
 
@@ -154,6 +155,53 @@ def test_a_server_that_died_fails_the_sync_naming_it(server_process, tiny_model_
     with pytest.raises(ServerError, match=rf"{url}.*(cannot be reached|still running)"):
         sync_weights(policy, engine)
     assert time.time() - t0 < 12
+
+
+# ----------------------------------------------------------------------------------------------
+# Servers this job starts (--rollout-gpus): launch_servers with the stand-in as the launcher
+
+
+STAND_IN = (sys.executable, os.path.join(ROOT, "tests", "stand_in_server.py"))
+
+
+def test_launched_servers_generate_take_weights_and_stop_with_the_run(tiny_model_dir, tmp_path):
+    urls, processes = launch_servers(tiny_model_dir, gpus=[2, 3], tp_size=1, seed=0, options=SGLangOptions(),
+                                     log_dir=str(tmp_path), command=STAND_IN)
+    engine = ServerEngine(urls, processes=processes, timeout_s=60, model=tiny_model_dir, sync_backend="gloo")
+    # SGLang's flags, as the launcher got them: its GPU, random weights until the first sync, no torchrun variables
+    assert [p.gpus for p in processes] == [[2], [3]] and "--base-gpu-id 3" in " ".join(processes[1].args)
+    assert "--load-format dummy" in " ".join(processes[0].args) and "--mem-fraction-static" not in processes[0].args
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        policy.model.embed_tokens.weight.mul_(0.5)
+    sync_weights(policy, engine)  # to both servers: one group, ranks 1 and 2
+    local = HFEngine(tiny_model_dir)
+    sync_weights(policy, local)
+    sampling = Sampling(max_new_tokens=6, stop_ids=[0], temperature=0.0)
+    got = generate(engine, PROMPTS, [1, 2, 3, 4], sampling=sampling)
+    assert [s.response_ids for s in got] == [s.response_ids for s in generate(local, PROMPTS, [1, 2, 3, 4], sampling=sampling)]
+    assert [len([e for e in events(u) if e[0] == "generate"]) for u in urls] == [1, 1]  # split over both
+    watch = EngineWatch(engine, phase=lambda: "test")
+    assert watch.names[processes[0].pid] == "sglang.launch_server"
+    stop_engine(engine, watch)  # as the run's end does: the servers go with it
+    assert all(p.poll() is not None for p in processes)
+    engine.shutdown()
+
+
+def test_a_launched_server_that_fails_to_start_is_reported_at_once_with_its_log(tiny_model_dir, tmp_path):
+    crash = (sys.executable, "-c", "import sys; print('RuntimeError: no CUDA GPU found'); sys.exit(3)")
+    urls, processes = launch_servers(tiny_model_dir, gpus=[1], tp_size=1, seed=0, options=SGLangOptions(),
+                                     log_dir=str(tmp_path), command=crash)
+    t0 = time.time()
+    with pytest.raises(ServerError, match=r"(?s)exited with code 3 while starting.*rollout_server_1.log.*no CUDA GPU found"):
+        ServerEngine(urls, processes=processes, timeout_s=600)
+    assert time.time() - t0 < 10
+
+
+def test_grpo_refuses_rollout_gpus_without_the_gpus(tiny_model_dir, tmp_path):
+    proc = run_grpo(tiny_model_dir, tmp_path, "--rollout-mode", "server", "--rollout-gpus", "1", expect_ok=False)
+    assert proc.returncode != 0 and "--rollout-gpus" in proc.stderr and "torchrun --nproc_per_node" in proc.stderr
+    assert not os.path.exists(tmp_path / "r")
 
 
 # ----------------------------------------------------------------------------------------------
