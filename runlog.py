@@ -1,7 +1,8 @@
 """A run's record on rank 0: its folder, its console lines, its progress bars.
 
     log = RunLog(run_dir, config=asdict(args), start_step=0, info=run_info(world_size, "sglang"))
-    log.log({"step": 3, "rollout/reward_mean": 0.41, ...})     # metrics.jsonl (+ wandb with track=True)
+    log.log({"step": 3, "rollout/reward_mean": 0.41, ...})     # metrics.jsonl (+ wandb with track=True);
+                                                               # an eval row (and finish) redraws curves.png
     log.samples(3, samples)                                    # a few completions: console, samples.jsonl
     print0(log_line("step 3", metrics, [("reward", "rollout/reward_mean", ".3f"), ...]))
     for rows in progress(micro_batches, "update", rank):       # a bar on rank 0 when a person watches
@@ -17,6 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+
+from plot import write_curves
 
 
 class RunLog:
@@ -59,6 +62,8 @@ class RunLog:
                 f.write(json.dumps(row) + "\n")
             if self.wandb is not None:
                 self.wandb.log(row, step=int(row["step"]))
+            if any(k.startswith("eval/") for k in row):
+                write_curves(os.path.dirname(self.path))  # plot.py; a failure is one line, never the run's end
 
     def samples(self, step: int, samples, n: int = 4, shown: int = 2):
         """`n` completions as text: `shown` printed, all appended to samples.jsonl and a wandb table."""
@@ -75,6 +80,8 @@ class RunLog:
                 self.wandb.log({"samples": table}, step=step)
 
     def finish(self):
+        if self.rank0 and os.path.exists(self.path):
+            write_curves(os.path.dirname(self.path))
         if self.wandb is not None:
             self.wandb.finish()
 

@@ -11,10 +11,14 @@
 import json
 import os
 import statistics
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
 import tyro
+
+sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
+from plot import plot_metric, read_metrics, subplots  # noqa: E402  (the repo root's plot.py: one copy of the drawing)
 
 
 @dataclass
@@ -38,21 +42,6 @@ class Args:
     """where to draw that comparison"""
     gpu: str | None = None
     """server: the GPU, for runs whose run_info.json did not come back (only metrics.jsonl)"""
-
-
-def pyplot():
-    try:
-        import matplotlib  # lazy: only the PNGs need it
-    except ImportError:
-        raise SystemExit("bench/report.py: drawing a PNG needs matplotlib: pip install matplotlib "
-                         "(requirements.txt lists it)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def read_metrics(path):
-    return [json.loads(line) for line in open(path)]
 
 
 def memory_summary(train):
@@ -150,7 +139,7 @@ def tools(a: Args):
         json.dump(out, f, indent=2)
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))
     if a.png:
-        fig, ax = pyplot().subplots(1, 2, figsize=(11, 4))
+        fig, ax = subplots(1, 2, figsize=(11, 4))
         for name, style in (("tools_calculator", "o-"), ("tools_none", "s--")):
             r = runs[name]
             ax[0].plot([e[0] for e in r["eval_curve"]], [e[1] for e in r["eval_curve"]], style, label=f"{name} (greedy, held out)")
@@ -212,7 +201,7 @@ def server(a: Args):
         json.dump(out, f, indent=2)
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))
     if a.png:
-        fig, ax = pyplot().subplots(1, 2, figsize=(11, 4))
+        fig, ax = subplots(1, 2, figsize=(11, 4))
         for name, r in runs.items():
             line, = ax[0].plot([e[0] for e in r["eval_curve"]], [e[2] for e in r["eval_curve"]], "o-", label=f"{name} flexible")
             ax[0].plot([e[0] for e in r["eval_curve"]], [e[1] for e in r["eval_curve"]], "x:", color=line.get_color(),
@@ -261,22 +250,21 @@ def main(a: Args):
             **memory_summary(train),
         })
         if a.png:
-            fig, ax = pyplot().subplots(1, 2, figsize=(11, 4))
-            steps = [r["step"] for r in train]
-            ax[0].plot(steps, [r["rollout/reward_mean"] for r in train], label="reward (sampled)")
-            ax[0].plot(steps, [r["rollout/strict_acc"] for r in train], label="strict acc (sampled)")
-            ax[0].plot(steps, [r["rollout/format_rate"] for r in train], label="format rate (sampled)", alpha=0.6)
+            fig, ax = subplots(1, 2, figsize=(11, 4))
+            plot_metric(ax[0], train, "rollout/reward_mean", label="reward (sampled)")
+            plot_metric(ax[0], train, "rollout/strict_acc", label="strict acc (sampled)")
+            plot_metric(ax[0], train, "rollout/format_rate", label="format rate (sampled)", alpha=0.6)
             ax[0].set_xlabel("step"), ax[0].legend(), ax[0].set_title("training rollouts")
-            ax[1].plot([r["step"] for r in evals], [r["eval/strict_acc"] for r in evals], "o-", label="strict acc (greedy)")
-            ax[1].plot([r["step"] for r in evals], [r["eval/flexible_acc"] for r in evals], "^:", label="flexible acc (greedy)")
-            ax[1].plot([r["step"] for r in evals], [r["eval/format_rate"] for r in evals], "s--", label="format rate (greedy)")
+            plot_metric(ax[1], evals, "eval/strict_acc", "o-", label="strict acc (greedy)")
+            plot_metric(ax[1], evals, "eval/flexible_acc", "^:", label="flexible acc (greedy)")
+            plot_metric(ax[1], evals, "eval/format_rate", "s--", label="format rate (greedy)")
             ax[1].set_xlabel("updates"), ax[1].set_ylim(0, 1), ax[1].legend()
             ax[1].set_title(f"held-out ({args['num_eval_prompts']} prompts)")
             fig.suptitle(f"{args['run_name']}: {os.path.basename(args['model'])} on {info['gpu']}")
             fig.tight_layout()
             fig.savefig(a.png, dpi=110)
         if a.compare:
-            fig, ax = pyplot().subplots(1, 2, figsize=(11, 4))
+            fig, ax = subplots(1, 2, figsize=(11, 4))
             name = os.path.basename(a.compare).split(".")[0]
             for label, rows in ((args["run_name"], read_metrics(os.path.join(a.run_dir, "metrics.jsonl"))),
                                 (name, read_metrics(a.compare))):

@@ -87,3 +87,26 @@ def test_server_report_compares_after_the_same_updates(tmp_path):
     assert (r["acc_gap_after_updates"], r["server_acc_gap"], r["server_flexible_acc_gap"]) == (2, -0.125, -0.1)
     assert r["server_logprob_gap_max"] == 0.05 and r["async_speedup"] == 4.0 / 2.5  # step 1 (warm-up) left out
     assert r["runs"]["server_async"]["staleness_mean"] == 2 / 3 and set(r["runs"]) == {"colocate", "server_sync", "server_async"}
+
+
+def test_arith_report_draws_its_curves_with_plot_py(tmp_path):
+    """The arith summary and both PNGs (curve, --compare), drawn with plot.py's helpers."""
+    run = tmp_path / "runs" / "grpo_arith"
+    fake_server_run(run, {0: (0.0, 0.1), 3: (0.5, 0.6)}, 5.0, 0.04)
+    with open(run / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    sampled = {"rollout/reward_mean": 0.5, "rollout/strict_acc": 0.4, "rollout/format_rate": 0.9}
+    with open(run / "metrics.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps({**r, **(sampled if "train/loss" in r else {"eval/format_rate": 0.8})}) + "\n")
+    json.dump({"num_eval_prompts": 8, "prompts_per_step": 4, "group_size": 4, "run_name": "grpo_arith", "model": "m"},
+              open(run / "args.json", "w"))
+    out, png, compare_png = tmp_path / "arith.json", tmp_path / "arith.png", tmp_path / "compare.png"
+    subprocess.run([sys.executable, "bench/report.py", "arith", str(run), "--out", str(out), "--png", str(png),
+                    "--compare", str(run / "metrics.jsonl"), "--compare-png", str(compare_png)],
+                   cwd=ROOT, check=True, capture_output=True)
+    r = json.loads(out.read_text())
+    assert (r["baseline_strict_acc"], r["final_strict_acc"]) == (0.0, 0.5)
+    assert r["eval_curve"] == [[0, 0.0, 0.8], [3, 0.5, 0.8]]
+    for path in (png, compare_png):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

@@ -232,12 +232,12 @@ def test_requirements_do_not_fight():
     main, test = pins("requirements.txt"), pins("requirements-test.txt")
     assert main["sglang"] == "==0.5.16" and "pytest" in test
     assert all(main.get(p, rule) == rule for p, rule in test.items()), (main, test)
-    assert "matplotlib" in main  # bench/report.py's plots
+    assert "matplotlib" in pins("requirements-cpu.txt")  # every run's curves.png, bench/report.py's plots
 
 
 def test_report_without_matplotlib_says_what_to_install():
     code = ("import sys; sys.modules['matplotlib'] = None; sys.path.insert(0, 'bench'); "
-            "import report; report.pyplot()")
+            "import report; report.subplots(1, 2)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == "bench/report.py: drawing a PNG needs matplotlib: pip install matplotlib (requirements.txt lists it)"
+    assert proc.stderr.strip() == "drawing a PNG needs matplotlib: pip install matplotlib (requirements.txt lists it)"

@@ -1,0 +1,166 @@
+"""Curves without wandb: six panels from run folders' metrics.jsonl, several runs drawn over each other.
+
+    python plot.py runs/A                        # writes runs/A/curves.png
+    python plot.py runs/A runs/B --out ab.png    # overlaid, one colour per run folder (default ./curves.png)
+    write_curves(run_dir)                        # runlog.RunLog, rank 0: at each evaluation and at the end
+
+Reward, held-out accuracy, response length, KL and entropy by step; mean seconds and peak GPU memory of
+memory.py's phases. bench/report.py draws with the same helpers (read_metrics, subplots, plot_metric).
+PLUMBING: nothing here changes what is trained; matplotlib is imported only when a figure is drawn.
+"""
+
+import json
+import os
+import statistics
+from dataclasses import dataclass
+
+import tyro
+
+
+@dataclass
+class Args:
+    run_dirs: tyro.conf.Positional[list[str]]
+    """run folders (each with the metrics.jsonl grpo.py / ppo.py wrote); several are drawn over each other"""
+    out: str | None = None
+    """PNG to write; default: curves.png in the run folder, or ./curves.png for several runs"""
+
+
+def read_metrics(path: str) -> list[dict]:
+    """A metrics.jsonl's rows, less a line a kill cut short (runlog.parse_row's rule, not imported from
+    there: runlog imports torch, seconds that plot.py and bench/report.py have no use for)."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def subplots(*grid: int, **figure_kw):
+    """(figure, axes) on a bare matplotlib Figure: no pyplot state, no window; fig.savefig writes PNGs (Agg)."""
+    try:
+        from matplotlib.figure import Figure  # lazy: importing plot.py stays cheap for the training scripts
+    except ImportError:
+        raise SystemExit("drawing a PNG needs matplotlib: pip install matplotlib (requirements.txt lists it)") from None
+    fig = Figure(**figure_kw)
+    return fig, fig.subplots(*grid)
+
+
+def plot_metric(ax, rows: list[dict], key: str, fmt: str = "-", **style) -> bool:
+    """`key` against `step`, over the rows that log it; False where none does."""
+    points = [(r["step"], r[key]) for r in rows if key in r]
+    if points:
+        ax.plot(*zip(*points), fmt, **style)
+    return bool(points)
+
+
+def per_phase(rows: list[dict], prefix: str, suffix: str, reduce) -> dict[str, float]:
+    """{phase: reduce(values)} of the keys prefix + phase + suffix, phases in the order the run logged them."""
+    values = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith(prefix) and k.endswith(suffix):
+                values.setdefault(k[len(prefix):len(k) - len(suffix)], []).append(v)
+    return {p: reduce(v) for p, v in values.items()}
+
+
+def nothing(ax, keys: str):
+    ax.text(0.5, 0.5, f"no {keys}\nin metrics.jsonl (yet)", ha="center", transform=ax.transAxes, color="gray")
+    ax.set(xticks=[], yticks=[], xlabel="")
+
+
+def lines(ax, runs: dict, series: list[tuple[str, str, str]], title: str, log: bool = False):
+    """One colour per run, one line style per (metric key, legend label, format) in `series`."""
+    drawn = {}
+    for colour, rows in enumerate(runs.values()):
+        for key, label, fmt in series:
+            if plot_metric(ax, rows, key, fmt, color=f"C{colour}", markersize=4):
+                drawn[label] = fmt
+    ax.set_title(title), ax.set_xlabel("step (updates done)"), ax.grid(alpha=0.3)
+    if not drawn:
+        return nothing(ax, ", ".join(key for key, _, _ in series[:2]))
+    if log:  # KL and entropy span decades; symlog also shows KL's zeros (--beta 0, one epoch) and k1's negatives
+        ax.set_yscale("symlog", linthresh=1e-4)
+    if len(series) > 1:  # the line styles, in grey: the colours are the runs
+        ax.legend(handles=[ax.plot([], [], fmt, color="gray", label=label)[0] for label, fmt in drawn.items()],
+                  fontsize=8)
+
+
+def bars(ax, values: dict, title: str, xlabel: str, fmt: str, marks: dict | None = None, keys: str = ""):
+    """Horizontal bars, one row per phase, one colour per run: {run: {phase: value}}; `marks` alike, as ticks."""
+    phases = list(dict.fromkeys(p for v in values.values() for p in v if not p.startswith("startup_")))  # once
+    ax.set_title(title), ax.set_xlabel(xlabel), ax.grid(axis="x", alpha=0.3), ax.margins(x=0.12)  # room for labels
+    if not phases:
+        return nothing(ax, keys)
+    height, top = 0.8 / len(values), max(v[p] for v in values.values() for p in phases if p in v)
+    for i, (name, v) in enumerate(values.items()):
+        y = [j - 0.4 + height * (i + 0.5) for j in range(len(phases))]
+        ax.bar_label(ax.barh(y, [v.get(p, 0) for p in phases], height, color=f"C{i}"), fontsize=7, padding=2,
+                     labels=[fmt % v[p] if v.get(p, 0) > top / 50 else "" for p in phases])  # no crowd of "0.00"s
+        if marks:
+            ax.plot([marks[name].get(p, float("nan")) for p in phases], y, "k|", markersize=9)
+    ax.set_yticks(range(len(phases)), phases, fontsize=8), ax.invert_yaxis()
+
+
+def draw(run_dirs: list[str], out: str):
+    runs = {os.path.basename(os.path.normpath(d)): read_metrics(os.path.join(d, "metrics.jsonl")) for d in run_dirs}
+    fig, ax = subplots(2, 3, figsize=(16, 8.5), layout="constrained")
+    lines(ax[0, 0], runs, [("rollout/reward_mean", "", "-")], "reward (sampled, mean)")
+    sources = sorted({k.split("/")[1] for rows in runs.values() for r in rows for k in r
+                      if k.startswith("eval/") and k.endswith("/strict_acc") and k.count("/") == 2})
+    lines(ax[0, 1], runs, [("eval/strict_acc", "strict", "o-"), ("eval/flexible_acc", "flexible", "^--")]
+          + [(f"eval/{s}/strict_acc", f"{s} strict", "sDvPX"[i % 5] + ":") for i, s in enumerate(sources)],
+          "held-out accuracy (greedy)")
+    ax[0, 1].set_ylim(-0.02, 1.02)
+    lines(ax[0, 2], runs, [("rollout/response_len_mean", "", "-")], "response length (tokens, sampled, mean)")
+    lines(ax[1, 0], runs, [("train/kl", "kl (in the loss)", "-"), ("train/entropy", "entropy", ":"),
+                           ("train/kl_per_response", "kl per response", "-."), ("train/approx_kl", "approx kl", "--")],
+          "KL and entropy (log scale above 1e-4)", log=True)
+    steps = {name: [r for r in rows if "perf/step_s" in r] for name, rows in runs.items()}
+    timed = {name: rows[1:] or rows for name, rows in steps.items()}  # step 1 left out where there are more: warm-up
+    bars(ax[1, 1], {name: {**({"whole step": statistics.mean(r["perf/step_s"] for r in rows)} if rows else {}),
+                           **per_phase(rows, "time/", "", statistics.mean)} for name, rows in timed.items()},
+         "seconds per phase (mean, step 1 left out)", "seconds", "%.2f", keys="time/*")
+    bars(ax[1, 2], {name: per_phase(rows, "memory/", "_device_peak_gib", max) for name, rows in steps.items()},
+         "GPU memory per phase (peak)", "GiB (bars: the whole device, |: the trainer's own)", "%.1f",
+         {name: per_phase(rows, "memory/", "_peak_gib", max) for name, rows in steps.items()}, "memory/* (a CPU run?)")
+    if len(runs) > 1:
+        fig.legend(handles=[ax[0, 0].plot([], [], color=f"C{i}", label=n)[0] for i, n in enumerate(runs)],
+                   loc="outside upper center", ncol=min(len(runs), 6))
+    else:
+        fig.suptitle(next(iter(runs)))
+    fig.savefig(out + ".tmp", format="png", dpi=100)
+    os.replace(out + ".tmp", out)  # whole or not at all: a viewer never reads a half-written PNG
+
+
+_said = set()  # write_curves' console lines, each printed once per process
+
+
+def write_curves(run_dir: str):
+    """Redraw `run_dir`/curves.png from its metrics.jsonl. For the training scripts: never raises, since a
+    figure is not worth a run; a failure is one printed line (the same failure is not printed again)."""
+    out = os.path.join(run_dir, "curves.png")
+    try:
+        draw([run_dir], out)
+        line = f"curves: {out} (redrawn at each evaluation and at the end)"
+    except (Exception, SystemExit) as e:  # SystemExit: subplots() found no matplotlib
+        why = e if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+        line = f"plot.py: {out} not written ({why}); training goes on"
+    if line not in _said:
+        _said.add(line)
+        print(line, flush=True)
+
+
+def main(a: Args):
+    for d in a.run_dirs:
+        if not os.path.isfile(os.path.join(d, "metrics.jsonl")):
+            raise SystemExit(f"plot.py: {d}: no metrics.jsonl there (expected the run folder grpo.py / ppo.py wrote)")
+    out = a.out or (os.path.join(a.run_dirs[0], "curves.png") if len(a.run_dirs) == 1 else "curves.png")
+    draw(a.run_dirs, out)
+    print(f"plot.py: wrote {out} ({len(a.run_dirs)} run{'s' * (len(a.run_dirs) > 1)})")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,102 @@
+"""plot.py on hand-made run folders: the overlay from the command line, write_curves as the training scripts
+call it (never raising), and the errors a person sees."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+from plot import read_metrics, write_curves
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fake_run(folder, gpu: bool, evals: bool, steps: int = 6):
+    """A GPU GRPO-like run (memory/*, evaluations with a per-source key, a last line a kill cut short) or a
+    CPU PPO-like one (no memory/*, no evaluations, kl per response and critic keys)."""
+    os.makedirs(folder)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for step in range(1, steps + 1):
+            row = {"step": step, "rollout/reward_mean": step / steps, "rollout/response_len_mean": 40.0 - step,
+                   "train/loss": 0.1, "train/entropy": 2.0 - step / 10, "perf/step_s": 3.0, "time/generate": 1.0,
+                   "time/update": 1.5, "time/startup_to_first_step_s": 30.0}
+            if gpu:
+                row.update({"train/kl": 0.001 * step, "train/approx_kl": 0.0, "time/sync_weights": 0.1,
+                            "memory/generate_peak_gib": 1.5, "memory/generate_device_peak_gib": 50.0,
+                            "memory/update_peak_gib": 20.0, "memory/update_device_peak_gib": 24.0})
+            else:
+                row.update({"train/kl_per_response": 0.05 * step, "critic/value_loss": 0.3})
+            f.write(json.dumps(row) + "\n")
+            if evals and step % 3 == 0:
+                f.write(json.dumps({"step": step, "eval/strict_acc": step / 10, "eval/flexible_acc": step / 8,
+                                    "eval/gsm8k/strict_acc": step / 12}) + "\n")
+        if gpu:
+            f.write('{"step": 7, "rollout/rew')  # killed mid-write
+    return str(folder)
+
+
+def png_size(path) -> tuple[int, int]:
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", f"{path} is not a PNG"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_a_torn_last_line_is_skipped(tmp_path):
+    run = fake_run(tmp_path / "a", gpu=True, evals=True)
+    rows = read_metrics(os.path.join(run, "metrics.jsonl"))
+    assert len(rows) == 6 + 2 and rows[-1]["step"] == 6
+
+
+def test_cli_overlays_runs_with_and_without_memory_and_evals(tmp_path):
+    a, b = fake_run(tmp_path / "a", gpu=True, evals=True), fake_run(tmp_path / "b", gpu=False, evals=False)
+    out = tmp_path / "x.png"
+    proc = subprocess.run([sys.executable, "plot.py", a, b, "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {out}" in proc.stdout
+    assert png_size(out) == (1600, 850) and out.stat().st_size > 20_000  # six panels, not an empty canvas
+    assert not os.path.exists(str(out) + ".tmp")
+
+
+def test_cli_one_run_writes_curves_png_in_its_folder(tmp_path):
+    a = fake_run(tmp_path / "a", gpu=False, evals=True)
+    proc = subprocess.run([sys.executable, "plot.py", a], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {os.path.join(a, 'curves.png')}" in proc.stdout and png_size(os.path.join(a, "curves.png"))
+
+
+def test_cli_names_a_folder_without_metrics(tmp_path):
+    a, empty = fake_run(tmp_path / "a", gpu=True, evals=True), tmp_path / "not_a_run"
+    empty.mkdir()
+    proc = subprocess.run([sys.executable, "plot.py", a, str(empty)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr  # one line, no traceback
+    assert str(empty) in proc.stderr and "metrics.jsonl" in proc.stderr
+
+
+def test_write_curves_draws_and_says_where_once(tmp_path, capsys):
+    run = tmp_path / "a"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/strict_acc": 0.0}) + "\n")  # eval before step 1
+    write_curves(str(run))
+    assert png_size(run / "curves.png") == (1600, 850)
+    assert capsys.readouterr().out == f"curves: {run / 'curves.png'} (redrawn at each evaluation and at the end)\n"
+    run = fake_run(tmp_path / "b", gpu=True, evals=True)
+    write_curves(run)
+    write_curves(run)  # the next evaluation: redrawn, not announced again
+    assert capsys.readouterr().out.count("\n") == 1 and png_size(os.path.join(run, "curves.png"))
+
+
+def test_write_curves_never_raises(tmp_path, capsys, monkeypatch):
+    write_curves(str(tmp_path / "no_run"))  # no metrics.jsonl
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "not written" in out and "metrics.jsonl" in out and "training goes on" in out
+    run = fake_run(tmp_path / "a", gpu=True, evals=True)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if matplotlib were not installed
+    write_curves(run)
+    write_curves(run)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "pip install matplotlib" in out  # said once, not at every evaluation
+    assert not os.path.exists(os.path.join(run, "curves.png"))
