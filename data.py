@@ -3,13 +3,18 @@
     train, test = addition_task(seed=0)                       # built-in, no download
     train = load_examples("openai/gsm8k", "train")              # hub id (needs `datasets`)
     train = load_examples("../shared/data/gsm8k", "train")      # local folder: train.jsonl / test.parquet
-    train, test, note = load_task("my.jsonl", None, seed=0, num_eval=256, template=GSM8K_PROMPT)  # one file: a held-out part
+    train = load_examples("math.jsonl", "train", system_prompt="You are a careful mathematician.")
+    train, test, note = load_task("my.jsonl", None, seed=0, num_eval=256, template="{prompt}\\nAnswer after ####.")
+    train, test, note = load_task(["openai/gsm8k", "math"], None, seed=0, num_eval=256)  # several: num_eval each
     prompts, kept, dropped = tokenize_prompts(tokenizer, train, max_prompt_len=256, source="my.jsonl")
-    train, held, line = task_prompts(tokenizer, "addition", None, seed=0, num_eval=256, max_prompt_len=256, template=...)
+    train, held, line = task_prompts(tokenizer, "addition", None, seed=0, num_eval=256, max_prompt_len=256)
     sampler = PromptSampler(len(prompts), seed=0)               # epoch shuffles; resumable position
     seed = seed_for(0, "update", step, epoch)                   # one seed per use of randomness
     batch = collate(samples, pad_id)                            # list[Sample] -> Batch of tensors
 
+Rows: {"prompt": "..." or [chat messages], "answer": ...} (your own task), GSM8K's {"question", "answer":
+"...#### 72"}, MATH's {"problem", "solution": "...\\boxed{...}"} or {"problem", "answer"}. Each Example
+carries its answer `kind` (how reward.correct judges it) and its `source` (for per-source accuracy).
 `Sample` is the one record that travels from the rollout to the loss.
 """
 
@@ -17,28 +22,53 @@ import copy
 import json
 import os
 import random
+import re
 from dataclasses import dataclass, field
 
 import torch
 
 from preflight import InputError, looks_like_path
+from reward import last_boxed, math_verify, normalize_number
 
-# The default prompt templates ({question} is the row's question); the scripts pick one next to their reward
+# The default prompt templates ({prompt}, or {question}, is the row's question), by answer kind: int (the
+# built-in tasks), math (MATH_PROMPT: the phrase Qwen2.5-Math and DeepSeek-R1 are evaluated with), else GSM8K_PROMPT
 ADDITION_PROMPT = "{question} Put the final answer after ####."
 GSM8K_PROMPT = "{question}\nThink step by step, then put the final answer after ####."
+MATH_PROMPT = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}."
+# Columns tried in order when none are given: your own rows, GSM8K, MATH-500, MATH
+FIELDS = [("prompt", "answer"), ("question", "answer"), ("problem", "answer"), ("problem", "solution")]
+_SLOT = re.compile(r"\{(?:prompt|question)\}")
 
 
 @dataclass
 class Example:
-    prompt: str  # the user message, before the chat template
-    answer: str  # the reference final answer, e.g. "72"
+    prompt: str | list[dict]  # the user message before the chat template, or chat messages (a system prompt, own turns)
+    answer: str               # the reference final answer, e.g. "72", "\\frac{1}{2}", "Paris"
+    kind: str = "gsm8k"       # how reward.correct judges it: "int", "gsm8k", "math" or "text"
+    source: str = ""          # the dataset's short name (source_name), e.g. "gsm8k"
+
+
+def ask(prompt: str | list[dict], template: str, system_prompt: str | None = None) -> str | list[dict]:
+    """`prompt` through `template`: each {prompt} or {question} becomes the prompt, nothing else changes (a
+    literal '\\boxed{}' stays). Chat messages: the template fills the last user message. `system_prompt`: chat
+    messages with it first."""
+    if not _SLOT.search(template):
+        raise InputError(f"template {template!r} has no {{prompt}}: the question would not be asked; "
+                         "e.g. '{prompt}\\nPut the final answer after ####.'")
+    if isinstance(prompt, str) and not system_prompt:
+        return _SLOT.sub(lambda _: prompt, template)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    messages[last]["content"] = _SLOT.sub(lambda _: messages[last]["content"], template)
+    return [{"role": "system", "content": system_prompt}] * bool(system_prompt) + messages
 
 
 # ----------------------------------------------------------------------------------------------
 # Tasks
 
 
-def addition_task(seed: int, num_test: int = 500, template: str = ADDITION_PROMPT) -> tuple[list[Example], list[Example]]:
+def addition_task(seed: int, num_test: int = 500, template: str = ADDITION_PROMPT,
+                  system_prompt: str | None = None) -> tuple[list[Example], list[Example]]:
     """Two-digit addition, 'What is a + b?' for a, b in 10..99 (8100 pairs), asked through `template`.
 
     A seeded shuffle of all pairs; the first `num_test` are the held-out split, so the split is
@@ -46,20 +76,27 @@ def addition_task(seed: int, num_test: int = 500, template: str = ADDITION_PROMP
     """
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
     random.Random(seed).shuffle(pairs)
-    examples = [Example(template.format(question=f"What is {a} + {b}?"), str(a + b)) for a, b in pairs]
+    examples = [Example(ask(f"What is {a} + {b}?", template, system_prompt), str(a + b), "int", "addition") for a, b in pairs]
     return examples[num_test:], examples[:num_test]
 
 
-def multiplication_task(seed: int, num_test: int = 500, template: str = ADDITION_PROMPT) -> tuple[list[Example], list[Example]]:
+def multiplication_task(seed: int, num_test: int = 500, template: str = ADDITION_PROMPT,
+                        system_prompt: str | None = None) -> tuple[list[Example], list[Example]]:
     """'What is a * b?' for a in 100..999 and b in 10..99: beyond what a small model does in its
     head, easy with a calculator (grpo.py --tools calculator). 8100 seeded pairs, split as addition's."""
     rng = random.Random(seed)
     pairs = list(dict.fromkeys((rng.randrange(100, 1000), rng.randrange(10, 100)) for _ in range(9000)))[:8100]
-    examples = [Example(template.format(question=f"What is {a} * {b}?"), str(a * b)) for a, b in pairs]
+    examples = [Example(ask(f"What is {a} * {b}?", template, system_prompt), str(a * b), "int", "multiplication")
+                for a, b in pairs]
     return examples[num_test:], examples[:num_test]
 
 
 BUILTIN_TASKS = {"addition": addition_task, "multiplication": multiplication_task}
+
+
+def source_name(dataset: str) -> str:
+    """A dataset's short name, Example.source and its metrics' key: 'openai/gsm8k' -> 'gsm8k', 'data/my.jsonl' -> 'my'."""
+    return os.path.basename(dataset.rstrip("/")).removesuffix(".jsonl").removesuffix(".parquet")
 
 
 def read_rows(path: str) -> list[tuple[int, dict]]:
@@ -88,39 +125,73 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
     return rows
 
 
-def gsm8k_examples(rows: list[tuple[int, dict]], source: str, template: str = GSM8K_PROMPT) -> list[Example]:
-    """Rows (line, {"question": ..., "answer": ...}) -> Examples, asked through `template`. The answer is GSM8K's
-    "...reasoning...\\n#### 72", or just the final number ("72" or 72).
-    An empty source, a missing field or an answer without a final number names the source and the line."""
+def is_chat(prompt) -> bool:
+    """A list of {"role": str, "content": str} messages, one of them the user's."""
+    return (isinstance(prompt, list) and any(isinstance(m, dict) and m.get("role") == "user" for m in prompt)
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt))
+
+
+def examples_from_rows(rows: list[tuple[int, dict]], where: str, name: str, *, template: str | None = None,
+                       system_prompt: str | None = None, prompt_field: str | None = None, answer_field: str | None = None,
+                       kind: str | None = None) -> list[Example]:
+    """Rows (line, dict) of one dataset (`where` in errors, `name` its source) -> Examples, each prompt asked through
+    `template` (None: the kind's default) after `system_prompt`. Columns: prompt_field / answer_field, else the first
+    pair of FIELDS in the first row. Kind: `kind`, else 'gsm8k' for 'question' rows, 'math' for 'problem' rows, and
+    for others 'gsm8k' if every answer is a number, else 'text'. The answer: for math the last \\boxed{} if it has
+    one (a 'solution' must), else the text after the last '####' (GSM8K's "...\\n#### 72", or just "72" or 72)."""
     if not rows:
-        raise InputError(f"{source} has no rows; each line needs {{\"question\": ..., \"answer\": ...}}")
-    examples = []
+        raise InputError(f"{where} has no rows; each line needs {{\"prompt\": ..., \"answer\": ...}} (or GSM8K's "
+                         "question/answer, MATH's problem/solution)")
+    first = rows[0][1]
+    found = [(p, a) for p, a in FIELDS if prompt_field in (None, p) and answer_field in (None, a) and p in first and a in first]
+    pf, af = found[0] if found else (prompt_field or next((p for p, _ in FIELDS if p in first), "prompt"), answer_field or "answer")
+    if kind not in (None, "gsm8k", "math", "text"):
+        raise InputError(f"answer kind {kind!r} (--answer-kind) is unknown: use 'gsm8k', 'math' or 'text', or leave it out")
+    kind = kind or {"question": "gsm8k", "problem": "math"}.get(pf)  # None: decided by the answers, below
+    parsed = []  # (line, prompt, final answer)
     for line_no, row in rows:
-        question, answer = row.get("question"), row.get("answer")
-        if not isinstance(question, str) or not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
-            raise InputError(f"{source}, line {line_no}: needs a 'question' string and an 'answer' (a string ending "
-                             f"in '#### <number>', or a number); found {({k: type(v).__name__ for k, v in row.items()})}")
-        final = str(answer).split("####")[-1].strip().replace(",", "")
-        try:
-            float(final)
-        except ValueError:
-            raise InputError(f"{source}, line {line_no}: field 'answer' has no final number: "
-                             f"end it with '#### <number>' or give just the number") from None
-        examples.append(Example(template.format(question=question.strip()), final))
-    return examples
+        prompt, answer = row.get(pf), row.get(af)
+        if not (isinstance(prompt, str) or is_chat(prompt)) or not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+            raise InputError(f"{where}, line {line_no}: needs a {pf!r} string and an {af!r} (the final answer, or text "
+                             f"ending in '#### <answer>'; a prompt may also be a list of chat messages, one with role "
+                             f"'user'); found {({k: type(v).__name__ for k, v in row.items()})}; other columns: "
+                             f"--prompt-field, --answer-field")
+        if system_prompt and isinstance(prompt, list) and prompt[0]["role"] == "system":
+            raise InputError(f"{where}, line {line_no}: has a system message, and --system-prompt adds another: drop one")
+        text = str(answer).strip()
+        if kind == "math":
+            final = last_boxed(text) if "\\boxed" in text or "\\fbox" in text else None if af == "solution" else text
+        else:
+            final = text.split("####")[-1].strip()
+        parsed.append((line_no, prompt.strip() if isinstance(prompt, str) else prompt, final))
+    kind = kind or ("gsm8k" if all(normalize_number(a) is not None for _, _, a in parsed) else "text")
+    for line_no, _, final in parsed:
+        if kind == "gsm8k" and normalize_number(final) is None:
+            raise InputError(f"{where}, line {line_no}: field {af!r} has no final number: "
+                             f"end it with '#### <number>' or give just the number")
+        if not final:
+            raise InputError(f"{where}, line {line_no}: field {af!r} has no answer" + " in a \\boxed{...} (or its "
+                             "braces don't close): box the final answer, or give it alone in 'answer'" * (kind == "math"))
+    if kind == "math":
+        math_verify()  # not installed: say so now, not as a reward of 0 for every sample
+    template = template or (MATH_PROMPT if kind == "math" else GSM8K_PROMPT)
+    return [Example(ask(p, template, system_prompt), a.replace(",", "") if kind == "gsm8k" else a, kind, name)
+            for _, p, a in parsed]
 
 
-def load_examples(dataset: str, split: str, template: str = GSM8K_PROMPT) -> list[Example]:
-    """GSM8K-format examples from a local file, a local folder holding `{split}.jsonl` or
+def load_examples(dataset: str, split: str, template: str | None = None, *, system_prompt: str | None = None,
+                  prompt_field: str | None = None, answer_field: str | None = None, kind: str | None = None) -> list[Example]:
+    """Examples (examples_from_rows) from a local file, a local folder holding `{split}.jsonl` or
     `{split}.parquet`, or a Hugging Face hub id (e.g. 'openai/gsm8k'). Anything that looks like a
     path (a .jsonl/.parquet name, './', '/', an existing folder) is never sent to the hub."""
+    fmt = dict(template=template, system_prompt=system_prompt, prompt_field=prompt_field, answer_field=answer_field, kind=kind)
     if os.path.isfile(dataset):
-        return gsm8k_examples(read_rows(dataset), dataset, template)
+        return examples_from_rows(read_rows(dataset), dataset, source_name(dataset), **fmt)
     if os.path.isdir(dataset):
         for ext in (".jsonl", ".parquet"):
             path = os.path.join(dataset, split + ext)
             if os.path.isfile(path):
-                return gsm8k_examples(read_rows(path), path, template)
+                return examples_from_rows(read_rows(path), path, source_name(dataset), **fmt)
         raise InputError(f"dataset folder {dataset!r} has no {split}.jsonl or {split}.parquet")
     if looks_like_path(dataset):
         raise InputError(f"dataset {dataset!r}: no such file or folder ({os.path.abspath(dataset)}); "
@@ -130,27 +201,43 @@ def load_examples(dataset: str, split: str, template: str = GSM8K_PROMPT) -> lis
     except ImportError:
         raise InputError(f"dataset {dataset!r} is a hub id: pip install datasets, or pass a local .jsonl file") from None
     rows = load_dataset(dataset, "main" if dataset.endswith("gsm8k") else None, split=split)
-    return gsm8k_examples(list(enumerate(rows, start=1)), f"{dataset}[{split}]", template)
+    return examples_from_rows(list(enumerate(rows, start=1)), f"{dataset}[{split}]", source_name(dataset), **fmt)
 
 
-def load_task(dataset: str, eval_dataset: str | None, *, seed: int, num_eval: int, template: str | None = None):
-    """(train, held-out examples, a line saying where the held-out ones come from), every question
-    asked through `template` (a string with {question}; None: ADDITION_PROMPT or GSM8K_PROMPT).
+def load_task(dataset: str | list[str], eval_dataset: str | None, *, seed: int, num_eval: int, template: str | None = None,
+              system_prompt: str | None = None, prompt_field: str | None = None, answer_field: str | None = None,
+              kind: str | None = None):
+    """(train, at most `num_eval` held-out examples, a line saying where the held-out ones come from), every
+    prompt asked through `template` (None: each kind's default) after `system_prompt`; columns and kind as in
+    examples_from_rows.
 
     'addition', 'multiplication': the task's seeded split. Otherwise the 'train' split of `dataset` and the 'test' split
     of `eval_dataset` (default: of `dataset`). A single file with no --eval-dataset has no test split:
-    a seeded 1 in 10 of its rows, at most `num_eval`, is held out and never trained on."""
+    a seeded 1 in 10 of its rows, at most `num_eval`, is held out and never trained on.
+    Several datasets (a list): their train examples concatenated and each one's held-out examples (`num_eval`
+    each), every Example tagged with its source; the options apply to all of them."""
+    fmt = dict(template=template, system_prompt=system_prompt, prompt_field=prompt_field, answer_field=answer_field, kind=kind)
+    if not isinstance(dataset, str) and len(dataset) == 1:
+        dataset = dataset[0]
+    if not isinstance(dataset, str):
+        names = [source_name(d) for d in dataset]
+        if eval_dataset is not None:
+            raise InputError(f"--eval-dataset {eval_dataset!r} goes with one dataset; with several, each is evaluated "
+                             f"on its own test split or held-out part")
+        if len(set(names)) < len(names):
+            raise InputError(f"datasets {dataset} share a short name ({names}): each needs its own for its metrics; rename one")
+        parts = [load_task(d, None, seed=seed, num_eval=num_eval, **fmt) for d in dataset]
+        return [e for p in parts for e in p[0]], [e for p in parts for e in p[1]], "; ".join(p[2] for p in parts)
     if dataset in BUILTIN_TASKS:
-        train, test = BUILTIN_TASKS[dataset](seed, template=template or ADDITION_PROMPT)
-        return train, test, f"{dataset}: {len(test)} held-out pairs"
-    template = template or GSM8K_PROMPT
+        train, test = BUILTIN_TASKS[dataset](seed, template=template or ADDITION_PROMPT, system_prompt=system_prompt)
+        return train, test[:num_eval], f"{dataset}: {len(test)} held-out pairs"
     if eval_dataset is not None:
-        return (load_examples(dataset, "train", template), load_examples(eval_dataset, "test", template),
+        return (load_examples(dataset, "train", **fmt), load_examples(eval_dataset, "test", **fmt)[:num_eval],
                 f"eval prompts from {eval_dataset}")
     if not os.path.isfile(dataset):
-        return (load_examples(dataset, "train", template), load_examples(dataset, "test", template),
+        return (load_examples(dataset, "train", **fmt), load_examples(dataset, "test", **fmt)[:num_eval],
                 f"eval prompts from {dataset}'s test split")
-    examples = load_examples(dataset, "train", template)
+    examples = load_examples(dataset, "train", **fmt)
     held = min(num_eval, len(examples) // 10)
     if held == 0:
         raise InputError(f"dataset {dataset!r} has {len(examples)} rows, too few to hold 1 in 10 out for "
@@ -168,27 +255,37 @@ class Prompts:
     examples: list[Example]
     dropped: int  # prompts longer than max_prompt_len, left out
 
+    @property
+    def sources(self) -> list[str]:
+        """The examples' sources in order of first appearance: the same list on every rank (reward.eval_stats)."""
+        return list(dict.fromkeys(e.source for e in self.examples))
 
-def task_prompts(tokenizer, dataset: str, eval_dataset: str | None, *, seed: int, num_eval: int, max_prompt_len: int,
-                 template: str, context: list[dict] | None = None, tools: list[dict] | None = None) -> tuple[Prompts, Prompts, str]:
+
+def task_prompts(tokenizer, dataset: str | list[str], eval_dataset: str | None, *, seed: int, num_eval: int,
+                 max_prompt_len: int, template: str | None = None, system_prompt: str | None = None,
+                 prompt_field: str | None = None, answer_field: str | None = None, kind: str | None = None,
+                 context: list[dict] | None = None, tools: list[dict] | None = None) -> tuple[Prompts, Prompts, str]:
     """(train prompts, held-out prompts, a line saying what was loaded): load_task, then tokenize_prompts."""
-    train, held, note = load_task(dataset, eval_dataset, seed=seed, num_eval=num_eval, template=template)
-    chat = {"context": context, "tools": tools}
-    train = Prompts(*tokenize_prompts(tokenizer, train, max_prompt_len, dataset, **chat))
-    held = Prompts(*tokenize_prompts(tokenizer, held[:num_eval], max_prompt_len, eval_dataset or dataset, **chat))
+    train, held, note = load_task(dataset, eval_dataset, seed=seed, num_eval=num_eval, template=template, kind=kind,
+                                  system_prompt=system_prompt, prompt_field=prompt_field, answer_field=answer_field)
+    chat, name = {"context": context, "tools": tools}, dataset if isinstance(dataset, str) else ", ".join(dataset)
+    train = Prompts(*tokenize_prompts(tokenizer, train, max_prompt_len, name, **chat))
+    held = Prompts(*tokenize_prompts(tokenizer, held, max_prompt_len, eval_dataset or name, **chat))
     extra = context_tokens(tokenizer, context, tools)
     return train, held, (f"{len(train.ids)} train prompts, {len(held.ids)} eval prompts (dropped as longer than "
                          f"{max_prompt_len} tokens: {train.dropped} train, {held.dropped} eval"
                          + (f"; before each, the tools' prompt: {extra} tokens" if extra else "") + f"); {note}")
 
 
-def prompt_tokens(tokenizer, question: str, context: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
-    """The question as one user turn after the `context` messages, through the chat template with
-    the generation prompt; a base model without a template: the contents joined by blank lines."""
+def prompt_tokens(tokenizer, question: str | list[dict], context: list[dict] | None = None,
+                  tools: list[dict] | None = None) -> list[int]:
+    """The question as one user turn (or its chat messages) after the `context` messages, through the chat
+    template with the generation prompt; a base model without a template: the contents joined by blank lines."""
+    messages = (context or []) + (question if isinstance(question, list) else [{"role": "user", "content": question}])
     if tokenizer.chat_template is not None:
-        return list(tokenizer.apply_chat_template((context or []) + [{"role": "user", "content": question}], tools=tools,
-                                                  add_generation_prompt=True, tokenize=True, return_dict=False))
-    return tokenizer.encode("\n\n".join([m["content"] for m in context or []] + [question]))
+        return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return tokenizer.encode("\n\n".join(m["content"] for m in messages))
 
 
 def context_tokens(tokenizer, context: list[dict] | None, tools: list[dict] | None = None) -> int:
@@ -285,6 +382,8 @@ class Sample:
     rollout_logprobs: list[float]  # the sampler's log-prob of each response token
     truncated: bool                # stopped by the length limit, not by a stop token
     answer: str = ""               # reference answer of the prompt
+    kind: str = "gsm8k"            # how the answer is judged (reward.correct): the prompt's Example.kind
+    source: str = ""               # the prompt's dataset (Example.source): per-source eval accuracy
     text: str = ""                 # decoded response
     reward: float = 0.0
     reward_error: str = ""         # what the reward function raised ("" if it did not; scored 0.0)

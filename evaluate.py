@@ -3,8 +3,9 @@
     python evaluate.py --model runs/<run>/checkpoints/step_000200/model --out eval.json
     python evaluate.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --num-prompts 1319
 
-Reports strict accuracy ('#### N' holds the right number), flexible accuracy (else the last number)
-and format rate (a '#### N' answer is present), and writes every completion next to the summary.
+Reports strict accuracy (the answer in the asked format is right: '#### N', \boxed{}), flexible accuracy
+(right in any form), format rate, as grpo.py judges them, and writes every completion next to the summary.
+Ask the prompts as the run did: its --prompt-template, --system-prompt, fields and --answer-kind.
 """
 
 import json
@@ -15,9 +16,8 @@ from typing import Literal
 import torch
 import tyro
 
-from data import addition_task, load_examples, tokenize_prompts
+from data import BUILTIN_TASKS, load_examples, tokenize_prompts
 from preflight import InputError, check_context, check_engine, check_flags, check_model, friendly_errors
-from reward import gsm8k_reward, int_match_reward
 from reward import judge
 from rollout import HFEngine, SGLangOptions, Sampling, generate, start_sglang, stop_token_ids
 from stop import stop_engine
@@ -28,7 +28,7 @@ class Args:
     model: str
     """model to evaluate: hub id or local folder"""
     dataset: str = "addition"
-    """'addition', 'openai/gsm8k', or a local GSM8K-format file (all its rows) or folder"""
+    """'addition', 'multiplication', a hub id ('openai/gsm8k'), or a file (all its rows) or folder, as grpo.py's"""
     split: str = "test"
     """split of --dataset: 'test' or 'train' (a single file has no splits)"""
     num_prompts: int = 256
@@ -37,6 +37,16 @@ class Args:
     """longer prompts are dropped"""
     max_new_tokens: int = 256
     """response length limit"""
+    prompt_field: str | None = None
+    """the prompt's column, as the training run's (grpo.py --help says more of these five)"""
+    answer_field: str | None = None
+    """the answer's column"""
+    answer_kind: Literal["gsm8k", "math", "text"] | None = None
+    """how an answer is judged"""
+    prompt_template: str | None = None
+    """how a prompt is asked ({prompt})"""
+    system_prompt: str | None = None
+    """a system message before each prompt"""
     seed: int = 0
     """the addition task's split seed (use the training run's --seed)"""
     engine: Literal["auto", "sglang", "hf"] = "auto"
@@ -61,10 +71,12 @@ def main(args: Args):
     tokenizer, context = check_model(args.model)  # before SGLang starts
     check_context(context, args.max_prompt_len, args.max_new_tokens)
     stop_ids = stop_token_ids(tokenizer, args.model)
-    if args.dataset == "addition":
-        examples, answer_fn = addition_task(args.seed)[1 if args.split == "test" else 0], int_match_reward
+    ask = {"template": args.prompt_template, "system_prompt": args.system_prompt}
+    if args.dataset in BUILTIN_TASKS:
+        examples = BUILTIN_TASKS[args.dataset](args.seed, **{k: v for k, v in ask.items() if v})[args.split == "test"]
     else:
-        examples, answer_fn = load_examples(args.dataset, args.split), gsm8k_reward
+        examples = load_examples(args.dataset, args.split, **ask, prompt_field=args.prompt_field,
+                                 answer_field=args.answer_field, kind=args.answer_kind)
     prompts, kept, dropped = tokenize_prompts(tokenizer, examples[:args.num_prompts], args.max_prompt_len, args.dataset)
     print(f"evaluating {len(prompts)} prompts of {args.dataset} ({dropped} dropped as longer than "
           f"{args.max_prompt_len} tokens) with {args.model}, engine {kind}", flush=True)
@@ -76,8 +88,8 @@ def main(args: Args):
     greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)
     samples = generate(engine, prompts, [args.seed] * len(prompts), sampling=greedy, tokenizer=tokenizer)
     for s, e in zip(samples, kept):
-        s.answer = e.answer
-    n, counts = len(samples), judge(samples, answer_fn)
+        s.answer, s.kind = e.answer, e.kind
+    n, counts = len(samples), judge(samples)
     summary = {
         "model": args.model, "dataset": args.dataset, "split": args.split, "prompts": n, "dropped": dropped,
         "strict_acc": counts["strict"] / n, "flexible_acc": counts["flexible"] / n, "format_rate": counts["format"] / n,

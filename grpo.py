@@ -32,12 +32,13 @@ import torch.distributed as dist
 import tyro
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
-from data import ADDITION_PROMPT, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, task_prompts
+from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, source_name,
+                  task_prompts)
 from fsdp import (all_reduce, all_reduce_dict, batch_logprobs, clip_and_step, init_distributed, load_model, lr_lambda,
                   shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
-from reward import EVAL_LINE, EVAL_TOOLS_LINE, eval_stats, format_reward, gsm8k_reward, int_match_reward, rollout_stats, score
+from reward import EVAL_LINE, EVAL_TOOLS_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score
 from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, send, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
 from server import ServerEngine, launch_servers
@@ -50,10 +51,23 @@ class Args:
     # --- model and data
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     """policy to train: a hub id or a local folder (also the reference model and SGLang's config)"""
-    dataset: str = "addition"
-    """'addition' (built-in two-digit addition, no download), 'openai/gsm8k', or a local GSM8K .jsonl/.parquet file or folder"""
+    dataset: tuple[str, ...] = ("addition",)
+    """'addition' or 'multiplication' (built in, no download), a hub id ('openai/gsm8k'), or a .jsonl/.parquet file or
+    folder of rows {"prompt": text or chat messages, "answer": ...}, GSM8K's {"question", "answer"} or MATH's {"problem",
+    "solution" or "answer"}; several: trained on together, each held out and judged on its own"""
     eval_dataset: str | None = None
-    """held-out prompts in the same format; default: the 'test' split of --dataset"""
+    """held-out prompts in the same format; default: the 'test' split of --dataset (of a single file: 1 in 10 of its rows)"""
+    prompt_field: str | None = None
+    """the column holding the prompt (default: prompt, question or problem)"""
+    answer_field: str | None = None
+    """the column holding the answer (default: answer or solution)"""
+    answer_kind: Literal["gsm8k", "math", "text"] | None = None
+    """how an answer is judged (reward.correct): gsm8k (the number after '####'), math (the last \\boxed{}, compared
+    by math-verify), text (the line after '####'); default: from the columns (MATH's: math) and the answers"""
+    prompt_template: str | None = None
+    """how a prompt is asked, {prompt} the row's; default: its kind's (data.py: GSM8K_PROMPT, MATH_PROMPT, ...)"""
+    system_prompt: str | None = None
+    """a system message before each prompt"""
     num_eval_prompts: int = 256
     """held-out prompts per evaluation (greedy)"""
     max_prompt_len: int = 256
@@ -119,10 +133,13 @@ class Args:
     overlong_filter: bool = False
     """mask truncated responses out of the loss (DAPO)"""
     # --- reward
+    reward: str | None = None
+    """FILE.py:function, your own (completion, answer) -> float instead of the built-in reward below (the accuracy
+    metrics still judge by --answer-kind)"""
     unformatted_credit: float = 0.25
-    """reward for a right final number that is not given as '#### N' (a right '#### N' earns 1.0)"""
+    """reward for a right answer not given in the asked format ('#### N', \\boxed{}); one in it earns 1.0"""
     format_weight: float = 0.0
-    """reward += format_weight when the response gives a '#### <number>' answer, right or wrong. Beware:
+    """reward += format_weight when the response gives its answer in the asked format, right or wrong. Beware:
     unconditional format reward is easy to hack (a small model learns to guess '#### 57')"""
     # --- tools (multi-turn rollouts)
     tools: str = ""
@@ -353,6 +370,8 @@ def check_args(args: Args, world_size: int):
         ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
         ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
         ("--tools", a.tools, all(t in TOOLS for t in a.tools.split(",") if t), f"a comma-separated list of {', '.join(TOOLS)}"),
+        ("--system-prompt", a.system_prompt, not (a.system_prompt and a.tools), "without --tools (the tools bring their own system "
+         "prompt and worked calls; put your instructions in --prompt-template)"),
         ("--max-turns", a.max_turns, a.max_turns >= 1, ">= 1"),
         ("--max-tool-reply-tokens", a.max_tool_reply_tokens, a.max_tool_reply_tokens >= 1, ">= 1"),
         ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
@@ -371,7 +390,7 @@ def main(args: Args):
     args = size_for_cpu(args, CPU_SIZES, "grpo.py")
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     check_args(args, world_size)
-    run_name = args.run_name or f"grpo-{os.path.basename(args.model.rstrip('/'))}-{os.path.basename(args.dataset.rstrip('/'))}-s{args.seed}"
+    run_name = args.run_name or f"grpo-{os.path.basename(args.model.rstrip('/'))}-{'+'.join(map(source_name, args.dataset))}-s{args.seed}"
     run_dir = os.path.join(args.output_dir, run_name)
     resume_from = checkpoint_to_resume(run_dir, args.resume)
     engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
@@ -382,31 +401,35 @@ def main(args: Args):
     sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p)
     greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)  # evaluation
 
-    # ---- ALGO: the task. How a question is asked (a template with {question}, then the chat template)
-    # and what a completion earns: any (completion, answer) -> float can be the reward.
-    addition = args.dataset in ("addition", "multiplication")
-    template = ADDITION_PROMPT if addition else GSM8K_PROMPT
-    context, tool_specs = tools_prompt(tokenizer, tools, template) if tools else (None, None)  # the tools, worked calls
+    # ---- ALGO: the task. How a prompt is asked (a template with {prompt}, then the chat template) and
+    # what a completion earns: any (completion, answer) -> float can be the reward (--reward FILE.py:function).
+    template = args.prompt_template  # None: each kind's own (data.py)
+    tools_template = template or (ADDITION_PROMPT if set(args.dataset) <= set(BUILTIN_TASKS) else GSM8K_PROMPT)
+    context, tool_specs = tools_prompt(tokenizer, tools, tools_template) if tools else (None, None)  # the tools, worked calls
     SANDBOX_LIMITS["seconds"] = args.tool_timeout_s
     tool_use = ToolUse(tools, tokenizer, ThreadPoolExecutor(args.tool_workers), max_turns=args.max_turns,
                        max_reply_tokens=args.max_tool_reply_tokens) if tools else None
-    answer_fn = int_match_reward if addition else gsm8k_reward  # (completion, answer, mode) -> 0/1
+    user_reward = load_reward(args.reward) if args.reward else None
 
-    def reward_fn(completion: str, answer: str) -> float:
-        """Credit for the format only comes with a right answer, so the policy can't score by
-        emitting '#### <guess>'."""
-        if answer_fn(completion, answer, "strict"):
-            correct = 1.0
+    def reward_fn(completion: str, answer: str, kind: str) -> float:
+        """Right by `kind`'s rule (reward.correct: the number after '####', the last \\boxed{}, ...): 1.0; right
+        but not in that format: unformatted_credit. Credit for the format only comes with a right answer,
+        so the policy can't score by emitting '#### <guess>'."""
+        if user_reward is not None:
+            return user_reward(completion, answer)
+        if correct(kind, completion, answer, "strict"):
+            right = 1.0
         else:
-            correct = args.unformatted_credit * answer_fn(completion, answer, "flexible")
-        return correct + args.format_weight * format_reward(completion)
+            right = args.unformatted_credit * correct(kind, completion, answer, "flexible")
+        return right + args.format_weight * format_reward(completion, kind)
 
     # ---- data: before any model loads, so a bad file fails fast --------------------------------------
     check_context(context_len, args.max_prompt_len, args.max_new_tokens,
                   tools_prompt=context_tokens(tokenizer, context, tool_specs))  # before SGLang starts
     train_prompts, eval_prompts, data_line = task_prompts(
-        tokenizer, args.dataset, args.eval_dataset, seed=args.seed, num_eval=args.num_eval_prompts,
-        max_prompt_len=args.max_prompt_len, template=template, context=context, tools=tool_specs)
+        tokenizer, list(args.dataset), args.eval_dataset, seed=args.seed, num_eval=args.num_eval_prompts,
+        max_prompt_len=args.max_prompt_len, template=template, system_prompt=args.system_prompt, prompt_field=args.prompt_field,
+        answer_field=args.answer_field, kind=args.answer_kind, context=context, tools=tool_specs)
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
     print0(f"data: {data_line} | {world_size} ranks, engine {engine_kind}")
     random.seed(seed_for(args.seed, "rank", rank))
@@ -491,9 +514,9 @@ def main(args: Args):
         launcher = f"torchrun --nproc_per_node={world_size}" if "RANK" in os.environ else "python"
         resume = (f"continue with: {launcher} {' '.join(sys.argv)}{'' if args.resume else ' --resume'}" if last_saved else
                   f"no checkpoint yet: start again with a new --run-name or after deleting {run_dir}")
-        print0(f"stopped by {signal.Signals(signum).name} after step {done}; {resume}")
         mem.close()
-        log.finish()
+        log.finish()  # curves.png too
+        print0(f"stopped by {signal.Signals(signum).name} after step {done}; {resume}")
         dist.destroy_process_group()
         raise SystemExit(128 + signum)
 
@@ -505,8 +528,8 @@ def main(args: Args):
         if signum := agreed_signal():  # a signal cut the evaluation short: not logged
             stop_now(signum, step, ahead.before if ahead else sampler.state_dict())  # not the batch in flight
         for s, i in zip(samples, share):
-            s.answer = eval_prompts.examples[i].answer
-        out = eval_stats(samples, answer_fn)
+            s.answer, s.kind, s.source = eval_prompts.examples[i].answer, eval_prompts.examples[i].kind, eval_prompts.examples[i].source
+        out = eval_stats(samples, sources=eval_prompts.sources)
         print0(log_line(f"eval after step {step}", out, EVAL_LINE + EVAL_TOOLS_LINE * bool(tools)))
         log.log({"step": step, **out})
 
@@ -549,9 +572,10 @@ def main(args: Args):
                 pending, ahead = ahead or send_rollout(step, rounds), None
                 samples = pending.result()
                 for k, (s, i) in enumerate(zip(samples, pending.sample_idx)):
-                    s.answer = train_prompts.examples[i].answer
+                    ex = train_prompts.examples[i]
+                    s.answer, s.kind, s.source = ex.answer, ex.kind, ex.source
                     s.group_id = (len(seen) + k) // args.group_size  # the same for the G samples of a prompt
-                    s.reward, s.reward_error = score(reward_fn, s.text, s.answer)
+                    s.reward, s.reward_error = score(lambda c, a: reward_fn(c, a, s.kind), s.text, s.answer)
                 groups = [samples[g * args.group_size:(g + 1) * args.group_size] for g in range(len(samples) // args.group_size)]
                 seen += samples
                 rounds += 1
@@ -572,7 +596,7 @@ def main(args: Args):
         # -- 3. SGLang sleeps, training state comes back
         sleep(engine, device=device, **phases)
 
-        metrics.update(rollout_stats(seen, answer_fn, pending.seconds if pending.ahead else mem.seconds["generate"]))
+        metrics.update(rollout_stats(seen, None, pending.seconds if pending.ahead else mem.seconds["generate"]))
         metrics["rollout/staleness"] = float(pending.ahead)  # updates between the sampling weights and the trained ones
         if tools:
             metrics.update(tool_stats(seen))

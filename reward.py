@@ -2,24 +2,36 @@
 
     gsm8k_reward(completion, "72")              # 1.0 if the extracted number equals 72
     int_match_reward(completion, "122")         # built-in addition task: exact integer match
-    format_reward(completion)                   # 1.0 if the completion gives a "#### <number>" answer
+    math_reward(completion, "\\frac{1}{2}")     # the last \\boxed{} equals it (math-verify: 0.5, 1/2 too)
+    text_reward(completion, "Paris")            # the text after '####', case and spaces aside
+    correct(kind, completion, answer, mode)     # the check of an Example's kind: int, gsm8k, math or text
+    format_reward(completion, kind)             # 1.0 if the completion gives its answer in the kind's format
     score(reward_fn, completion, answer)        # never raises: (reward, "") or (0.0, "ValueError: ...")
+    reward_fn = load_reward("my_reward.py:reward")  # your own (completion, answer) -> float, from a file
     rollout_stats(samples, answer_fn, seconds)  # a step's reward, accuracy, lengths, over all ranks
-    eval_stats(samples, answer_fn)              # held-out accuracy, over all ranks
+    eval_stats(samples, answer_fn, sources)     # held-out accuracy, over all ranks, and per source
 
 Two ways to find the final answer, as in lm-evaluation-harness's GSM8K:
-  strict:   the number after the last "####"      ("... so 5 + 7 = 12.\n#### 12" -> "12")
-  flexible: strict if present, else the last number in the text ("The answer is 1,234." -> "1234")
+  strict:   the number after the last "####"      ("... so 5 + 7 = 12.\\n#### 12" -> "12"); math: the last \\boxed{}
+  flexible: strict if present, else the last number in the text ("The answer is 1,234." -> "1234"); math:
+            what math-verify finds ("the final answer is ...", the last $...$); text: the last line ends in it
 """
 
+import functools
+import importlib.util
+import inspect
 import math
+import os
 import re
+import sys
+import threading
 from decimal import Decimal, InvalidOperation
 
 import torch
 import torch.distributed as dist
 
 from fsdp import all_reduce
+from preflight import InputError
 from runlog import print0
 
 # A number: optional sign, digits with optional thousands commas, optional decimals; or ".5".
@@ -81,10 +93,102 @@ def int_match_reward(completion: str, answer: str, mode: str = "strict") -> floa
     return float(predicted is not None and predicted.lstrip("-").isdigit() and int(predicted) == int(answer))
 
 
-def format_reward(completion: str) -> float:
-    """1.0 if the completion gives a '#### <number>' answer (what strict extraction reads), as
-    lm-evaluation-harness's strict match counts format; text after the answer is allowed."""
-    return float(extract_strict(completion) is not None)
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} or \\fbox{...}, nested braces matched ('\\boxed{\\frac{1}{2}}' ->
+    '\\frac{1}{2}'), or of '\\boxed 5' (to a '$' or the line's end); None if there is none, or it is empty or open."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    i = start + (6 if text.startswith("\\boxed", start) else 5)
+    if start < 0 or not text.startswith(("{", " "), i):
+        return None
+    if text[i] == " ":  # '\boxed 5'
+        return text[i:].split("$")[0].split("\n")[0].strip() or None
+    depth = 0
+    for j in range(i, len(text)):
+        depth += (text[j] == "{") - (text[j] == "}")
+        if depth == 0:
+            return text[i + 1:j].strip() or None
+    return None
+
+
+def math_verify():
+    """(parse, verify) of Hugging Face's math-verify, imported on first use."""
+    try:
+        from math_verify import parse, verify  # lazy: only for math answers
+    except ImportError:
+        raise InputError("math answers are checked with Hugging Face's math-verify: pip install math-verify") from None
+    return parse, verify
+
+
+def math_reward(completion: str, answer: str, mode: str = "strict", timeout_s: int = 5) -> float:
+    """1.0 if the completion's last \\boxed{} equals the LaTeX `answer` by math-verify: 1/2 = 0.5 = \\frac{1}{2},
+    2\\sqrt{2} = \\sqrt{8}, (0,1] != [0,1], 5 \\text{ cm} = 5. flexible: with no box, what math-verify finds itself
+    ('the final answer is ...', else the last $...$ or \\[...\\], else the last number).
+    A call takes at most about 3 * timeout_s: math-verify stops each parse and comparison with SIGALRM, which only
+    the main thread can set; in any other this raises (score() counts it), where it could hang."""
+    boxed = last_boxed(completion)
+    if boxed is None and mode == "strict":
+        return 0.0
+    return float(math_equal(completion if boxed is None else f"\\boxed{{{boxed}}}", answer, timeout_s))
+
+
+@functools.lru_cache(maxsize=1024)  # a reward's strict and flexible checks and the metrics ask the same question
+def math_equal(predicted: str, answer: str, timeout_s: int) -> bool:
+    """math-verify's verdict on the answer it finds in `predicted` against the LaTeX `answer`."""
+    parse, verify = math_verify()
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("math_reward runs in the main thread only: math-verify's timeout is a SIGALRM")
+    gold = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout_s)
+    return verify(gold, parse(predicted, parsing_timeout=timeout_s), timeout_seconds=timeout_s)
+
+
+def extract_text(completion: str) -> str | None:
+    """The rest of the line after the last '####', case-folded, spaces collapsed, a final '.' dropped; None if none."""
+    marker = completion.rfind("####")
+    return normalize_text(completion[marker + 4:].lstrip().split("\n")[0]) or None if marker >= 0 else None
+
+
+def normalize_text(text: str) -> str:
+    return " ".join(text.casefold().split()).rstrip(".")
+
+
+def text_reward(completion: str, answer: str, mode: str = "strict") -> float:
+    """Own tasks whose answer is not a number: 1.0 if the text after the last '####' equals `answer`, both
+    normalized as in extract_text. flexible: with no '####', the last non-empty line ends in the answer."""
+    predicted, target = extract_text(completion), normalize_text(answer)
+    if predicted is not None or mode == "strict":
+        return float(predicted == target)
+    last = normalize_text(([line for line in completion.splitlines() if line.strip()] or [""])[-1])
+    return float(bool(target) and (last == target or last.endswith(" " + target)))
+
+
+def correct(kind: str, completion: str, answer: str, mode: str = "strict") -> float:
+    """1.0 if `completion` gives `answer`, checked as an Example's `kind` says: 'int' (the built-in tasks),
+    'gsm8k' ('#### N', numerically), 'math' (\\boxed{}, math-verify) or 'text' ('#### <text>')."""
+    if mode not in ("strict", "flexible"):
+        raise ValueError(f"answer mode {mode!r} is unknown; use 'strict' or 'flexible'")
+    if kind == "int":
+        return int_match_reward(completion, answer, mode)
+    elif kind == "gsm8k":
+        return gsm8k_reward(completion, answer, mode)
+    elif kind == "math":
+        return math_reward(completion, answer, mode)
+    elif kind == "text":
+        return text_reward(completion, answer, mode)
+    raise ValueError(f"answer kind {kind!r} is unknown; use 'int', 'gsm8k', 'math' or 'text'")
+
+
+def gives_answer(completion: str, kind: str = "gsm8k") -> bool:
+    """The completion gives an answer in the kind's format (what strict extraction reads): math a \\boxed{},
+    text '#### <text>', else '#### <number>'; text after the answer is allowed."""
+    if kind == "math":
+        return last_boxed(completion) is not None
+    return (extract_text if kind == "text" else extract_strict)(completion) is not None
+
+
+def format_reward(completion: str, kind: str = "gsm8k") -> float:
+    """1.0 if the completion gives an answer in the kind's format (gives_answer), as lm-evaluation-harness's
+    strict match counts format."""
+    return float(gives_answer(completion, kind))
 
 
 def score(reward_fn, completion: str, answer: str) -> tuple[float, str]:
@@ -99,16 +203,48 @@ def score(reward_fn, completion: str, answer: str) -> tuple[float, str]:
         return 0.0, f"{type(e).__name__}: {e}"
 
 
+def load_reward(spec: str):
+    """'FILE.py:function' -> that function, imported from the file: your own reward `(completion, answer) -> float`,
+    with no edit of the script. A file or function that can't serve is an InputError naming `spec` and the fix."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name.isidentifier():
+        raise InputError(f"--reward {spec!r}: expected FILE.py:function, e.g. my_reward.py:reward")
+    if not path.endswith(".py"):
+        raise InputError(f"--reward {spec!r}: {path!r} is not a .py file; write the function in one")
+    if not os.path.isfile(path):
+        raise InputError(f"--reward {spec!r}: no such file {os.path.abspath(path)}")
+    module_spec = importlib.util.spec_from_file_location(f"user_reward_{name}", path)
+    module = sys.modules[module_spec.name] = importlib.util.module_from_spec(module_spec)  # dataclasses look it up
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise InputError(f"--reward {spec!r}: syntax error at {e.filename}:{e.lineno}: {e.msg}; fix the file") from None
+    if not hasattr(module, name):
+        functions = [k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
+        raise InputError(f"--reward {spec!r}: {path} has no {name!r}; its functions: {functions or 'none'}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise InputError(f"--reward {spec!r}: {name} is a {type(fn).__name__}; it must be a function (completion, answer) -> float")
+    try:
+        inspect.signature(fn).bind("completion", "answer")
+    except TypeError:
+        raise InputError(f"--reward {spec!r}: {name}{inspect.signature(fn)} can't be called as {name}(completion, answer)") from None
+    return fn
+
+
 # ----------------------------------------------------------------------------------------------
-# Task metrics, summed over ranks. answer_fn(completion, answer, mode) -> 0/1, mode "strict" or "flexible".
+# Task metrics, summed over ranks. answer_fn(completion, answer, mode) -> 0/1, mode "strict" or "flexible";
+# None: each sample judged by its own kind, correct(s.kind, ...).
 
 
-def judge(samples, answer_fn) -> dict[str, float]:
+def judge(samples, answer_fn=None) -> dict[str, float]:
     """Sums over this rank's samples: strict accuracy ('#### N' right), flexible accuracy (else the
-    last number), format ('#### N' present)."""
-    return {"strict": sum(score(lambda c, a: answer_fn(c, a, "strict"), s.text, s.answer)[0] for s in samples),
-            "flexible": sum(score(lambda c, a: answer_fn(c, a, "flexible"), s.text, s.answer)[0] for s in samples),
-            "format": sum(format_reward(s.text) for s in samples)}
+    last number), format ('#### N' present); each as the sample's kind has it, answer_fn or not."""
+    def right(s, mode):
+        check = (lambda c, a: answer_fn(c, a, mode)) if answer_fn else (lambda c, a: correct(s.kind, c, a, mode))
+        return score(check, s.text, s.answer)[0]
+    return {"strict": sum(right(s, "strict") for s in samples), "flexible": sum(right(s, "flexible") for s in samples),
+            "format": sum(gives_answer(s.text, s.kind) for s in samples)}
 
 
 def rollout_stats(samples, answer_fn, seconds: float) -> dict:
@@ -134,13 +270,18 @@ def rollout_stats(samples, answer_fn, seconds: float) -> dict:
             "perf/rollout_tokens_per_s": tot[9] / seconds}  # tokens the engine sampled
 
 
-def eval_stats(samples, answer_fn) -> dict:
-    """Greedy held-out accuracy of the samples of all ranks."""
-    counts = judge(samples, answer_fn)
-    tot = all_reduce(torch.tensor([counts["strict"], counts["flexible"], counts["format"], len(samples),
-                                   sum(bool(s.tool_calls) for s in samples)]))
-    return {"eval/strict_acc": float(tot[0] / tot[3]), "eval/flexible_acc": float(tot[1] / tot[3]),
-            "eval/format_rate": float(tot[2] / tot[3]), "eval/tool_used_frac": float(tot[4] / tot[3])}
+def eval_stats(samples, answer_fn=None, sources: list[str] = ()) -> dict:
+    """Greedy held-out accuracy of the samples of all ranks. With several `sources` (Prompts.sources: the same list
+    on every rank, so the reduced tensors agree), each one's too: eval/<source>/strict_acc, flexible_acc, format_rate."""
+    names = list(sources) if len(sources) > 1 else []
+    parts = [[s for s in samples if s.source == n] for n in names] + [[s for s in samples if s.source not in names]]
+    tot = all_reduce([[c["strict"], c["flexible"], c["format"], len(p), sum(bool(s.tool_calls) for s in p)]
+                      for p, c in ((p, judge(p, answer_fn)) for p in parts)])  # [sources + 1, 5]
+    out = {}
+    for key, row in [("eval", tot.sum(0))] + [(f"eval/{n}", row) for n, row in zip(names, tot) if row[3]]:
+        out |= {f"{key}/strict_acc": float(row[0] / row[3]), f"{key}/flexible_acc": float(row[1] / row[3]),
+                f"{key}/format_rate": float(row[2] / row[3])}
+    return out | {"eval/tool_used_frac": float(tot[:, 4].sum() / tot[:, 3].sum())}
 
 
 EVAL_LINE = [("eval strict acc", "eval/strict_acc", ".3f"), ("flexible acc", "eval/flexible_acc", ".3f"),

@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from data import ask
+
 # ----------------------------------------------------------------------------------------------
 # The tools
 
@@ -193,7 +195,7 @@ def tools_prompt(tokenizer, tools: dict, template: str = "{question}") -> tuple[
     for question, expression, result in EXAMPLES if name else []:
         argument, fmt = EXAMPLE_CALLS[name]
         call = json.dumps({"name": name, "arguments": {argument: fmt.format(expression)}})
-        messages += [{"role": "user", "content": template.format(question=question)},
+        messages += [{"role": "user", "content": ask(question, template)},
                      {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
                      {"role": "tool", "content": result},
                      {"role": "assistant", "content": f"{expression} = {result}\n#### {result}"}]

@@ -39,9 +39,9 @@ elif mode in ("nan_reward", "raising_reward"):
     calls, real = {"n": 0}, reward.format_reward
     per_step = int(os.environ.get("PATCH_SAMPLES_PER_STEP", "16"))
 
-    def format_reward(completion: str) -> float:  # reward_fn adds format_weight * this: NaN * 0 is NaN
+    def format_reward(completion: str, kind: str = "gsm8k") -> float:  # reward_fn adds format_weight * this: NaN * 0 is NaN
         if sys._getframe(1).f_code.co_name != "reward_fn":  # the metrics' own calls (reward.judge): the real one
-            return real(completion)
+            return real(completion, kind)
         calls["n"] += 1
         if mode == "raising_reward":
             raise RuntimeError("a buggy reward")

@@ -3,12 +3,13 @@
 import json
 import os
 import re
+import sys
 
 import pytest
 import torch
 
-from data import (GSM8K_PROMPT, Example, PromptSampler, Sample, addition_task, collate, load_examples, load_task,
-                  read_rows, seed_for, shard, tokenize_prompts)
+from data import (GSM8K_PROMPT, MATH_PROMPT, Example, PromptSampler, Sample, addition_task, ask, collate, load_examples,
+                  load_task, read_rows, seed_for, shard, tokenize_prompts)
 from preflight import InputError
 
 # The GSM8K copy in ../shared beside the checkout (CI has it there), or wherever GSM8K_DIR points.
@@ -66,11 +67,11 @@ def test_read_rows_non_object_and_wrong_suffix(tmp_path):
 
 
 def test_load_examples_file_parses_gsm8k_rows(tmp_path):
-    """The final answer is what follows '####', commas removed; the prompt is GSM8K_PROMPT."""
+    """The final answer is what follows '####', commas removed; the prompt is GSM8K_PROMPT; the source the file's name."""
     path = write_jsonl(tmp_path / "mine.jsonl", [row(" How much? ", "1000 + 234\n#### 1,234"), "", row()])
     examples = load_examples(path, "train")
-    assert examples == [Example(GSM8K_PROMPT.format(question="How much?"), "1234"),
-                        Example(GSM8K_PROMPT.format(question="How many?"), "4")]
+    assert examples == [Example(GSM8K_PROMPT.format(question="How much?"), "1234", "gsm8k", "mine"),
+                        Example(GSM8K_PROMPT.format(question="How many?"), "4", "gsm8k", "mine")]
 
 
 def test_missing_field_names_file_line_and_field(tmp_path):
@@ -317,3 +318,110 @@ def test_seed_for_gives_each_use_its_own_seed():
     assert seed_for(0, "sample", 1, 0, 0, 5) != seed_for(0, "update", 1, 0, 0, 5)
     seeds = [seed_for(7, "sample", step, k) for step in range(50) for k in range(20)]
     assert all(0 <= s < 2**31 for s in seeds) and len(set(seeds)) == len(seeds)
+
+
+# ----------------------------------------------------------------------------------------------
+# Own tasks, MATH, templates, several sources
+
+
+def write_rows(path, rows: list[dict]) -> str:
+    return write_jsonl(path, [json.dumps(r) for r in rows])
+
+
+def test_own_rows_text_and_numeric_answers(tmp_path):
+    """{"prompt", "answer"} rows: text answers are kind 'text', all-number answers 'gsm8k'; the text after a
+    '####' is the answer; the default template is GSM8K_PROMPT, {prompt} filled."""
+    text = load_examples(write_rows(tmp_path / "capitals.jsonl", [{"prompt": " Capital of France? ", "answer": "Paris"},
+                                                                  {"prompt": "Of Peru?", "answer": "Think.\n#### Lima"}]), "train")
+    assert text == [Example(GSM8K_PROMPT.format(question="Capital of France?"), "Paris", "text", "capitals"),
+                    Example(GSM8K_PROMPT.format(question="Of Peru?"), "Lima", "text", "capitals")]
+    numbers = load_examples(write_rows(tmp_path / "n.jsonl", [{"prompt": "a?", "answer": "1,500"}, {"prompt": "b?", "answer": 2}]),
+                            "train", "{prompt} Answer after ####.")
+    assert [(e.prompt, e.answer, e.kind) for e in numbers] == [("a? Answer after ####.", "1500", "gsm8k"),
+                                                              ("b? Answer after ####.", "2", "gsm8k")]
+
+
+def test_own_columns_kind_and_system_prompt(tmp_path):
+    path = write_rows(tmp_path / "own.jsonl", [{"instruction": "Say 1/2.", "output": "\\frac{1}{2}"}])
+    [ex] = load_examples(path, "train", "{question}!", prompt_field="instruction", answer_field="output", kind="math",
+                         system_prompt="Be brief.")
+    assert ex == Example([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say 1/2.!"}],
+                         "\\frac{1}{2}", "math", "own")
+    with pytest.raises(InputError, match=r"line 1: needs a 'prompt' string and an 'output' .*'instruction': 'str'.*--prompt-field"):
+        load_examples(path, "train", answer_field="output")
+    with pytest.raises(InputError, match="kind 'latex' .* is unknown"):
+        load_examples(path, "train", prompt_field="instruction", answer_field="output", kind="latex")
+
+
+def test_chat_message_prompts(tmp_path):
+    """A prompt given as chat messages: the template fills the last user message; a system prompt goes first,
+    unless the row has its own (an error); a list that is not chat messages is an error naming the line."""
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2+2?"}]
+    path = write_rows(tmp_path / "chat.jsonl", [{"prompt": chat, "answer": "4"}])
+    [ex] = load_examples(path, "train", "{prompt} Answer after ####.")
+    assert ex.prompt == chat[:2] + [{"role": "user", "content": "2+2? Answer after ####."}] and chat[2]["content"] == "2+2?"
+    system = [{"role": "system", "content": "Mine."}] + chat
+    with pytest.raises(InputError, match="line 1: has a system message, and --system-prompt adds another"):
+        load_examples(write_rows(tmp_path / "sys.jsonl", [{"prompt": system, "answer": "4"}]), "train", system_prompt="Yours.")
+    with pytest.raises(InputError, match="line 2: needs a 'prompt' string .* list of chat messages"):
+        load_examples(write_rows(tmp_path / "bad.jsonl", [{"prompt": chat, "answer": "4"},
+                                                          {"prompt": [{"role": "assistant", "content": "x"}], "answer": "4"}]), "train")
+
+
+def test_math_rows(tmp_path, monkeypatch):
+    """MATH: the answer is the last \\boxed{} of the solution (nested braces); MATH-500's 'answer' is taken as is and
+    wins over its 'solution'; the default template is MATH_PROMPT, and a literal \\boxed{} in a template stays."""
+    rows = [{"problem": "Half?", "solution": "First \\boxed{1}, no: $\\boxed{\\frac{1}{2}}$."},
+            {"problem": "Interval?", "solution": "\\fbox{(0,1]}"}]
+    examples = load_examples(write_rows(tmp_path / "math.jsonl", rows), "train")
+    assert [(e.prompt, e.answer, e.kind) for e in examples] == [(ask("Half?", MATH_PROMPT), "\\frac{1}{2}", "math"),
+                                                               (ask("Interval?", MATH_PROMPT), "(0,1]", "math")]
+    assert MATH_PROMPT.endswith("\\boxed{}.")
+    m500 = write_rows(tmp_path / "m500.jsonl", [{"problem": "P?", "solution": "\\boxed{2}", "answer": "\\sqrt{4}"}])
+    [ex] = load_examples(m500, "test", "{prompt} Box it: \\boxed{}.")
+    assert (ex.prompt, ex.answer) == ("P? Box it: \\boxed{}.", "\\sqrt{4}")
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # not installed: loading says so, before any training
+    with pytest.raises(InputError, match="pip install math-verify"):
+        load_examples(m500, "test")
+    monkeypatch.undo()
+    for solution in ("no box here", "\\boxed{\\frac{1}{2}"):
+        with pytest.raises(InputError, match=r"line 1: field 'solution' has no answer in a \\boxed"):
+            load_examples(write_rows(tmp_path / "bad.jsonl", [{"problem": "P?", "solution": solution}]), "train")
+
+
+def test_template_without_a_slot_is_an_error(tmp_path):
+    with pytest.raises(InputError, match="has no {prompt}"):
+        load_examples(write_jsonl(tmp_path / "a.jsonl", [row()]), "train", "Answer after ####.")
+    assert addition_task(0, template="Q: {prompt}")[1][0].prompt.startswith("Q: What is ")
+
+
+def test_several_sources(tmp_path):
+    """Train examples concatenated, each source's held-out part (num_eval each), tagged with their source."""
+    gsm = write_jsonl(tmp_path / "gsm.jsonl", [row(f"Q{i}?", f"#### {i}") for i in range(50)])
+    mth = write_rows(tmp_path / "math.jsonl", [{"problem": f"P{i}?", "answer": f"{i}"} for i in range(30)])
+    train, held, note = load_task([gsm, mth, "addition"], None, seed=0, num_eval=4)
+    assert len(train) == 46 + 27 + 7600 and [(e.source, e.kind) for e in held] == (
+        [("gsm", "gsm8k")] * 4 + [("math", "math")] * 3 + [("addition", "int")] * 4)
+    assert note.startswith(f"held out 4 of 50 rows of {gsm}") and "addition: 500 held-out pairs" in note
+    assert load_task([gsm], None, seed=0, num_eval=4) == load_task(gsm, None, seed=0, num_eval=4)
+    with pytest.raises(InputError, match=r"share a short name \(\['gsm', 'gsm'\]\)"):
+        load_task([gsm, str(tmp_path / "gsm.jsonl")], None, seed=0, num_eval=4)
+    with pytest.raises(InputError, match="goes with one dataset"):
+        load_task([gsm, mth], gsm, seed=0, num_eval=4)
+
+
+def test_task_prompts_of_several_sources_and_chat_prompts(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from data import prompt_tokens, task_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    mth = write_rows(tmp_path / "math.jsonl", [{"problem": f"P{i}?", "answer": f"{i}"} for i in range(30)])
+    train, held, line = task_prompts(tokenizer, ["addition", mth], None, seed=0, num_eval=5, max_prompt_len=256,
+                                     system_prompt="Be brief.")
+    assert (len(train.ids), len(held.ids), held.sources) == (7600 + 27, 8, ["addition", "math"])
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ask("P0?", MATH_PROMPT)}]
+    assert prompt_tokens(tokenizer, messages) == tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                               tokenize=True, return_dict=False)
+    assert held.examples[5].prompt[1]["content"].endswith("\\boxed{}.") and held.ids[5] == prompt_tokens(
+        tokenizer, held.examples[5].prompt)

@@ -154,3 +154,168 @@ def test_task_metrics_by_hand_without_a_process_group():
     stats = rollout_stats(samples, gsm8k_reward, seconds=2.0)
     assert float(stats["rollout/reward_mean"]) == 1.25 / 3 and float(stats["rollout/response_len_max"]) == 6
     assert float(stats["rollout/truncated_frac"]) == 1 / 3 and float(stats["perf/rollout_tokens_per_s"]) == 6.0
+
+
+# ----------------------------------------------------------------------------------------------
+# MATH: the last \boxed{}, compared by math-verify; own text answers; the check of each kind
+
+
+@pytest.mark.parametrize("text, expected", [
+    (r"so \boxed{\frac{1}{2}}.", r"\frac{1}{2}"),                  # nested braces
+    (r"\boxed{1} then \boxed{\{1, 2\}}", r"\{1, 2\}"),             # the last box; escaped braces balance
+    (r"\fbox{7}", "7"),
+    ("$\\boxed 5$ apples", "5"),                                   # MATH's '\boxed 5': up to the '$'
+    (r"\boxed{}", None),                                          # empty
+    (r"\boxed{\frac{1}{2}", None),                                # never closes (a truncated completion)
+    ("no box", None),
+])
+def test_last_boxed(text, expected):
+    from reward import last_boxed
+
+    assert last_boxed(text) == expected
+
+
+@pytest.mark.parametrize("answer, completion, expected", [
+    (r"\frac{1}{2}", r"\boxed{0.5}", 1.0),
+    (r"\frac{1}{2}", r"\boxed{1/2}", 1.0),
+    ("0.5", r"so \boxed{\dfrac12}", 1.0),
+    (r"2\sqrt{2}", r"\boxed{\sqrt{8}}", 1.0),
+    ("(0,1]", r"\boxed{(0, 1]}", 1.0),
+    ("(0,1]", r"\boxed{[0,1]}", 0.0),                              # the closed interval is another answer
+    (r"\text{(C)}", r"\boxed{\text{(C)}}", 1.0),
+    (r"\text{(C)}", r"\boxed{\text{(D)}}", 0.0),
+    (r"5 \text{ cm}", r"\boxed{5}", 1.0),                           # units aside
+    ("5", r"\boxed{5\text{ cm}}", 1.0),
+    ("3", r"\boxed{4}", 0.0),                                       # wrong
+    ("3", r"\boxed{4} ... no wait, \boxed{3}", 1.0),                # the last box counts
+    ("3", "The answer is $3$.", 0.0),                               # strict: no box, no credit
+])
+def test_math_reward_strict(answer, completion, expected):
+    from reward import math_reward
+
+    assert math_reward(completion, answer) == expected
+
+
+def test_math_reward_flexible_reads_what_math_verify_finds_without_a_box():
+    from reward import math_reward
+
+    assert math_reward("We get $x = 1$, so the answer is $\\frac{1}{2}$.", "0.5", "flexible") == 1.0
+    assert math_reward("The final answer is 3. Earlier we had $5$.", "3", "flexible") == 1.0
+    assert math_reward(r"\boxed{4}, though the final answer is 3", "3", "flexible") == 0.0  # a box wins
+    assert math_reward("no math here", "3", "flexible") == 0.0
+
+
+def test_math_reward_cannot_stall_and_refuses_threads():
+    """A pathological answer is cut off by math-verify's timeout (SIGALRM, main thread only); in a thread the
+    call raises, and score() counts it, rather than running without a timeout."""
+    import threading
+    import time
+
+    from reward import math_reward
+
+    t = time.time()
+    assert math_reward(r"\boxed{10^{10^{10^{10}}}}", "1", timeout_s=1) == 0.0
+    assert time.time() - t < 10
+    out = []  # (an answer not checked before: a cached one would need no math-verify, and no timeout)
+    thread = threading.Thread(target=lambda: out.append(score(math_reward, r"\boxed{17}", "17")))
+    thread.start(), thread.join()
+    assert out[0][0] == 0.0 and "main thread" in out[0][1]
+
+
+def test_math_verify_missing_says_how_to_install(monkeypatch):
+    import sys
+
+    from preflight import InputError
+    from reward import math_reward
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # import math_verify now raises ImportError
+    with pytest.raises(InputError, match="pip install math-verify"):
+        math_reward(r"\boxed{18}", "18")
+
+
+@pytest.mark.parametrize("completion, mode, expected", [
+    ("It is in France.\n#### Paris", "strict", 1.0),
+    ("####   PARIS.\nDone", "strict", 1.0),                         # case, spaces and a final '.' aside
+    ("#### Lyon", "flexible", 0.0),                                 # a '####' answer wins in flexible mode too
+    ("The answer is Paris.", "strict", 0.0),
+    ("The answer is Paris.", "flexible", 1.0),                      # the last line ends in the answer
+    ("Paris, then Lyon.", "flexible", 0.0),
+])
+def test_text_reward(completion, mode, expected):
+    from reward import text_reward
+
+    assert text_reward(completion, "Paris", mode) == expected
+
+
+def test_correct_picks_the_check_of_each_kind():
+    from reward import correct
+
+    assert correct("int", "#### 122", "122") == correct("gsm8k", "#### 1,234.0", "1234") == 1.0
+    assert correct("text", "#### 1,234", "1234") == 0.0  # text: no numeric reading
+    assert correct("math", r"\boxed{\frac{2}{4}}", "0.5") == correct("text", "#### yes", "Yes") == 1.0
+    assert correct("text", "yes", "Yes", "flexible") == 1.0 and correct("text", "yes", "Yes") == 0.0
+    with pytest.raises(ValueError, match="kind 'latex' is unknown"):
+        correct("latex", "", "1")
+    with pytest.raises(ValueError, match="mode 'loose' is unknown"):
+        correct("text", "", "1", "loose")
+
+
+def test_format_reward_of_each_kind():
+    assert format_reward(r"\boxed{x}", "math") == 1.0 and format_reward("#### 5", "math") == 0.0
+    assert format_reward("#### Paris", "text") == 1.0 and format_reward("####  \n", "text") == 0.0
+    assert format_reward("#### Paris") == 0.0 and format_reward("#### 5", "int") == 1.0
+
+
+def test_eval_stats_of_mixed_sources():
+    """Each sample judged by its own kind; per-source keys when there are several sources; a source with no
+    samples anywhere has no keys."""
+    from data import Sample
+    from reward import eval_stats
+
+    def sample(text, answer, kind, source):
+        return Sample([1], [2], [0.0], truncated=False, answer=answer, text=text, kind=kind, source=source)
+
+    samples = [sample("#### 12", "12", "gsm8k", "gsm8k"), sample("it is 12", "12", "gsm8k", "gsm8k"),
+               sample(r"\boxed{0.5}", r"\frac{1}{2}", "math", "math"), sample(r"\boxed{3}", "2", "math", "math")]
+    out = eval_stats(samples, sources=["gsm8k", "math", "empty"])
+    assert out == {"eval/strict_acc": 0.5, "eval/flexible_acc": 0.75, "eval/format_rate": 0.75,
+                   "eval/gsm8k/strict_acc": 0.5, "eval/gsm8k/flexible_acc": 1.0, "eval/gsm8k/format_rate": 0.5,
+                   "eval/math/strict_acc": 0.5, "eval/math/flexible_acc": 0.5, "eval/math/format_rate": 1.0,
+                   "eval/tool_used_frac": 0.0}
+    assert eval_stats(samples, sources=["gsm8k"]).keys() == {"eval/strict_acc", "eval/flexible_acc", "eval/format_rate",
+                                                            "eval/tool_used_frac"}  # one source: no per-source keys
+
+
+# ----------------------------------------------------------------------------------------------
+# load_reward: your own reward from a file
+
+
+def test_load_reward_imports_a_function_from_a_file(tmp_path):
+    from reward import load_reward
+
+    path = tmp_path / "my_reward.py"
+    path.write_text("def reward(completion, answer):\n    return float(answer in completion)\n")
+    fn = load_reward(f"{path}:reward")
+    assert fn("the answer is 7", "7") == 1.0 and score(fn, "none", "7") == (0.0, "")
+
+
+@pytest.mark.parametrize("content, spec, message", [
+    (None, "{path}", "expected FILE.py:function"),
+    (None, "{dir}/missing.py:reward", "no such file"),
+    (None, "{dir}/r.txt:reward", "is not a .py file"),
+    ("def other(c, a):\n    return 0.0\n", "{path}:reward", r"has no 'reward'; its functions: \['other'\]"),
+    ("reward = 1.0\n", "{path}:reward", "reward is a float; it must be a function"),
+    ("def reward(completion):\n    return 0.0\n", "{path}:reward", r"reward\(completion\) can't be called as reward\(completion, answer\)"),
+    ("x = 1\ndef reward(c, a)\n    return 0.0\n", "{path}:reward", r"syntax error at .*r.py:2: "),
+])
+def test_load_reward_errors_name_the_spec_and_the_fix(tmp_path, content, spec, message):
+    from preflight import InputError
+    from reward import load_reward
+
+    path = tmp_path / "r.py"
+    if content is not None:
+        path.write_text(content)
+    spec = spec.format(path=path, dir=tmp_path)
+    with pytest.raises(InputError, match=message) as e:
+        load_reward(spec)
+    assert f"--reward {spec!r}" in str(e.value)

@@ -233,3 +233,25 @@ def test_fsdp_sums_gradients_over_ranks(tiny_model_dir):
                            "tests/fsdp_sum_check.py", tiny_model_dir], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and "gradients match" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_own_task_and_math_mixed_with_a_reward_file(trained_tiny_model_dir, tmp_path):
+    """The README's own-task recipe, as a user runs it: rows of {"prompt", "answer"} beside MATH rows,
+    each source judged by its kind and held out on its own (eval/<source>/...), a reward from a file."""
+    (tmp_path / "capitals.jsonl").write_text("\n".join(json.dumps({"prompt": f"Name the capital of {c}.", "answer": a})
+                                                      for c, a in [("Australia", "Canberra"), ("Canada", "Ottawa")] * 10))
+    (tmp_path / "mathrows.jsonl").write_text("\n".join(json.dumps({"problem": f"What is ${a}+{b}$?",
+                                                                   "solution": f"It is $\\boxed{{{a + b}}}$."})
+                                                       for a in range(10, 14) for b in range(20, 25)))
+    (tmp_path / "mine.py").write_text("def reward(completion, answer):\n    return float(answer.lower() in completion.lower())\n")
+    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--dataset", str(tmp_path / "capitals.jsonl"), str(tmp_path / "mathrows.jsonl"),
+                    "--reward", f"{tmp_path / 'mine.py'}:reward", "--steps", "2", "--eval-every", "2", "--num-eval-prompts", "2")
+    train, evals = metrics(tmp_path)
+    assert {"eval/capitals/strict_acc", "eval/mathrows/strict_acc", "eval/strict_acc"} <= set(evals[-1])
+    assert all(r["rollout/reward_errors"] == 0 for r in train)  # the file's function scored every sample
+    assert "held out 2 of 20 rows of" in proc.stdout and "eval after step 2" in proc.stdout
+
+
+def test_reward_file_errors_name_the_spec(tiny_model_dir, tmp_path):
+    proc = run_grpo(tiny_model_dir, tmp_path, "--reward", "nowhere.py:reward", expect_ok=False)
+    assert proc.returncode == 2 and "--reward 'nowhere.py:reward': no such file" in proc.stderr and not os.path.exists(tmp_path / "r")
