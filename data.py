@@ -415,7 +415,14 @@ class Batch:
         return self.input_ids.shape[0]
 
     def select(self, rows: torch.Tensor) -> "Batch":
-        """Rows `rows`, with the columns cut to their longest sequence (less padding per micro-batch)."""
+        """Rows `rows`, with the columns cut to their longest sequence (less padding per micro-batch).
+        No rows: a stand-in, row 0 with its masks zero, for a rank that runs fewer packed micro-batches
+        than another: it adds nothing to a loss, but its forward and backward join FSDP's collectives."""
+        if len(rows) == 0:
+            out = self.select(torch.zeros(1, dtype=torch.long))
+            out.response_mask = torch.zeros_like(out.response_mask)
+            out.loss_mask = None if out.loss_mask is None else torch.zeros_like(out.loss_mask)
+            return out
         T, t = self.input_ids.shape[1], int(self.attention_mask[rows].sum(-1).max())
 
         def cut(x):

@@ -4,7 +4,10 @@
     model = load_model(path, device, dtype=torch.float32, gradient_checkpointing=True)
     shard_model(model, param_dtype=torch.bfloat16)        # FSDP2: each decoder layer, then the root
     logp, entropy = token_logprobs(model, ids, mask, temperature=1.0, with_entropy=True)   # [B, T-1]
+    logp, _ = token_logprobs(model, ids, mask, temperature=1.0, packed=True)  # the same: real tokens in one row
     old_logp = batch_logprobs(model, batch, micro_batch_size=8, temperature=1.0, device=device)
+    for rows in micro_batches(rows, lengths, size=8, max_tokens=8192):  # packed: <= 8192 tokens, as many on all ranks
+    utilization = mfu(6 * matmul_params(model), tokens, seconds, peak_flops(gpu_name), world_size)
     total = all_reduce(local_sum)                         # over ranks; the identity in a notebook
 
 PLUMBING: a reader of the algorithm can take these as given.
@@ -134,49 +137,123 @@ def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16):
     return model
 
 
+def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False):
+    """model(...).logits of a right-padded micro-batch [b, t], the ids they score, and `unpack`: per-token
+    values of the next-token positions -> [b, t-1] (padded: the identity).
+
+    packed: the rows' real tokens in one row [1, n], no padding, positions restarting at 0 in each
+    sequence. With attention_mask None, transformers reads the restarts as sequence boundaries
+    (masking_utils.find_packed_sequence_indices) and keeps attention within each: sdpa and eager by a
+    block-diagonal causal mask [1, 1, n, n] (n^2 memory; all n^2 pairs computed), flex_attention by a
+    block mask that skips the other sequences' blocks, flash_attention_2 by per-sequence lengths.
+    """
+    if not packed:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [b, t, V]
+        return logits, input_ids, lambda x: x
+    real = attention_mask.bool()                                         # [b, t]
+    rows, cols = real.nonzero(as_tuple=True)  # [n] each, row by row (a CPU-GPU sync point: n is data-dependent)
+    ids = input_ids[rows, cols][None]                                    # [1, n]
+    positions = (real.cumsum(-1) - 1)[rows, cols][None]                  # [1, n]: 0, 1, ... in each sequence
+    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits  # [1, n, V]
+    # packed position j predicts token j+1: a target of its own sequence unless j is the sequence's last token
+    own = rows[1:] == rows[:-1]                                          # [n-1]
+    at = (rows[:-1][own], cols[:-1][own])
+
+    def unpack(x):  # [1, n-1] -> [b, t-1], zero past each sequence's end; gradients flow back through it
+        return x.new_zeros(input_ids.shape[0], input_ids.shape[1] - 1).index_put(at, x[0][own])
+    return logits, ids, unpack
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-                   with_entropy: bool = False, entropy_grad: bool = False):
+                   with_entropy: bool = False, entropy_grad: bool = False, packed: bool = False):
     """Log-prob of each next token under `model` at sampling temperature `temperature`.
 
     Returns logp [B, T-1] (logp[:, t] scores input_ids[:, t+1]) and, if asked, the entropy of the
     next-token distribution [B, T-1]: a metric without gradient, unless `entropy_grad` (an entropy
     bonus; it keeps a [B, T, V] graph alive). Dividing by the temperature matters: SGLang reports
-    log-probs of the distribution it sampled from, softmax(logits / T).
+    log-probs of the distribution it sampled from, softmax(logits / T). `packed`: one forward over the
+    rows without padding (forward_tokens), the same numbers on the real tokens, zero past them.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, V]
+    logits, ids, unpack = forward_tokens(model, input_ids, attention_mask, packed)  # [B, T, V] or [1, N, V]
     # fp32 for the softmax: bf16 log-probs are off by ~1e-2, enough to skew the PPO ratio.
     logits = logits[:, :-1].float() / temperature                        # [B, T-1, V]
-    target = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1)      # [B, T-1]
+    target = logits.gather(-1, ids[:, 1:, None]).squeeze(-1)            # [B, T-1]
     logsumexp = torch.logsumexp(logits, dim=-1)                          # [B, T-1]
     logp = target - logsumexp
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             probs = torch.softmax(logits, dim=-1)
-            entropy = logsumexp - (probs * logits).sum(-1)                # [B, T-1]
-    return logp, entropy
+            entropy = unpack(logsumexp - (probs * logits).sum(-1))        # [B, T-1]
+    return unpack(logp), entropy
 
 
-def micro_batches(n: int, size: int) -> list[torch.Tensor]:
-    """Row indices [0, n) cut into chunks of `size` (the last may be smaller)."""
-    return list(torch.arange(n).split(size))
+def pack_rows(lengths: list[int], max_tokens: int, count: int = 0) -> list[list[int]]:
+    """Indices into `lengths` in bins of at most max_tokens tokens (a longer sequence alone in one), at least
+    `count` bins (empty ones fill up), loads balanced, the heaviest bin first, each bin's indices in order.
+
+    First-fit decreasing finds how many bins the budget needs; then, longest first, each sequence goes
+    into the emptiest bin (LPT), which balances them. Where LPT would overflow a bin, FFD's bins stand.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    ffd = []  # [tokens, indices] per bin
+    for i in order:
+        fit = next((b for b in ffd if b[0] + lengths[i] <= max_tokens), None)
+        if fit is None:
+            fit = [0, []]
+            ffd.append(fit)
+        fit[0] += lengths[i]
+        fit[1].append(i)
+    k = max(count, len(ffd))
+    bins = [[0, []] for _ in range(k)]
+    for i in order:
+        emptiest = min(bins, key=lambda b: b[0])
+        if emptiest[1] and emptiest[0] + lengths[i] > max_tokens:
+            bins = ffd + [[0, []] for _ in range(k - len(ffd))]
+            break
+        emptiest[0] += lengths[i]
+        emptiest[1].append(i)
+    return [sorted(b[1]) for b in sorted(bins, key=lambda b: -b[0])]
+
+
+def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, max_tokens: int = 0) -> list[torch.Tensor]:
+    """`rows` of a batch cut into micro-batches: `size` rows each (the last may be smaller), or with
+    max_tokens > 0 at most max_tokens tokens each (`lengths`: every row's tokens; pack_rows).
+
+    PLUMBING: FSDP2 all-gathers each layer in every forward and reduce-scatters in every backward, so
+    every rank must run as many micro-batches: the most any rank's rows need (one all_reduce); a rank
+    with fewer gets empty ones, which Batch.select turns into stand-ins that add nothing to a loss.
+    Rows stay on their rank: ranks differ in tokens as much as their rollouts do. The same rows in any
+    order pack the same way: a one-mini-batch update sees the log-prob pass's numbers, ratio 1 exactly.
+    """
+    if max_tokens <= 0:
+        return list(rows.split(size))
+    rows = rows.sort().values
+    lens = lengths[rows].tolist()
+    count = int(all_reduce(len(pack_rows(lens, max_tokens)), dist.ReduceOp.MAX))
+    return [rows[torch.tensor(b, dtype=torch.long)] for b in pack_rows(lens, max_tokens, count)]
 
 
 @torch.no_grad()
-def batch_forward(fn, batch, micro_batch_size: int, device, progress=iter) -> torch.Tensor:
-    """fn(micro-batch) -> [b, t-1] over a whole Batch, micro-batch by micro-batch, without gradient.
-    [B, T-1] on the CPU, zero past each micro-batch's longest sequence."""
+def batch_forward(fn, batch, micro_batch_size: int, device, progress=iter, max_tokens: int = 0) -> torch.Tensor:
+    """fn(micro-batch) -> [b, t-1] over a whole Batch, micro-batch by micro-batch (micro_batches), without
+    gradient. [B, T-1] on the CPU, zero past each micro-batch's longest sequence."""
     out = torch.zeros_like(batch.response_mask)
-    for rows in progress(micro_batches(len(batch), micro_batch_size)):
-        mb = batch.select(rows).to(device)
-        out[rows, :mb.input_ids.shape[1] - 1] = fn(mb).cpu()
+    lengths = batch.attention_mask.sum(-1)  # [B]
+    for rows in progress(micro_batches(torch.arange(len(batch)), lengths, micro_batch_size, max_tokens)):
+        mb = batch.select(rows).to(device)  # no rows: a stand-in, run for FSDP's collectives only
+        y = fn(mb).cpu()                    # [b, t-1]
+        out[rows, :y.shape[1]] = y[:len(rows)]
     return out
 
 
-def batch_logprobs(model, batch, micro_batch_size: int, temperature: float, device, progress=iter) -> torch.Tensor:
-    """token_logprobs over a whole Batch, without gradient. [B, T-1] on the CPU."""
-    return batch_forward(lambda mb: token_logprobs(model, mb.input_ids, mb.attention_mask, temperature)[0],
-                         batch, micro_batch_size, device, progress)
+def batch_logprobs(model, batch, micro_batch_size: int, temperature: float, device, progress=iter,
+                   max_tokens: int = 0) -> torch.Tensor:
+    """token_logprobs over a whole Batch, without gradient; max_tokens > 0: packed micro-batches of at most
+    that many tokens. [B, T-1] on the CPU."""
+    return batch_forward(lambda mb: token_logprobs(model, mb.input_ids, mb.attention_mask, temperature,
+                                                   packed=max_tokens > 0)[0],
+                         batch, micro_batch_size, device, progress, max_tokens)
 
 
 def clip_and_step(model, optimizer, scheduler, max_grad_norm: float) -> float:
@@ -190,6 +267,40 @@ def clip_and_step(model, optimizer, scheduler, max_grad_norm: float) -> float:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+# ----------------------------------------------------------------------------------------------
+# Throughput
+
+# Dense (no sparsity) bf16 tensor-core FLOP/s per GPU, NVIDIA's datasheets; the first name found in
+# torch.cuda.get_device_name wins ("H100 PCIe" before "H100", the SXM part).
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100", 989e12),
+                   ("H200", 989e12), ("A100", 312e12)]
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s of the GPU called `device_name`; None for a CPU ("") or a GPU not in
+    the table, and then no MFU is logged rather than a made-up one."""
+    return next((flops for name, flops in PEAK_BF16_FLOPS if name in device_name), None)
+
+
+def matmul_params(model) -> int:
+    """Parameters that take part in a matmul for every token: all but the input embedding (a lookup),
+    unless the output head shares its weight."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    total = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole tensor's
+    return total if head is not None and head.weight is embedding.weight else total - embedding.weight.numel()
+
+
+def mfu(flops_per_token: float, tokens: float, seconds: float, peak: float, world_size: int) -> float:
+    """Model FLOPs utilization: flops_per_token * tokens (summed over ranks) / seconds / (world_size * peak).
+
+    flops_per_token is Kaplan et al.'s 2N for a forward, 6N for forward and backward, N the matmul
+    parameters: attention's own FLOPs (which grow with the sequence length) are not counted, nor is the
+    forward that gradient checkpointing recomputes (8N of hardware FLOPs: MFU counts the model's, not
+    the hardware's). Tokens are real ones: padding is not work the model needed.
+    """
+    return flops_per_token * tokens / seconds / (world_size * peak)
 
 
 def lr_lambda(warmup_steps: int, schedule: str, min_lr_ratio: float, total_steps: int):

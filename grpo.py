@@ -13,7 +13,7 @@ Variants, all flags: std scaling off + --loss-agg seq-mean-token-sum-norm (Dr.GR
 (clip-higher, DAPO), --dynamic-sampling, --overlong-filter, --beta > 0 with --kl-estimator k1/k2/k3
 in the loss or (--kl-in-reward) in the reward.
 What it simplifies: every rank loads the full checkpoint on CPU before sharding; sequences are
-right-padded per micro-batch (no packing); one Adam for the whole model.
+right-padded per micro-batch unless --max-tokens-per-micro-batch packs them; one Adam for the whole model.
 """
 
 import math
@@ -35,7 +35,7 @@ from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, source_name,
                   task_prompts)
 from fsdp import (all_reduce, all_reduce_dict, batch_logprobs, clip_and_step, init_distributed, load_model, lr_lambda,
-                  shard_model, token_logprobs)
+                  matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score
@@ -103,6 +103,9 @@ class Args:
     """gradient clipping by global norm"""
     micro_batch_size: int = 8
     """sequences per forward/backward per rank (gradient accumulation over micro-batches)"""
+    max_tokens_per_micro_batch: int = 0
+    """> 0: micro-batches by tokens instead, at most this many per rank (one longer sequence alone), the sequences
+    packed into one row without padding (fsdp.forward_tokens; see --attn-implementation); 0: --micro-batch-size"""
     num_minibatches: int = 1
     """optimizer steps per epoch over the rollout batch"""
     epochs: int = 1
@@ -159,7 +162,8 @@ class Args:
     offload: bool = False
     """move parameters and optimizer state to CPU while SGLang generates"""
     attn_implementation: str = "sdpa"
-    """transformers attention for training ('flash_attention_2' if flash-attn is installed)"""
+    """transformers attention for training ('flash_attention_2' if flash-attn is installed); packed, sdpa computes all
+    n^2 token pairs of a micro-batch, flex_attention (GPU) only each sequence's own (README: packing)"""
     rollout_engine: Literal["auto", "sglang", "hf"] = "auto"
     """'sglang' (GPU), 'hf' (plain transformers, CPU tests), 'auto': sglang when CUDA is available"""
     rollout_tp: int = 1
@@ -338,6 +342,7 @@ def check_args(args: Args, world_size: int):
         ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
         ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
         ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
+        ("--max-tokens-per-micro-batch", a.max_tokens_per_micro_batch, a.max_tokens_per_micro_batch >= 0, ">= 0 (0: off)"),
         ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
         ("--num-minibatches", a.num_minibatches, a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
          f">= 1 and divide the {per_rank} samples per rank"),
@@ -475,6 +480,8 @@ def main(args: Args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
     # PLUMBING: what the memory phases move around the engine (memory.py)
     phases = dict(models=[m for m in (policy, ref) if m is not None], optimizers=[optimizer], offload=args.offload, mem=mem)
+    # for MFU (fsdp.mfu): the GPU's peak FLOP/s (None on a CPU or a GPU not in fsdp's table), the policy's size
+    peak, n_params = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else ""), matmul_params(policy)
     startup["model_s"] = time.time() - t0
 
     # ---- resume ----------------------------------------------------------------------------------
@@ -547,6 +554,7 @@ def main(args: Args):
 
     # ---- the loop ----------------------------------------------------------------------------------
     local_prompts = args.prompts_per_step // world_size
+    max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
     tis_cap = args.tis_cap if args.tis_cap is not None else 2.0 * args.async_rollout  # 0: off
     ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
     for step in range(start_step + 1, args.steps + 1):
@@ -608,14 +616,16 @@ def main(args: Args):
             # -- 4. the batch: old log-probs from the training model, reference log-probs if beta > 0
             flat = [s for g in kept for s in g]
             batch = collate(flat, pad_id)
+            lengths = batch.attention_mask.sum(-1)                                           # [B] real tokens
             batch.loss_mask = batch.response_mask.clone()
             if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
                 batch.loss_mask[torch.tensor([s.truncated for s in flat])] = 0.0
             with mem.phase("logprob"):
                 batch.old_logprobs = batch_logprobs(policy, batch, args.micro_batch_size, args.temperature, device,
-                                                    lambda x: progress(x, "log-probs", rank))
+                                                    lambda x: progress(x, "log-probs", rank), max_tokens)
                 if ref is not None:
-                    batch.ref_logprobs = batch_logprobs(ref, batch, args.micro_batch_size, args.temperature, device)
+                    batch.ref_logprobs = batch_logprobs(ref, batch, args.micro_batch_size, args.temperature, device,
+                                                        max_tokens=max_tokens)
             metrics["rollout/logprob_abs_diff"] = logprob_gap(batch)  # sampler vs trainer: sync check
 
             # -- 5. advantages
@@ -641,10 +651,11 @@ def main(args: Args):
                         # global counts, once per mini-batch: every rank normalizes by the whole mini-batch
                         num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
                         num_seqs = float(all_reduce((batch.loss_mask[mini].sum(-1) > 0).sum()))  # filtered rows don't count
-                        for rows in progress(mini.split(args.micro_batch_size), f"update {epoch + 1}/{args.epochs}", rank):
+                        mbs = micro_batches(mini, lengths, args.micro_batch_size, max_tokens)  # as many on every rank
+                        for rows in progress(mbs, f"update {epoch + 1}/{args.epochs}", rank):
                             mb = batch.select(rows).to(device)                                       # [b, t] fields
                             logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature,
-                                                           with_entropy=True)                          # [b, t-1] each
+                                                           with_entropy=True, packed=max_tokens > 0)   # [b, t-1] each
                             loss, stats = grpo_loss(logp, entropy, mb, clip_low=args.clip_low, clip_high=args.clip_high,
                                                     kl_coef=0.0 if args.kl_in_reward else args.beta,
                                                     kl_estimator=args.kl_estimator, loss_agg=args.loss_agg,
@@ -656,14 +667,18 @@ def main(args: Args):
                         grad_norms.append(clip_and_step(policy, optimizer, scheduler, args.max_grad_norm))
 
             totals = all_reduce_dict(totals)  # a CPU-GPU sync point, once per step
-            tokens = totals["tokens"].clamp(min=1)
+            tokens, real_tokens = totals["tokens"].clamp(min=1), float(all_reduce(lengths.sum()))
             metrics.update({
                 "train/loss": totals["loss"] / (args.epochs * args.num_minibatches), "train/clip_frac": totals["clip_frac"] / tokens,
                 "train/kl": totals["kl"] / tokens, "train/entropy": totals["entropy"] / tokens,
                 "train/approx_kl": totals["approx_kl"] / tokens, "train/grad_norm": sum(grad_norms) / len(grad_norms),
                 "train/lr": scheduler.get_last_lr()[0], "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms),
-                "perf/tokens_per_s": all_reduce(batch.attention_mask.sum()) / (time.time() - t_step),
+                "perf/tokens_per_s": real_tokens / (time.time() - t_step),
             })
+            if peak:  # PLUMBING: model FLOPs utilization of the two phases (fsdp.mfu), on a GPU of known peak only
+                metrics["perf/logprob_mfu"] = mfu(2 * n_params * (1 + (ref is not None)), real_tokens, mem.seconds["logprob"],
+                                                  peak, world_size)
+                metrics["perf/update_mfu"] = mfu(6 * n_params, real_tokens * args.epochs, mem.seconds["update"], peak, world_size)
             if tis_cap:
                 metrics.update({"train/tis_weight": totals["tis_weight"] / tokens, "train/tis_capped_frac": totals["tis_capped"] / tokens})
 

@@ -37,8 +37,8 @@ import tyro
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, source_name,
                   task_prompts)
-from fsdp import (all_reduce, all_reduce_dict, batch_forward, batch_logprobs, clip_and_step, init_distributed, load_model,
-                  lr_lambda, shard_model, token_logprobs)
+from fsdp import (all_reduce, all_reduce_dict, batch_forward, batch_logprobs, clip_and_step, forward_tokens, init_distributed,
+                  load_model, lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score
@@ -110,6 +110,9 @@ class Args:
     """gradient clipping by global norm"""
     micro_batch_size: int = 8
     """sequences per forward/backward per rank (gradient accumulation over micro-batches)"""
+    max_tokens_per_micro_batch: int = 0
+    """> 0: micro-batches by tokens instead, at most this many per rank (one longer sequence alone), the sequences
+    packed into one row without padding (fsdp.forward_tokens; see --attn-implementation); 0: --micro-batch-size"""
     num_minibatches: int = 1
     """optimizer steps per epoch over the rollout batch"""
     epochs: int = 1
@@ -172,7 +175,8 @@ class Args:
     offload: bool = False
     """move parameters and optimizer state to CPU while SGLang generates"""
     attn_implementation: str = "sdpa"
-    """transformers attention for training ('flash_attention_2' if flash-attn is installed)"""
+    """transformers attention for training ('flash_attention_2' if flash-attn is installed); packed, sdpa computes all
+    n^2 token pairs of a micro-batch, flex_attention (GPU) only each sequence's own (README: packing)"""
     rollout_engine: Literal["auto", "sglang", "hf"] = "auto"
     """'sglang' (GPU), 'hf' (plain transformers, CPU tests), 'auto': sglang when CUDA is available"""
     rollout_tp: int = 1
@@ -326,13 +330,13 @@ def clipped_value_loss(values, old_values, returns, clip: float):
     return 0.5 * torch.maximum(unclipped_loss, clipped_loss), clipped_loss > unclipped_loss
 
 
-def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False) -> torch.Tensor:
     """The critic's value of each state: values[:, t] is read at token t, before input_ids[:, t+1]
-    is chosen, so it lines up with token_logprobs. [B, T-1], fp32."""
+    is chosen, so it lines up with token_logprobs. [B, T-1], fp32. `packed`: as token_logprobs'."""
     with warnings.catch_warnings():  # FSDP2 warns that the head's output is a view: harmless, nothing here is in-place
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        out = critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, 1]
-    return out[:, :-1, 0].float()
+        out, _, unpack = forward_tokens(critic, input_ids, attention_mask, packed)              # [B, T, 1] or [1, N, 1]
+    return unpack(out[:, :-1, 0].float())
 
 
 def actor_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, entropy_coef: float, num_tokens: float,
@@ -386,6 +390,7 @@ def check_args(args: Args, world_size: int):
         ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
         ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
         ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
+        ("--max-tokens-per-micro-batch", a.max_tokens_per_micro_batch, a.max_tokens_per_micro_batch >= 0, ">= 0 (0: off)"),
         ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
         ("--num-minibatches", a.num_minibatches, a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
          f">= 1 and divide the {per_rank} samples per rank"),
@@ -548,6 +553,9 @@ def main(args: Args):
     phases = dict(models=[m for m in (policy, ref, critic) if m is not None], optimizers=[optimizer, critic_optimizer],
                   offload=args.offload, mem=mem)
     kl_coef = args.kl_coef
+    # for MFU (fsdp.mfu): the GPU's peak FLOP/s (None on a CPU or a GPU not in fsdp's table), the models' sizes
+    peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+    n_policy, n_critic = matmul_params(policy), matmul_params(critic)
     startup["model_s"] = time.time() - t0
 
     # ---- resume ----------------------------------------------------------------------------------
@@ -623,6 +631,7 @@ def main(args: Args):
 
     # ---- the loop ----------------------------------------------------------------------------------
     tis_cap = args.tis_cap if args.tis_cap is not None else 2.0 * args.async_rollout  # 0: off
+    max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
     ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
     for step in range(start_step + 1, args.steps + 1):
         t_step = time.time()
@@ -662,16 +671,18 @@ def main(args: Args):
 
         # -- 4. the batch: old log-probs, reference log-probs and values, all from the training side
         batch = collate(samples, pad_id)
+        lengths = batch.attention_mask.sum(-1)                                                   # [B] real tokens
         batch.loss_mask = batch.response_mask.clone()
         if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
             batch.loss_mask[torch.tensor([s.truncated for s in samples])] = 0.0
         with mem.phase("logprob"):
             batch.old_logprobs = batch_logprobs(policy, batch, args.micro_batch_size, args.temperature, device,
-                                                lambda x: progress(x, "log-probs", rank))
+                                                lambda x: progress(x, "log-probs", rank), max_tokens)
             if ref is not None:
-                batch.ref_logprobs = batch_logprobs(ref, batch, args.micro_batch_size, args.temperature, device)
-            batch.values = batch_forward(lambda mb: token_values(critic, mb.input_ids, mb.attention_mask), batch,
-                                         args.micro_batch_size, device)  # [B, T-1], a field of ppo.py's own
+                batch.ref_logprobs = batch_logprobs(ref, batch, args.micro_batch_size, args.temperature, device,
+                                                    max_tokens=max_tokens)
+            batch.values = batch_forward(lambda mb: token_values(critic, mb.input_ids, mb.attention_mask, max_tokens > 0), batch,
+                                         args.micro_batch_size, device, max_tokens=max_tokens)  # [B, T-1], a field of ppo.py's own
         metrics["rollout/logprob_abs_diff"] = logprob_gap(batch)  # sampler vs trainer: sync check
 
         # -- 5. rewards per token (score on the last token, KL penalty on each), GAE, whitening
@@ -711,14 +722,16 @@ def main(args: Args):
                 for mini in order.chunk(args.num_minibatches):  # the rows of one optimizer step
                     # global count, once per mini-batch: every rank normalizes by the whole mini-batch (token-mean)
                     num_tokens = max(float(all_reduce(batch.loss_mask[mini].sum())), 1.0)
-                    for rows in progress(mini.split(args.micro_batch_size), f"update {epoch + 1}/{args.epochs}", rank):
+                    mbs = micro_batches(mini, lengths, args.micro_batch_size, max_tokens)  # as many on every rank
+                    for rows in progress(mbs, f"update {epoch + 1}/{args.epochs}", rank):
                         mb = batch.select(rows).to(device)                                           # [b, t] fields
-                        values = token_values(critic, mb.input_ids, mb.attention_mask)              # [b, t-1]
+                        values = token_values(critic, mb.input_ids, mb.attention_mask, max_tokens > 0)  # [b, t-1]
                         loss, stats = critic_loss(values, mb, value_clip=args.value_clip, num_tokens=num_tokens)
                         loss.backward()
                         if update_actor:
                             logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature,
-                                                           with_entropy=True, entropy_grad=args.entropy_coef > 0)
+                                                           with_entropy=True, entropy_grad=args.entropy_coef > 0,
+                                                           packed=max_tokens > 0)
                             loss, actor_stats = actor_loss(logp, entropy, mb, clip_low=args.clip_low, clip_high=args.clip_high,
                                                            entropy_coef=args.entropy_coef, num_tokens=num_tokens,
                                                            tis_cap=tis_cap)
@@ -734,10 +747,11 @@ def main(args: Args):
 
         totals = all_reduce_dict(totals)  # a CPU-GPU sync point, once per step
         n_opt, tokens = args.epochs * args.num_minibatches, totals["tokens"].clamp(min=1)
+        real_tokens = float(all_reduce(lengths.sum()))
         metrics.update({
             "critic/value_loss": totals["value_loss"] / n_opt, "critic/value_clip_frac": totals["value_clip_frac"] / tokens,
             "critic/grad_norm": sum(critic_grad_norms) / len(critic_grad_norms), "critic/lr": critic_scheduler.get_last_lr()[0],
-            "perf/tokens_per_s": all_reduce(batch.attention_mask.sum()) / (time.time() - t_step),
+            "perf/tokens_per_s": real_tokens / (time.time() - t_step),
             "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms + critic_grad_norms),
         })
         if update_actor:
@@ -748,6 +762,11 @@ def main(args: Args):
                 metrics.update({"train/tis_weight": totals["tis_weight"] / tokens, "train/tis_capped_frac": totals["tis_capped"] / tokens})
         else:
             metrics["train/critic_warmup"] = 1.0
+        if peak:  # PLUMBING: model FLOPs utilization of the two phases (fsdp.mfu), on a GPU of known peak only
+            n_forward = n_policy * (1 + (ref is not None)) + n_critic  # log-prob phase: actor, reference, critic
+            metrics["perf/logprob_mfu"] = mfu(2 * n_forward, real_tokens, mem.seconds["logprob"], peak, world_size)
+            metrics["perf/update_mfu"] = mfu(6 * (n_policy * update_actor + n_critic), real_tokens * args.epochs,
+                                             mem.seconds["update"], peak, world_size)
 
         # -- 7. metrics, log, checkpoint
         metrics["perf/step_s"] = time.time() - t_step

@@ -1,0 +1,156 @@
+"""Padded vs packed micro-batches: seconds of the log-prob and update phases at the same samples per step.
+
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        python bench/packing_bench.py --model 1.5b --out bench/results/packing_1.5b_h100.json  # Qwen2.5-1.5B shapes
+    python bench/packing_bench.py --model /tmp/tiny-model --device cpu --steps 1 --samples 8 \
+        --runs padded/sdpa packed/sdpa                                                        # CPU smoke check
+
+Every step holds the same `samples` sequences: `prompt_len` prompt tokens plus a response of a length drawn
+uniformly from [min_len, max_len] (seeded), random ids. The log-prob phase is fsdp.batch_logprobs (no
+gradient); the update phase is token_logprobs with entropy, a token-mean loss, backward and one AdamW
+step, as grpo.py runs them. Each run loads the model afresh (FSDP2, bf16 compute): `padded/ATTN` takes
+--micro-batch-size rows per micro-batch (today's path), `packed/ATTN` at most --max-tokens tokens per
+micro-batch with no padding. The first `warmup` steps are not timed (flex_attention compiles there; it has
+no backward on a CPU).
+A model of 0.5b / 1.5b / 7b is random weights of that Qwen2.5 shape (make_random_model.SHAPES).
+"""
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import tyro
+
+sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
+from data import Sample, collate  # noqa: E402
+from fsdp import (batch_logprobs, init_distributed, load_model, matmul_params, mfu, micro_batches, peak_flops,  # noqa: E402
+                  shard_model, token_logprobs)
+from make_random_model import SHAPES  # noqa: E402  (bench/ is on sys.path: this file's folder)
+
+
+@dataclass
+class Args:
+    model: str
+    """a model folder or hub id, or 0.5b / 1.5b / 7b: random weights of that Qwen2.5 shape"""
+    runs: tuple[str, ...] = ("padded/sdpa", "packed/sdpa", "packed/flex_attention")
+    """padded|packed / the transformers attention implementation [/ tokens per packed micro-batch, else --max-tokens]"""
+    samples: int = 256
+    """sequences per step (the same in every run)"""
+    prompt_len: int = 100
+    """prompt tokens of each sequence"""
+    min_len: int = 50
+    """shortest response, tokens"""
+    max_len: int = 1024
+    """longest response, tokens"""
+    micro_batch_size: int = 8
+    """rows per padded micro-batch"""
+    max_tokens: int = 8192
+    """tokens per packed micro-batch (8 padded rows of ~1124 tokens hold up to 8992)"""
+    steps: int = 3
+    """timed steps per run"""
+    warmup: int = 2
+    """untimed steps before them (flex_attention compiles again when the grad mode or the shapes change)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward"""
+    device: Literal["auto", "cpu"] = "auto"
+    """cpu: run on the CPU even where CUDA is available"""
+    seed: int = 0
+    """seeds the lengths and the ids"""
+    out: str = ""
+    """write the results here as JSON"""
+
+
+def random_model(shape: str, folder: str) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def main(args: Args):
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA starts: init_distributed then takes the CPU and gloo
+    _, world_size, device = init_distributed()
+    cuda = device.type == "cuda"
+    path = random_model(args.model, tempfile.mkdtemp()) if args.model in SHAPES else args.model
+    vocab = __import__("transformers").AutoConfig.from_pretrained(path).vocab_size
+    gen = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(args.min_len, args.max_len + 1, (args.samples,), generator=gen).tolist()
+    samples = [Sample(torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist(),
+                      torch.randint(3, vocab, (n,), generator=gen).tolist(), [0.0] * n, False) for n in lengths]
+    batch = collate(samples, pad_id=0)
+    rows, tokens = torch.arange(len(batch)), batch.attention_mask.sum(-1)                 # [B]
+    padded_tokens = sum(len(r) * int(tokens[r].max()) for r in micro_batches(rows, tokens, args.micro_batch_size))
+    num_loss_tokens = float(batch.response_mask.sum())
+    peak = peak_flops(torch.cuda.get_device_name(device) if cuda else "")
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def step(model, optimizer, max_tokens: int) -> tuple[float, float]:
+        """One step's log-prob and update phases, in seconds."""
+        t0 = sync()
+        batch_logprobs(model, batch, args.micro_batch_size, 1.0, device, max_tokens=max_tokens)
+        t1 = sync()
+        for r in micro_batches(rows, tokens, args.micro_batch_size, max_tokens):
+            mb = batch.select(r).to(device)
+            logp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, 1.0, with_entropy=True, packed=max_tokens > 0)
+            (-(logp * mb.response_mask).sum() / num_loss_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return t1 - t0, sync() - t1
+
+    results = []
+    for run in args.runs:
+        layout, attn, *budget = run.split("/")
+        max_tokens = 0 if layout == "padded" else int(budget[0]) if budget else args.max_tokens
+        model = shard_model(load_model(path, device, torch.float32, args.gradient_checkpointing, attn))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=cuda)
+        n_params, out = matmul_params(model), {"run": run}
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            times = [step(model, optimizer, max_tokens) for _ in range(args.warmup + args.steps)][args.warmup:]
+            out.update(logprob_s=sum(t[0] for t in times) / len(times), update_s=sum(t[1] for t in times) / len(times))
+        except torch.OutOfMemoryError:  # a result too: this layout does not fit at this budget
+            out["error"] = "out of memory"
+        out.update(micro_batches=len(micro_batches(rows, tokens, args.micro_batch_size, max_tokens)),
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+        if peak and "error" not in out:
+            all_tokens = float(tokens.sum()) * world_size  # every rank runs the same samples
+            out["logprob_mfu"] = mfu(2 * n_params, all_tokens, out["logprob_s"], peak, world_size)
+            out["update_mfu"] = mfu(6 * n_params, all_tokens, out["update_s"], peak, world_size)
+        print(" | ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()), flush=True)
+        results.append(out)
+        del model, optimizer
+        if cuda:
+            torch.cuda.empty_cache()
+
+    base = results[0]
+    for r in results[1:]:
+        if "error" not in r and "error" not in base:
+            r["speedup_vs_" + base["run"]] = (base["logprob_s"] + base["update_s"]) / (r["logprob_s"] + r["update_s"])
+    summary = {"gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "date": time.strftime("%Y-%m-%d"),
+               "command": " ".join(sys.argv), "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+               "args": asdict(args), "parameters": n_params, "real_tokens": int(tokens.sum()), "padded_tokens": padded_tokens,
+               "runs": results}
+    if args.model in SHAPES:
+        shutil.rmtree(path)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+    print(f"real tokens {summary['real_tokens']}, padded {padded_tokens} ({padded_tokens / summary['real_tokens']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
