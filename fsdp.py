@@ -230,8 +230,11 @@ def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, max_toke
         return list(rows.split(size))
     rows = rows.sort().values
     lens = lengths[rows].tolist()
-    count = int(all_reduce(len(pack_rows(lens, max_tokens)), dist.ReduceOp.MAX))
-    return [rows[torch.tensor(b, dtype=torch.long)] for b in pack_rows(lens, max_tokens, count)]
+    bins = pack_rows(lens, max_tokens)
+    count = int(all_reduce(len(bins), dist.ReduceOp.MAX))
+    if count > len(bins):  # another rank needs more: spread these rows over as many
+        bins = pack_rows(lens, max_tokens, count)
+    return [rows[torch.tensor(b, dtype=torch.long)] for b in bins]
 
 
 @torch.no_grad()

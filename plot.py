@@ -25,17 +25,19 @@ class Args:
     """PNG to write; default: curves.png in the run folder, or ./curves.png for several runs"""
 
 
+def parse_row(line: str) -> dict | None:
+    """A metrics/samples row, or None for a line a kill cut short (here, not in runlog.py, which imports
+    torch: seconds that plot.py and bench/report.py have no use for; runlog.RunLog uses it too)."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
 def read_metrics(path: str) -> list[dict]:
-    """A metrics.jsonl's rows, less a line a kill cut short (runlog.parse_row's rule, not imported from
-    there: runlog imports torch, seconds that plot.py and bench/report.py have no use for)."""
-    rows = []
+    """A metrics.jsonl's rows, less a line a kill cut short."""
     with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
+        return [row for line in f if (row := parse_row(line)) is not None]
 
 
 def subplots(*grid: int, **figure_kw):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from plot import write_curves
+from plot import parse_row, write_curves
 
 
 class RunLog:
@@ -84,14 +84,6 @@ class RunLog:
             write_curves(os.path.dirname(self.path))
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def parse_row(line: str) -> dict | None:
-    """A metrics/samples row, or None for a line a kill cut short."""
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        return None
 
 
 def print0(*args, **kwargs):
