@@ -61,6 +61,8 @@ class Args:
     """cpu: run on the CPU even where CUDA is available"""
     seed: int = 0
     """seeds the lengths and the ids"""
+    profile: bool = False
+    """after each run's timed steps, profile one log-prob and one update micro-batch and print the top GPU kernels"""
     out: str = ""
     """write the results here as JSON"""
 
@@ -96,19 +98,36 @@ def main(args: Args):
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def step(model, optimizer, max_tokens: int) -> tuple[float, float]:
-        """One step's log-prob and update phases, in seconds."""
+    def update(model, mb, max_tokens: int):
+        logp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, 1.0, with_entropy=True, packed=max_tokens > 0)
+        (-(logp * mb.response_mask).sum() / num_loss_tokens).backward()
+
+    def step(model, optimizer, max_tokens: int) -> tuple[float, float, float]:
+        """One step's log-prob and update phases, and the optimizer step within the update, in seconds."""
         t0 = sync()
         batch_logprobs(model, batch, args.micro_batch_size, 1.0, device, max_tokens=max_tokens)
         t1 = sync()
         for r in micro_batches(rows, tokens, args.micro_batch_size, max_tokens):
-            mb = batch.select(r).to(device)
-            logp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, 1.0, with_entropy=True, packed=max_tokens > 0)
-            (-(logp * mb.response_mask).sum() / num_loss_tokens).backward()
+            update(model, batch.select(r).to(device), max_tokens)
+        t2 = sync()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return t1 - t0, sync() - t1
+        return t1 - t0, sync() - t1, sync() - t2
+
+    def profile(model, max_tokens: int):
+        """The top GPU kernels of the fullest micro-batch's log-prob forward and of its update forward + backward."""
+        from torch.profiler import ProfilerActivity, profile
+        mb = batch.select(micro_batches(rows, tokens, args.micro_batch_size, max_tokens)[0]).to(device)
+        for name, fn in (("log-prob", lambda: torch.no_grad()(token_logprobs)(model, mb.input_ids, mb.attention_mask, 1.0,
+                                                                               packed=max_tokens > 0)),
+                         ("update", lambda: update(model, mb, max_tokens))):
+            with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+                fn()
+                sync()
+            print(f"--- {name}: one micro-batch of {int(mb.attention_mask.sum())} tokens", flush=True)
+            print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25, max_name_column_width=70), flush=True)
+        model.zero_grad(set_to_none=True)
 
     results = []
     for run in args.runs:
@@ -121,7 +140,9 @@ def main(args: Args):
             torch.cuda.reset_peak_memory_stats()
         try:
             times = [step(model, optimizer, max_tokens) for _ in range(args.warmup + args.steps)][args.warmup:]
-            out.update(logprob_s=sum(t[0] for t in times) / len(times), update_s=sum(t[1] for t in times) / len(times))
+            out.update({k: sum(t[i] for t in times) / len(times) for i, k in enumerate(("logprob_s", "update_s", "optimizer_s"))})
+            if args.profile:
+                profile(model, max_tokens)
         except torch.OutOfMemoryError:  # a result too: this layout does not fit at this budget
             out["error"] = "out of memory"
         out.update(micro_batches=len(micro_batches(rows, tokens, args.micro_batch_size, max_tokens)),
