@@ -155,12 +155,13 @@ def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     ids = input_ids[rows, cols][None]                                    # [1, n]
     positions = (real.cumsum(-1) - 1)[rows, cols][None]                  # [1, n]: 0, 1, ... in each sequence
     logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits  # [1, n, V]
-    # packed position j predicts token j+1: a target of its own sequence unless j is the sequence's last token
+    # packed position j predicts token j+1 of its own sequence, unless j ends it: that value is zeroed onto the
+    # column past the sequence's end (boolean indexing would stop the CPU until the GPU caught up)
     own = rows[1:] == rows[:-1]                                          # [n-1]
-    at = (rows[:-1][own], cols[:-1][own])
 
     def unpack(x):  # [1, n-1] -> [b, t-1], zero past each sequence's end; gradients flow back through it
-        return x.new_zeros(input_ids.shape[0], input_ids.shape[1] - 1).index_put(at, x[0][own])
+        out = x.new_zeros(input_ids.shape[0], input_ids.shape[1])       # [b, t]
+        return out.index_put((rows[:-1], cols[:-1]), x[0] * own)[:, :-1]
     return logits, ids, unpack
 
 
@@ -175,16 +176,14 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     rows without padding (forward_tokens), the same numbers on the real tokens, zero past them.
     """
     logits, ids, unpack = forward_tokens(model, input_ids, attention_mask, packed)  # [B, T, V] or [1, N, V]
-    # fp32 for the softmax: bf16 log-probs are off by ~1e-2, enough to skew the PPO ratio.
-    logits = logits[:, :-1].float() / temperature                        # [B, T-1, V]
-    target = logits.gather(-1, ids[:, 1:, None]).squeeze(-1)            # [B, T-1]
-    logsumexp = torch.logsumexp(logits, dim=-1)                          # [B, T-1]
-    logp = target - logsumexp
+    logits = logits[:, :-1] if temperature == 1.0 else logits[:, :-1].float() / temperature  # [B, T-1, V]
+    # fp32 (bf16 log-probs are off by ~1e-2, enough to skew the PPO ratio), in one fused pass over the logits
+    logp_all = torch.log_softmax(logits, dim=-1, dtype=torch.float32)   # [B, T-1, V]
+    logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)            # [B, T-1]
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            probs = torch.softmax(logits, dim=-1)
-            entropy = unpack(logsumexp - (probs * logits).sum(-1))        # [B, T-1]
+            entropy = unpack(-(logp_all.exp() * logp_all).sum(-1))      # [B, T-1]
     return unpack(logp), entropy
 
 
