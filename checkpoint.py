@@ -27,8 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 
 from preflight import InputError
 
@@ -129,6 +128,10 @@ def save_checkpoint(out_dir: str, step: int, stateful: dict, hf_models: dict, to
                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                os.path.join(tmp, f"rng_rank{rank}.pt"))
     dist.barrier()
+    missing = [r for r in range(dist.get_world_size()) if not os.path.exists(os.path.join(tmp, f"rng_rank{r}.pt"))]
+    if missing:  # every rank sees the same and stops: ranks on other machines wrote into folders of their own
+        raise InputError(f"{tmp} lacks the files of ranks {missing}: --output-dir must be one folder all nodes share (NFS, Lustre)")
+    dist.barrier()  # every rank has looked before rank 0 renames the folder
     if rank == 0:
         torch.save({**state, "world_size": dist.get_world_size()}, os.path.join(tmp, "trainer.pt"))
         if os.path.exists(final):  # the same step saved again (e.g. the final save): replace it

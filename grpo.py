@@ -356,7 +356,8 @@ def check_args(args: Args, world_size: int):
         ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, ">= 1"),
         ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
         ("--rollout-tp", a.rollout_tp, a.rollout_tp >= 1 and (not a.rollout_url or a.rollout_tp == 1)
-         and (server or world_size % a.rollout_tp == 0), f"a divisor of the {world_size} ranks" if not server else
+         and (server or world_size % a.rollout_tp == local_ranks % a.rollout_tp == 0), f"a divisor of the {local_ranks} ranks "
+         f"of each node (one engine's GPUs are on one node: torchrun --nproc_per_node a multiple of it)" if not server else
          "1 with --rollout-url (the server's own --tp-size counts); with --rollout-gpus, each server's GPUs"),
         ("--rollout-url", a.rollout_url, all(u.startswith("http") for u in a.rollout_url) and
          (bool(a.rollout_url) != (a.rollout_gpus > 0) if server else not a.rollout_url), "http://HOST:PORT of each "
@@ -440,7 +441,7 @@ def main(args: Args):
     random.seed(seed_for(args.seed, "rank", rank))
     np.random.seed(seed_for(args.seed, "rank", rank))
     torch.manual_seed(args.seed)  # same init on every rank
-    startup = {}
+    startup = {"setup_s": time.time() - t_launch}  # imports, process group, tokenizer, data
 
     # ---- rollout engine first: SGLang sizes its KV cache from the free memory it finds ----------
     t0 = time.time()

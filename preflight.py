@@ -36,20 +36,20 @@ OOM_HINT = ("lower --micro-batch-size (one micro-batch's log-probs take micro-ba
 
 @contextmanager
 def friendly_errors(script: str, oom_hint: str = OOM_HINT):
-    """Run a script's main: an InputError prints '<script>: <message>' on rank 0 and exits 2; a CUDA
-    out-of-memory error keeps its traceback and adds a line on which flags lower the memory."""
+    """Run a script's main: an InputError prints '<script>: <message>' on each node's first rank and exits 2;
+    a CUDA out-of-memory error keeps its traceback and adds a line on which flags lower the memory."""
     try:
         yield
     except Interrupted as e:  # a signal during start-up: nothing was trained, nothing to save
         leave_process_group()
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"{script}: stopped by {signal.Signals(e.args[0]).name} during start-up", file=sys.stderr, flush=True)
         raise SystemExit(128 + e.args[0]) from None
     except InputError as e:
         if os.environ.get("RL_DEBUG"):
             raise
         leave_process_group()
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails the same way
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # each node's first rank: all fail alike, or one node alone
             print(f"{script}: {e}", file=sys.stderr, flush=True)
         else:  # torchrun stops all ranks when the first exits: let rank 0 print first
             time.sleep(5)
@@ -59,7 +59,7 @@ def friendly_errors(script: str, oom_hint: str = OOM_HINT):
             raise
         traceback.print_exc()
         leave_process_group()
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"{script}: the GPU ran out of memory: {oom_hint}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 

@@ -1,4 +1,4 @@
-"""Run grpo.py or ppo.py with one thing broken on purpose, for tests/test_failures.py:
+"""Run grpo.py or ppo.py with one thing broken (or watched) on purpose, for the tests:
 
     python tests/patched_run.py MODE grpo.py --model ... (the script's flags)
 
@@ -8,6 +8,7 @@ MODE: engine_child  the HF engine owns a child process (a stand-in for SGLang's 
       nan_loss      the first update's log-probs (with gradient) are NaN
       tool_caller   the HF engine's first turn of every episode is a calculator call (its tokens
                     forced, their log-probs the model's own); later turns are sampled
+      engine_owner  every engine start prints the rank, node (torchrun's GROUP_RANK), local rank and GPUs that own it
 """
 
 import multiprocessing
@@ -89,6 +90,18 @@ elif mode == "tool_caller":
                                                         "output_token_logprobs": [(lp, t, None) for lp, t in zip(logp[:, 0].tolist(), forced)]}}
 
     rollout.HFEngine = ToolCaller
+elif mode == "engine_owner":
+    import rollout
+
+    real_start = rollout.start_engine
+
+    def start_engine(kind, *args, **kwargs):
+        env = os.environ
+        print(f"engine {kind} started by rank {env['RANK']} on node {env['GROUP_RANK']} (local rank {env['LOCAL_RANK']}, "
+              f"CUDA_VISIBLE_DEVICES {env.get('CUDA_VISIBLE_DEVICES', 'unset')})", flush=True)
+        return real_start(kind, *args, **kwargs)
+
+    rollout.start_engine = start_engine
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 

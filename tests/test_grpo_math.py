@@ -319,6 +319,19 @@ def test_decoupled_rollout_flags_are_checked_together(monkeypatch):
         check_args(Args(rollout_mode="server", rollout_gpus=2, prompts_per_step=35), world_size=7)
 
 
+def test_rollout_tp_stays_within_a_node(monkeypatch):
+    """An engine's TP group is GPUs of one node (CUDA IPC weight sync): 2 nodes of 1 rank can't share one."""
+    from preflight import InputError
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(InputError, match=r"--rollout-tp 2 must be a divisor of the 1 ranks of each node .*--nproc_per_node"):
+        check_args(Args(rollout_tp=2), world_size=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 2 nodes of 4: two engines per node
+    check_args(Args(rollout_tp=2), world_size=8)
+    with pytest.raises(InputError, match=r"--rollout-tp 8 must be a divisor of the 4 ranks of each node"):
+        check_args(Args(rollout_tp=8), world_size=8)
+
+
 # ----------------------------------------------------------------------------------------------
 # grpo_loss: one micro-batch
 

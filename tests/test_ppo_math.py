@@ -103,8 +103,12 @@ def test_adaptive_kl_coef():
     assert adaptive_kl_coef(0.1, kl=1.1, target=1.0, horizon=1000, n=100) == pytest.approx(0.1 * 1.01)
 
 
-def test_check_args():
+def test_check_args(monkeypatch):
     check_args(Args(), world_size=8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 2 nodes of 4 ranks: an engine's TP group stays on one
+    with pytest.raises(InputError, match="--rollout-tp 8 must be a divisor of the 4 ranks of each node"):
+        check_args(Args(rollout_tp=8), world_size=8)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     with pytest.raises(InputError, match="--gamma 1.5"):
         check_args(Args(gamma=1.5), world_size=1)
     with pytest.raises(InputError, match="--prompts-per-step 32 must be >= 1 and divide by the 3 ranks"):

@@ -5,7 +5,9 @@ checkpoints) is the code that runs on GPUs.
 """
 
 import json
+import math
 import os
+import socket
 import subprocess
 import sys
 
@@ -19,12 +21,17 @@ COMMON = ["--prompts-per-step", "4", "--max-new-tokens", "24", "--micro-batch-si
 PER_SCRIPT = {"grpo.py": ["--group-size", "4"], "ppo.py": ["--samples-per-prompt", "4", "--critic-lr", "1e-3"]}
 
 
+def command(model, out_dir, *extra, launcher, script="grpo.py", launch=()):
+    """A script's command line: `launcher` (python, torchrun), `launch` (a wrapper), the script, its flags."""
+    return [*launcher, *launch, script, "--model", model, "--output-dir", str(out_dir), "--run-name", "r", *COMMON,
+            *PER_SCRIPT[script], *extra]
+
+
 def run_grpo(model, out_dir, *extra, nproc=1, expect_ok=True, script="grpo.py", launch=(), env=None):
     """Run a script as a person would; `launch` goes between python and the script (a wrapper)."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={nproc}"]
-    cmd = launcher + [*launch, script, "--model", model, "--output-dir", str(out_dir), "--run-name", "r", *COMMON,
-                      *PER_SCRIPT[script], *extra]
+    cmd = command(model, out_dir, *extra, launcher=launcher, script=script, launch=launch)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     if expect_ok and proc.returncode != 0:
@@ -80,6 +87,61 @@ def test_grpo_rollout_tp_group(trained_tiny_model_dir, tmp_path):
     run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--eval-every", "1", "--rollout-tp", "2", nproc=2)
     train, evals = metrics(tmp_path)
     assert [r["step"] for r in train] == [1, 2] and len(evals) == 2
+
+
+def run_two_nodes(model, out_dir, *extra, node1_dir=None, expect_ok=True) -> list[str]:
+    """grpo.py as `torchrun --nnodes 2`, both nodes on this machine with one rank each, meeting at
+    a free port of localhost (static rendezvous: --node-rank decides whose rank is 0, as on two
+    machines); each engine start is printed (patched_run.py engine_owner). Each node's console.
+    node1_dir: node 1's --output-dir, as if the machines shared no folder."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    procs = []
+    for node in (0, 1):
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                    "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        cmd = command(model, node1_dir if node and node1_dir else out_dir, *extra, launcher=torchrun, launch=[os.path.join("tests", "patched_run.py"), "engine_owner"])
+        with open(os.path.join(out_dir, f"node{node}.txt"), "w") as console:  # a file, not a pipe: none fills up
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, text=True, env=env))
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:  # a node left waiting for the other (a failed start): ours to end
+            if p.poll() is None:
+                p.kill()
+    consoles = [open(os.path.join(out_dir, f"node{node}.txt")).read() for node in (0, 1)]
+    assert codes == [0, 0] or not expect_ok, f"exit codes {codes}\n" + "\n".join(f"node {n}:\n{c[-3000:]}" for n, c in enumerate(consoles))
+    return consoles
+
+
+def test_grpo_two_nodes(trained_tiny_model_dir, tmp_path):
+    """`torchrun --nnodes 2 --node-rank 0|1`, one rank per node: each node's rank starts its own engine,
+    both write into one checkpoint (the run folder is shared, as on a shared filesystem), and the
+    same two launches with --resume continue from it."""
+    node0, node1 = run_two_nodes(trained_tiny_model_dir, tmp_path, "--steps", "2", "--eval-every", "2")
+    assert node0.count("engine hf started by") == 1 and "engine hf started by rank 0 on node 0 (local rank 0" in node0
+    assert node1.count("engine hf started by") == 1 and "engine hf started by rank 1 on node 1 (local rank 0" in node1
+    assert "| 2 ranks, engine hf" in node0 and "step 2 |" in node0 and "step 1 |" not in node1  # rank 0 logs, on node 0
+    train, evals = metrics(tmp_path)
+    assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["train/loss"]) for r in train) and len(evals) == 1
+    ckpt = tmp_path / "r" / "checkpoints" / "step_000002"
+    assert (ckpt / "rng_rank0.pt").exists() and (ckpt / "rng_rank1.pt").exists() and (ckpt / "model" / "config.json").exists()
+    assert torch.load(ckpt / "trainer.pt", weights_only=False)["world_size"] == 2
+    node0, _ = run_two_nodes(trained_tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "0", "--resume")
+    assert f"resumed from {ckpt}: step 2, data epoch 0 index 8" in node0
+    assert [r["step"] for r in metrics(tmp_path)[0]] == [1, 2, 3]
+    assert (tmp_path / "r" / "checkpoints" / "step_000003" / "trainer.pt").exists()
+
+
+def test_two_nodes_without_a_shared_folder_stop_clearly(trained_tiny_model_dir, tmp_path):
+    """Each node writing into a folder of its own: the first save stops both, naming --output-dir."""
+    consoles = run_two_nodes(trained_tiny_model_dir, tmp_path, "--steps", "1", "--eval-every", "0",
+                             node1_dir=tmp_path / "elsewhere", expect_ok=False)
+    for console in consoles:  # each node's own console says it
+        assert "lacks the files of ranks" in console and "--output-dir must be one folder all nodes share" in console
+    assert not (tmp_path / "r" / "checkpoints" / "step_000001").exists()
 
 
 def test_resume_continues_exactly(trained_tiny_model_dir, tmp_path):
