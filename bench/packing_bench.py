@@ -38,7 +38,8 @@ class Args:
     model: str
     """a model folder or hub id, or 0.5b / 1.5b / 7b: random weights of that Qwen2.5 shape"""
     runs: tuple[str, ...] = ("padded/sdpa", "packed/sdpa", "packed/flex_attention")
-    """padded|packed / the transformers attention implementation [/ tokens per packed micro-batch, else --max-tokens]"""
+    """padded|packed / the transformers attention implementation [/ tokens per packed micro-batch, else --max-tokens]
+    [/ compile: torch.compile each decoder layer]"""
     samples: int = 256
     """sequences per step (the same in every run)"""
     prompt_len: int = 100
@@ -131,9 +132,14 @@ def main(args: Args):
 
     results = []
     for run in args.runs:
-        layout, attn, *budget = run.split("/")
-        max_tokens = 0 if layout == "padded" else int(budget[0]) if budget else args.max_tokens
-        model = shard_model(load_model(path, device, torch.float32, args.gradient_checkpointing, attn))
+        layout, attn, *rest = run.split("/")
+        budget = [int(x) for x in rest if x.isdigit()]
+        max_tokens = 0 if layout == "padded" else budget[0] if budget else args.max_tokens
+        model = load_model(path, device, torch.float32, args.gradient_checkpointing, attn)
+        if "compile" in rest:  # each decoder layer through torch.compile before sharding, as torchtitan does
+            for layer in model.model.layers:
+                layer.compile(dynamic=True)
+        model = shard_model(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=cuda)
         n_params, out = matmul_params(model), {"run": run}
         if cuda:
