@@ -138,7 +138,7 @@ def main(args: Args):
         model = load_model(path, device, torch.float32, args.gradient_checkpointing, attn)
         if "compile" in rest:  # each decoder layer through torch.compile before sharding, as torchtitan does
             for layer in model.model.layers:
-                layer.compile(dynamic=True)
+                layer.compile()  # dynamic=None: sizes that change (the token count) turn symbolic, head counts stay fixed
         model = shard_model(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=cuda)
         n_params, out = matmul_params(model), {"run": run}
