@@ -535,8 +535,8 @@ def main(args: Args):
                            tokenizer=tokenizer, tp=tp, tool_use=tool_use)
         if signum := agreed_signal():  # a signal cut the evaluation short: not logged
             stop_now(signum, step, ahead.before if ahead else sampler.state_dict())  # not the batch in flight
-        for s, i in zip(samples, share):
-            s.answer, s.kind, s.source = eval_prompts.examples[i].answer, eval_prompts.examples[i].kind, eval_prompts.examples[i].source
+        for s, ex in zip(samples, (eval_prompts.examples[i] for i in share)):
+            s.answer, s.kind, s.source = ex.answer, ex.kind, ex.source
         out = eval_stats(samples, sources=eval_prompts.sources)
         print0(log_line(f"eval after step {step}", out, EVAL_LINE + EVAL_TOOLS_LINE * bool(tools)))
         log.log({"step": step, **out})
@@ -605,7 +605,7 @@ def main(args: Args):
         # -- 3. SGLang sleeps, training state comes back
         sleep(engine, device=device, **phases)
 
-        metrics.update(rollout_stats(seen, None, pending.seconds if pending.ahead else mem.seconds["generate"]))
+        metrics.update(rollout_stats(seen, seconds=pending.seconds if pending.ahead else mem.seconds["generate"]))
         metrics["rollout/staleness"] = float(pending.ahead)  # updates between the sampling weights and the trained ones
         if tools:
             metrics.update(tool_stats(seen))

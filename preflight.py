@@ -51,7 +51,7 @@ def friendly_errors(script: str, oom_hint: str = OOM_HINT):
         leave_process_group()
         if os.environ.get("LOCAL_RANK", "0") == "0":  # each node's first rank: all fail alike, or one node alone
             print(f"{script}: {e}", file=sys.stderr, flush=True)
-        else:  # torchrun stops all ranks when the first exits: let rank 0 print first
+        else:  # torchrun stops all ranks when the first exits: let the node's first rank print first
             time.sleep(5)
         raise SystemExit(2) from None
     except Exception as e:

@@ -8,7 +8,7 @@
     format_reward(completion, kind)             # 1.0 if the completion gives its answer in the kind's format
     score(reward_fn, completion, answer)        # never raises: (reward, "") or (0.0, "ValueError: ...")
     reward_fn = load_reward("my_reward.py:reward")  # your own (completion, answer) -> float, from a file
-    rollout_stats(samples, answer_fn, seconds)  # a step's reward, accuracy, lengths, over all ranks
+    rollout_stats(samples, seconds)             # a step's reward, accuracy, lengths, over all ranks
     eval_stats(samples, answer_fn, sources)     # held-out accuracy, over all ranks, and per source
 
 Two ways to find the final answer, as in lm-evaluation-harness's GSM8K:
@@ -247,7 +247,7 @@ def judge(samples, answer_fn=None) -> dict[str, float]:
             "format": sum(gives_answer(s.text, s.kind) for s in samples)}
 
 
-def rollout_stats(samples, answer_fn, seconds: float) -> dict:
+def rollout_stats(samples, seconds: float, answer_fn=None) -> dict:
     """Reward, accuracy, format, length (tool replies included), truncation and sampled tokens/s of a
     step's samples, over all ranks.
     A reward function that raised on most samples is also said on the console."""

@@ -151,7 +151,7 @@ def test_task_metrics_by_hand_without_a_process_group():
     samples[0].tool_calls = [("calculator", "ok", 0.01)]
     out = eval_stats(samples, gsm8k_reward)
     assert out == {"eval/strict_acc": 1 / 3, "eval/flexible_acc": 2 / 3, "eval/format_rate": 2 / 3, "eval/tool_used_frac": 1 / 3}
-    stats = rollout_stats(samples, gsm8k_reward, seconds=2.0)
+    stats = rollout_stats(samples, seconds=2.0, answer_fn=gsm8k_reward)
     assert float(stats["rollout/reward_mean"]) == 1.25 / 3 and float(stats["rollout/response_len_max"]) == 6
     assert float(stats["rollout/truncated_frac"]) == 1 / 3 and float(stats["perf/rollout_tokens_per_s"]) == 6.0
 
