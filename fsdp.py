@@ -111,8 +111,10 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, gradient_che
     return model
 
 
-def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16):
-    """FSDP2: shard each decoder layer, then the root (embeddings, final norm, head).
+def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16, compile: bool = False):
+    """FSDP2: shard each decoder layer, then the root (embeddings, final norm, head). compile: each layer
+    through torch.compile first (as torchtitan does; names and state dicts unchanged), which fuses its
+    elementwise ops into a few kernels: the first forwards and backwards compile (bench/results/README.md).
 
     With param_dtype=bf16 the fp32 master shards are all-gathered as bf16 for compute and
     gradients are reduce-scattered in fp32 (reduce_dtype), as in torchtitan. param_dtype=None
@@ -125,6 +127,8 @@ def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16):
         raise ValueError(f"{type(model).__name__} names no decoder layer class in _no_split_modules; "
                          f"cannot shard it layer by layer")
     for layer in layers:
+        if compile:
+            layer.compile()  # sizes that change (tokens, rows) turn symbolic after the first recompile
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     # Gradients are summed over ranks, not averaged: the loss already divides by the global token
@@ -137,9 +141,11 @@ def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16):
     return model
 
 
-def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False):
+def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False, head=None):
     """model(...).logits of a right-padded micro-batch [b, t], the ids they score, and `unpack`: per-token
-    values of the next-token positions -> [b, t-1] (padded: the identity).
+    values of the next-token positions -> [b, t-1] (padded: the identity). head(hidden [b, t, H], ids [b, t]):
+    what the output head returns instead of the logits, run inside the model's forward, where FSDP2 has
+    gathered the head's weight (token_logprobs: log-probs without the [b, t, V] logits).
 
     packed: the rows' real tokens in one row [1, n], no padding, positions restarting at 0 in each
     sequence. With attention_mask None, transformers reads the restarts as sequence boundaries
@@ -147,22 +153,31 @@ def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     block-diagonal causal mask [1, 1, n, n] (n^2 memory; all n^2 pairs computed), flex_attention by a
     block mask that skips the other sequences' blocks, flash_attention_2 by per-sequence lengths.
     """
-    if not packed:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [b, t, V]
-        return logits, input_ids, lambda x: x
-    real = attention_mask.bool()                                         # [b, t]
-    rows, cols = real.nonzero(as_tuple=True)  # [n] each, row by row (a CPU-GPU sync point: n is data-dependent)
-    ids = input_ids[rows, cols][None]                                    # [1, n]
-    positions = (real.cumsum(-1) - 1)[rows, cols][None]                  # [1, n]: 0, 1, ... in each sequence
-    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits  # [1, n, V]
-    # packed position j predicts token j+1 of its own sequence, unless j ends it: that value is zeroed onto the
-    # column past the sequence's end (boolean indexing would stop the CPU until the GPU caught up)
-    own = rows[1:] == rows[:-1]                                          # [n-1]
+    unpack, positions = (lambda x: x), None
+    if packed:
+        real = attention_mask.bool()                                     # [b, t]
+        rows, cols = real.nonzero(as_tuple=True)  # [n] each, row by row (a CPU-GPU sync point: n is data-dependent)
+        positions = (real.cumsum(-1) - 1)[rows, cols][None]              # [1, n]: 0, 1, ... in each sequence
+        input_ids, attention_mask = input_ids[rows, cols][None], None    # [1, n]
+        # packed position j predicts token j+1 of its own sequence, unless j ends it: that value is zeroed onto the
+        # column past the sequence's end (boolean indexing would stop the CPU until the GPU caught up)
+        own, shape = rows[1:] == rows[:-1], real.shape                   # [n-1]
 
-    def unpack(x):  # [1, n-1] -> [b, t-1], zero past each sequence's end; gradients flow back through it
-        out = x.new_zeros(input_ids.shape[0], input_ids.shape[1])       # [b, t]
-        return out.index_put((rows[:-1], cols[:-1]), x[0] * own)[:, :-1]
-    return logits, ids, unpack
+        def unpack(x):  # [1, n-1] -> [b, t-1], zero past each sequence's end; gradients flow back through it
+            out = x.new_zeros(shape)                                     # [b, t]
+            return out.index_put((rows[:-1], cols[:-1]), x[0] * own)[:, :-1]
+    if head is not None:  # on this module object, for this call only
+        model.get_output_embeddings().forward = lambda hidden: head(hidden, input_ids)
+    try:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                       use_cache=False).logits                           # [b, t, V] or [1, n, V]
+    finally:
+        if head is not None:
+            del model.get_output_embeddings().forward  # the class's forward again
+    return logits, input_ids, unpack
+
+
+LOGIT_CHUNK = 2048  # tokens whose [chunk, V] logits exist at once in token_logprobs (~3 GB fp32 at V = 152k)
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
@@ -171,20 +186,40 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     Returns logp [B, T-1] (logp[:, t] scores input_ids[:, t+1]) and, if asked, the entropy of the
     next-token distribution [B, T-1]: a metric without gradient, unless `entropy_grad` (an entropy
-    bonus; it keeps a [B, T, V] graph alive). Dividing by the temperature matters: SGLang reports
-    log-probs of the distribution it sampled from, softmax(logits / T). `packed`: one forward over the
-    rows without padding (forward_tokens), the same numbers on the real tokens, zero past them.
+    bonus). Dividing by the temperature matters: SGLang reports log-probs of the distribution it
+    sampled from, softmax(logits / T). `packed`: one forward over the rows without padding
+    (forward_tokens), the same numbers on the real tokens, zero past them.
+
+    The output head runs LOGIT_CHUNK tokens at a time: the [N, V] logits (fp32: 5 GB for 8192 tokens of
+    a 152k vocabulary) never exist whole; under autograd each chunk's are recomputed in backward
+    (one more head matmul) rather than kept.
     """
-    logits, ids, unpack = forward_tokens(model, input_ids, attention_mask, packed)  # [B, T, V] or [1, N, V]
-    logits = logits[:, :-1] if temperature == 1.0 else logits[:, :-1].float() / temperature  # [B, T-1, V]
-    # fp32 (bf16 log-probs are off by ~1e-2, enough to skew the PPO ratio), in one fused pass over the logits
-    logp_all = torch.log_softmax(logits, dim=-1, dtype=torch.float32)   # [B, T-1, V]
-    logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)            # [B, T-1]
-    entropy = None
-    if with_entropy:
+    output = model.get_output_embeddings()
+
+    def logprobs(logits, targets):  # [c, V], [c] -> the targets' log-probs and the entropy, [c] each
+        logits = logits if temperature == 1.0 else logits.float() / temperature
+        # fp32 (bf16 log-probs are off by ~1e-2, enough to skew the PPO ratio), in one fused pass over the logits
+        logp_all = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [c, V]
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = unpack(-(logp_all.exp() * logp_all).sum(-1))      # [B, T-1]
-    return unpack(logp), entropy
+            entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else logp_all[:, 0] * 0
+        return torch.stack([logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy], -1)  # [c, 2]
+
+    def head(hidden, ids):  # [b, t, H], [b, t] -> [b*t, 2] (not a view: FSDP2 hooks the forward's output)
+        targets = torch.cat([ids[:, 1:], ids[:, :1]], 1).flatten()  # [b*t]: the last column's is a stand-in
+        chunks = zip(hidden.flatten(0, 1).split(LOGIT_CHUNK), targets.split(LOGIT_CHUNK))
+        chunk = lambda h, y: logprobs(torch.nn.functional.linear(h, output.weight, output.bias), y)  # noqa: E731
+        recompute = torch.is_grad_enabled() and hidden.shape[0] * hidden.shape[1] > LOGIT_CHUNK  # one chunk: kept
+        out = [torch.utils.checkpoint.checkpoint(chunk, h, y, use_reentrant=False) if recompute else chunk(h, y)
+               for h, y in chunks]
+        return torch.cat(out)
+
+    if getattr(model.config, "final_logit_softcapping", None):  # Gemma 2 caps the logits after the head: whole ones
+        logits, ids, unpack = forward_tokens(model, input_ids, attention_mask, packed)  # [B, T, V] or [1, N, V]
+        out = logprobs(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).view(*ids[:, 1:].shape, 2)
+    else:
+        out, ids, unpack = forward_tokens(model, input_ids, attention_mask, packed, head)  # [B*T, 2] or [N, 2]
+        out = out.view(*ids.shape, 2)[:, :-1]                                             # [B, T-1, 2]
+    return unpack(out[..., 0]), unpack(out[..., 1]) if with_entropy else None
 
 
 def pack_rows(lengths: list[int], max_tokens: int, count: int = 0) -> list[list[int]]:
@@ -222,7 +257,7 @@ def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, max_toke
     PLUMBING: FSDP2 all-gathers each layer in every forward and reduce-scatters in every backward, so
     every rank must run as many micro-batches: the most any rank's rows need (one all_reduce); a rank
     with fewer gets empty ones, which Batch.select turns into stand-ins that add nothing to a loss.
-    Rows stay on their rank: ranks differ in tokens as much as their rollouts do. The same rows in any
+    Rows stay on their rank (balance() evens the ranks' tokens out before). The same rows in any
     order pack the same way: a one-mini-batch update sees the log-prob pass's numbers, ratio 1 exactly.
     """
     if max_tokens <= 0:
@@ -234,6 +269,27 @@ def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, max_toke
     if count > len(bins):  # another rank needs more: spread these rows over as many
         bins = pack_rows(lens, max_tokens, count)
     return [rows[torch.tensor(b, dtype=torch.long)] for b in bins]
+
+
+def balance(items: list, weights: list[float], world_size: int) -> list:
+    """Every rank's `items` dealt out again over the ranks, each rank keeping as many as it had, so that their
+    summed `weights` (tokens) are as even as LPT makes them: heaviest first, each to the lightest rank with room.
+
+    PLUMBING: every rank runs as many micro-batches (micro_batches), so the rank whose rollouts ran longest
+    sets every rank's pace. All ranks gather all items (all_gather_object: token ids, a few MB) and compute
+    the same deal; each keeps its share, in the gathered order. Each item moves whole (grpo.py: a group).
+    """
+    if world_size == 1:
+        return items
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, list(zip(weights, items)))
+    pool = [x for part in gathered for x in part]                      # rank by rank: the same list on every rank
+    loads, shares = [0.0] * world_size, [[] for _ in range(world_size)]
+    for i in sorted(range(len(pool)), key=lambda i: -pool[i][0]):
+        r = min((r for r in range(world_size) if len(shares[r]) < len(gathered[r])), key=lambda r: loads[r])
+        loads[r] += pool[i][0]
+        shares[r].append(i)
+    return [pool[i][1] for i in sorted(shares[dist.get_rank()])]
 
 
 @torch.no_grad()

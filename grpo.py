@@ -34,7 +34,7 @@ import tyro
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, source_name,
                   task_prompts)
-from fsdp import (all_reduce, all_reduce_dict, batch_logprobs, clip_and_step, init_distributed, load_model, lr_lambda,
+from fsdp import (all_reduce, all_reduce_dict, balance, batch_logprobs, clip_and_step, init_distributed, load_model, lr_lambda,
                   matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
@@ -159,6 +159,8 @@ class Args:
     # --- memory and systems
     gradient_checkpointing: bool = False
     """recompute activations in backward (less memory, ~30% more compute)"""
+    compile: bool = False
+    """torch.compile each decoder layer: fused kernels, ~1.2x faster training passes (1.5B, H100); the first steps compile"""
     offload: bool = False
     """move parameters and optimizer state to CPU while SGLang generates"""
     attn_implementation: str = "sdpa"
@@ -470,11 +472,11 @@ def main(args: Args):
     # ---- models: policy (fp32 masters, bf16 compute) and, only if beta > 0, the reference ---------
     t0 = time.time()
     policy = load_model(args.model, device, torch.float32, args.gradient_checkpointing, args.attn_implementation)
-    shard_model(policy, param_dtype=torch.bfloat16)
+    shard_model(policy, param_dtype=torch.bfloat16, compile=args.compile)
     ref = None
     if args.beta > 0:
         ref = load_model(args.model, device, torch.bfloat16, attn_implementation=args.attn_implementation).eval()
-        shard_model(ref, param_dtype=None)
+        shard_model(ref, param_dtype=None, compile=args.compile)
     # fused: no temporaries (foreach allocates sqrt(v) for every parameter at once: +4 B/param, 28 GiB at 7B)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True)
     total_optimizer_steps = args.steps * args.epochs * args.num_minibatches
@@ -615,6 +617,8 @@ def main(args: Args):
             metrics["train/skipped"] = 1.0
         else:
             # -- 4. the batch: old log-probs from the training model, reference log-probs if beta > 0
+            # PLUMBING: whole groups change ranks, as many on each, evening out the ranks' tokens (fsdp.balance)
+            kept = balance(kept, [sum(len(s.prompt_ids) + len(s.response_ids) for s in g) for g in kept], world_size)
             flat = [s for g in kept for s in g]
             batch = collate(flat, pad_id)
             lengths = batch.attention_mask.sum(-1)                                           # [B] real tokens

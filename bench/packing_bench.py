@@ -27,6 +27,7 @@ import torch
 import tyro
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
+import fsdp  # noqa: E402
 from data import Sample, collate  # noqa: E402
 from fsdp import (batch_logprobs, init_distributed, load_model, matmul_params, mfu, micro_batches, peak_flops,  # noqa: E402
                   shard_model, token_logprobs)
@@ -39,7 +40,7 @@ class Args:
     """a model folder or hub id, or 0.5b / 1.5b / 7b: random weights of that Qwen2.5 shape"""
     runs: tuple[str, ...] = ("padded/sdpa", "packed/sdpa", "packed/flex_attention")
     """padded|packed / the transformers attention implementation [/ tokens per packed micro-batch, else --max-tokens]
-    [/ compile: torch.compile each decoder layer]"""
+    [/ compile: torch.compile each decoder layer] [/ whole: the head's logits all at once, not fsdp.LOGIT_CHUNK tokens]"""
     samples: int = 256
     """sequences per step (the same in every run)"""
     prompt_len: int = 100
@@ -130,16 +131,14 @@ def main(args: Args):
             print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25, max_name_column_width=70), flush=True)
         model.zero_grad(set_to_none=True)
 
-    results = []
+    results, chunk = [], fsdp.LOGIT_CHUNK
     for run in args.runs:
         layout, attn, *rest = run.split("/")
         budget = [int(x) for x in rest if x.isdigit()]
         max_tokens = 0 if layout == "padded" else budget[0] if budget else args.max_tokens
-        model = load_model(path, device, torch.float32, args.gradient_checkpointing, attn)
-        if "compile" in rest:  # each decoder layer through torch.compile before sharding, as torchtitan does
-            for layer in model.model.layers:
-                layer.compile()  # dynamic=None: sizes that change (the token count) turn symbolic, head counts stay fixed
-        model = shard_model(model)
+        fsdp.LOGIT_CHUNK = 2**40 if "whole" in rest else chunk  # whole: as before the chunked head
+        model = shard_model(load_model(path, device, torch.float32, args.gradient_checkpointing, attn),
+                            compile="compile" in rest)  # --compile: each decoder layer through torch.compile
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=cuda)
         n_params, out = matmul_params(model), {"run": run}
         if cuda:

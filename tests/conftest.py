@@ -11,6 +11,19 @@ for path in (ROOT, os.path.join(ROOT, "tests")):  # `from grpo import ...`, `fro
         sys.path.insert(0, path)
 
 
+@pytest.fixture(scope="module")
+def gloo():
+    """A world of one process, for FSDP2 and barriers in-process."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # someone else's group: use it, leave it
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A 2-layer Llama + BPE tokenizer with a chat template, untrained (sft_steps=0: a few seconds)."""

@@ -34,4 +34,5 @@ if rank == 0:
     for n, p in whole.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
     print("gradients match", flush=True)
+dist.barrier()  # gloo: a rank that tears down while another still computes can abort (exit -6)
 dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""Under torchrun: packed micro-batches by a token budget give FSDP2 the same log-probs and the same
+"""Under torchrun: balance() evens out the ranks' tokens, each keeping as many items; packed micro-batches by a token budget give FSDP2 the same log-probs and the same
 gradient as padded ones, on ranks whose rows need different numbers of micro-batches (the rank with
 fewer runs stand-ins). fp32 compute. Run by tests/test_packing.py:
 
@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])  # the repo root, for the modules
 from data import Sample, collate  # noqa: E402
-from fsdp import all_reduce, batch_logprobs, init_distributed, load_model, micro_batches, shard_model, token_logprobs  # noqa: E402
+from fsdp import (all_reduce, balance, batch_logprobs, init_distributed, load_model, micro_batches, shard_model,  # noqa: E402
+                  token_logprobs)
 
 rank, world, device = init_distributed()
 gen = torch.Generator().manual_seed(rank)
@@ -55,6 +56,18 @@ stand_ins = int(all_reduce(sum(len(rows) == 0 for rows in plan)))
 assert counts[0] == counts[1] and stand_ins > 0, (counts, stand_ins)  # as many on both ranks; rank 1 ran stand-ins
 for n in g_padded:
     torch.testing.assert_close(g_packed[n], g_padded[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+# balance: rank 0's groups are long, rank 1's short; afterwards every rank holds as many, their tokens within one group
+groups = [(rank, k, w) for k, w in enumerate([900, 700, 650, 400] if rank == 0 else [120, 80, 60, 30])]
+mine = balance(groups, [w for _, _, w in groups], world)
+everyone = [None] * world
+dist.all_gather_object(everyone, mine)
+loads = [sum(w for _, _, w in part) for part in everyone]
+assert sorted(x for part in everyone for x in part) == sorted((r, k, w) for r, ws in enumerate([[900, 700, 650, 400], [120, 80, 60, 30]])
+                                                              for k, w in enumerate(ws))  # each group once
+assert all(len(part) == 4 for part in everyone) and max(loads) - min(loads) <= 900, loads  # was 2650 vs 290
+assert balance(groups, [w for _, _, w in groups], world) == mine  # the same deal again
 if rank == 0:
+    print(f"balanced tokens per rank: {loads}", flush=True)
     print(f"packed matches padded: {int(counts[0])} micro-batches per rank, {stand_ins} stand-in(s)", flush=True)
+dist.barrier()  # gloo: a rank that tears down while another still finishes its last gather aborts (exit -6)
 dist.destroy_process_group()

@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fsdp import load_model, shard_model
 from memory import ALL_TAGS, MemoryLog, move_optimizer, release, resume, sleep, wake_up
@@ -34,15 +33,7 @@ class FakeEngine:
         self.calls.append(("flush",))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def gloo():
-    """A world of one process: resume() barriers, FSDP2 needs a process group."""
-    if dist.is_initialized():  # someone else's group: use it, leave it
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("gloo")  # resume() barriers, FSDP2 needs a process group (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,34 @@ def test_packed_gradients_equal_padded(policy):
         torch.testing.assert_close(packed[n], padded[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.mark.usefixtures("gloo")
+def test_logit_chunks_and_compiled_layers_keep_the_numbers(tiny_model_dir, monkeypatch):
+    """token_logprobs' head LOGIT_CHUNK tokens at a time (recomputed in backward), and --compile's layers, under
+    FSDP2 as the scripts run them: the log-probs, entropies and gradients of the whole-logits, plain model."""
+    import fsdp
+
+    batch, real = tiny_batch(seed=4)
+    weights = torch.rand(real.shape, generator=torch.Generator().manual_seed(5)) * batch.response_mask
+
+    def run(model, chunk):
+        monkeypatch.setattr(fsdp, "LOGIT_CHUNK", chunk)
+        model.zero_grad(set_to_none=True)
+        device = next(model.parameters()).device  # FSDP2 takes the GPU where there is one
+        logp, entropy = token_logprobs(model, batch.input_ids.to(device), batch.attention_mask.to(device), 0.7,
+                                       with_entropy=True, entropy_grad=True, packed=True)
+        ((logp + 0.01 * entropy) * weights.to(device)).sum().backward()
+        return {"logp": logp.detach(), "entropy": entropy.detach(),
+                **{n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+
+    torch.manual_seed(0)
+    plain = fsdp.shard_model(load_model(tiny_model_dir, torch.device("cpu"), torch.float32), param_dtype=None)
+    whole = run(plain, 10_000)  # one chunk: the logits of all 496 tokens at once, as a plain head
+    compiled = fsdp.shard_model(load_model(tiny_model_dir, torch.device("cpu"), torch.float32), param_dtype=None, compile=True)
+    for name, got in (("chunks of 64", run(plain, 64)), ("compiled, chunks of 64", run(compiled, 64))):
+        for k in whole:
+            torch.testing.assert_close(got[k], whole[k], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}, {k}: {m}")
+
+
 def test_packed_values_equal_padded(tiny_model_dir):
     """ppo.py's critic: a token-classification head, packed through the same forward_tokens."""
     from transformers import AutoModelForTokenClassification
