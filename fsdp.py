@@ -114,7 +114,7 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, gradient_che
 def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16, compile: bool = False):
     """FSDP2: shard each decoder layer, then the root (embeddings, final norm, head). compile: each layer
     through torch.compile first (as torchtitan does; names and state dicts unchanged), which fuses its
-    elementwise ops into a few kernels: the first forwards and backwards compile (bench/results/README.md).
+    elementwise ops into a few kernels, and logits_to_logprobs: the first forwards and backwards compile.
 
     With param_dtype=bf16 the fp32 master shards are all-gathered as bf16 for compute and
     gradients are reduce-scattered in fp32 (reduce_dtype), as in torchtitan. param_dtype=None
@@ -130,6 +130,8 @@ def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16, compile
         if compile:
             layer.compile()  # sizes that change (tokens, rows) turn symbolic after the first recompile
         fully_shard(layer, mp_policy=mp)
+    if compile:  # token_logprobs' passes over [chunk, V] too
+        model.logits_to_logprobs = torch.compile(logits_to_logprobs)
     fully_shard(model, mp_policy=mp)
     # Gradients are summed over ranks, not averaged: the loss already divides by the global token
     # (or sequence) count, computed once before the micro-batches (the scripts' `aggregate`), as in
@@ -180,6 +182,17 @@ def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 LOGIT_CHUNK = 2048  # tokens whose [chunk, V] logits exist at once in token_logprobs (~3 GB fp32 at V = 152k)
 
 
+def logits_to_logprobs(logits, targets, temperature: float, with_entropy: bool, entropy_grad: bool) -> torch.Tensor:
+    """[c, V] logits, [c] target ids -> [c, 2]: each target's log-prob at `temperature` and the entropy (zeros unless
+    with_entropy; no gradient unless entropy_grad). shard_model(compile=True) compiles it: model.logits_to_logprobs."""
+    logits = logits if temperature == 1.0 else logits.float() / temperature
+    # fp32 (bf16 log-probs are off by ~1e-2, enough to skew the PPO ratio), in one fused pass over the logits
+    logp_all = torch.log_softmax(logits, dim=-1, dtype=torch.float32)      # [c, V]
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else logp_all[:, 0] * 0
+    return torch.stack([logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy], -1)
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
                    with_entropy: bool = False, entropy_grad: bool = False, packed: bool = False):
     """Log-prob of each next token under `model` at sampling temperature `temperature`.
@@ -194,15 +207,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     a 152k vocabulary) never exist whole; under autograd each chunk's are recomputed in backward
     (one more head matmul) rather than kept.
     """
-    output = model.get_output_embeddings()
-
-    def logprobs(logits, targets):  # [c, V], [c] -> the targets' log-probs and the entropy, [c] each
-        logits = logits if temperature == 1.0 else logits.float() / temperature
-        # fp32 (bf16 log-probs are off by ~1e-2, enough to skew the PPO ratio), in one fused pass over the logits
-        logp_all = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [c, V]
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else logp_all[:, 0] * 0
-        return torch.stack([logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy], -1)  # [c, 2]
+    output, to_logprobs = model.get_output_embeddings(), getattr(model, "logits_to_logprobs", logits_to_logprobs)
+    logprobs = lambda logits, y: to_logprobs(logits, y, temperature, with_entropy, entropy_grad)  # noqa: E731  [c, 2]
 
     def head(hidden, ids):  # [b, t, H], [b, t] -> [b*t, 2] (not a view: FSDP2 hooks the forward's output)
         targets = torch.cat([ids[:, 1:], ids[:, :1]], 1).flatten()  # [b*t]: the last column's is a stand-in

@@ -40,7 +40,8 @@ class Args:
     """a model folder or hub id, or 0.5b / 1.5b / 7b: random weights of that Qwen2.5 shape"""
     runs: tuple[str, ...] = ("padded/sdpa", "packed/sdpa", "packed/flex_attention")
     """padded|packed / the transformers attention implementation [/ tokens per packed micro-batch, else --max-tokens]
-    [/ compile: torch.compile each decoder layer] [/ whole: the head's logits all at once, not fsdp.LOGIT_CHUNK tokens]"""
+    [/ compile: torch.compile each decoder layer and the log-prob math] [/ eagerhead: that math not compiled]
+    [/ whole: the head's logits all at once, not fsdp.LOGIT_CHUNK tokens]"""
     samples: int = 256
     """sequences per step (the same in every run)"""
     prompt_len: int = 100
@@ -139,6 +140,8 @@ def main(args: Args):
         fsdp.LOGIT_CHUNK = 2**40 if "whole" in rest else chunk  # whole: as before the chunked head
         model = shard_model(load_model(path, device, torch.float32, args.gradient_checkpointing, attn),
                             compile="compile" in rest)  # --compile: each decoder layer through torch.compile
+        if "eagerhead" in rest:  # compiled layers, but fsdp.logits_to_logprobs as it is
+            del model.logits_to_logprobs
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=cuda)
         n_params, out = matmul_params(model), {"run": run}
         if cuda:

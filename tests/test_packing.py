@@ -69,7 +69,7 @@ def test_packed_gradients_equal_padded(policy):
 
 @pytest.mark.usefixtures("gloo")
 def test_logit_chunks_and_compiled_layers_keep_the_numbers(tiny_model_dir, monkeypatch):
-    """token_logprobs' head LOGIT_CHUNK tokens at a time (recomputed in backward), and --compile's layers, under
+    """token_logprobs' head LOGIT_CHUNK tokens at a time (recomputed in backward), and --compile's layers and head math, under
     FSDP2 as the scripts run them: the log-probs, entropies and gradients of the whole-logits, plain model."""
     import fsdp
 
