@@ -679,6 +679,7 @@ def main(args: Args):
                 "train/approx_kl": totals["approx_kl"] / tokens, "train/grad_norm": sum(grad_norms) / len(grad_norms),
                 "train/lr": scheduler.get_last_lr()[0], "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms),
                 "perf/tokens_per_s": real_tokens / (time.time() - t_step),
+                "perf/rank_tokens_max_over_mean": float(all_reduce(lengths.sum(), dist.ReduceOp.MAX)) * world_size / real_tokens,  # 1: even
             })
             if peak:  # PLUMBING: model FLOPs utilization of the two phases (fsdp.mfu), on a GPU of known peak only
                 metrics["perf/logprob_mfu"] = mfu(2 * n_params * (1 + (ref is not None)), real_tokens, mem.seconds["logprob"],

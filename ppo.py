@@ -757,6 +757,7 @@ def main(args: Args):
             "critic/value_loss": totals["value_loss"] / n_opt, "critic/value_clip_frac": totals["value_clip_frac"] / tokens,
             "critic/grad_norm": sum(critic_grad_norms) / len(critic_grad_norms), "critic/lr": critic_scheduler.get_last_lr()[0],
             "perf/tokens_per_s": real_tokens / (time.time() - t_step),
+            "perf/rank_tokens_max_over_mean": float(all_reduce(lengths.sum(), dist.ReduceOp.MAX)) * world_size / real_tokens,  # 1: even
             "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms + critic_grad_norms),
         })
         if update_actor:

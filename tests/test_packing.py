@@ -185,6 +185,9 @@ def test_grpo_packed_matches_padded_two_ranks(trained_tiny_model_dir, tmp_path):
     padded, packed = smoke_pair(trained_tiny_model_dir, tmp_path, "grpo.py", "--beta", "0.05", "--gradient-checkpointing")
     assert_close_runs(padded, packed, ["train/loss", "train/entropy", "train/grad_norm"])
     assert packed[1]["train/kl"] > 0  # step 2: the reference model's packed log-probs are in use
+    # the busiest rank's tokens over the mean (the deal itself: tests/packing_check.py); here ~1.002 and ~1.007
+    spread = [r["perf/rank_tokens_max_over_mean"] for r in padded + packed]
+    assert all(1 <= x < 1.2 for x in spread) and spread[0] == spread[2], spread  # padded or packed: the same deal
 
 
 def test_ppo_packed_matches_padded_two_ranks(trained_tiny_model_dir, tmp_path):
