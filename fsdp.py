@@ -145,9 +145,8 @@ def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16, compile
 
 def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False, head=None):
     """model(...).logits of a right-padded micro-batch [b, t], the ids they score, and `unpack`: per-token
-    values of the next-token positions -> [b, t-1] (padded: the identity). head(hidden [b, t, H], ids [b, t]):
-    what the output head returns instead of the logits, run inside the model's forward, where FSDP2 has
-    gathered the head's weight (token_logprobs: log-probs without the [b, t, V] logits).
+    values of the next-token positions -> [b, t-1] (padded: the identity). head(hidden [b, t, H], ids [b, t]): what
+    the output head returns instead of the logits (token_logprobs'), run in the forward, where FSDP2 gathered its weight.
 
     packed: the rows' real tokens in one row [1, n], no padding, positions restarting at 0 in each
     sequence. With attention_mask None, transformers reads the restarts as sequence boundaries
@@ -203,9 +202,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     sampled from, softmax(logits / T). `packed`: one forward over the rows without padding
     (forward_tokens), the same numbers on the real tokens, zero past them.
 
-    The output head runs LOGIT_CHUNK tokens at a time: the [N, V] logits (fp32: 5 GB for 8192 tokens of
-    a 152k vocabulary) never exist whole; under autograd each chunk's are recomputed in backward
-    (one more head matmul) rather than kept.
+    The output head runs LOGIT_CHUNK tokens at a time: the [N, V] logits (fp32: 5 GB for 8192 tokens of a 152k
+    vocabulary) never exist whole; under autograd each chunk's are recomputed in backward (one more head matmul).
     """
     output, to_logprobs = model.get_output_embeddings(), getattr(model, "logits_to_logprobs", logits_to_logprobs)
     logprobs = lambda logits, y: to_logprobs(logits, y, temperature, with_entropy, entropy_grad)  # noqa: E731  [c, 2]
@@ -225,7 +223,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     else:
         out, ids, unpack = forward_tokens(model, input_ids, attention_mask, packed, head)  # [B*T, 2] or [N, 2]
         out = out.view(*ids.shape, 2)[:, :-1]                                             # [B, T-1, 2]
-    return unpack(out[..., 0]), unpack(out[..., 1]) if with_entropy else None
+    logp, entropy = out.unbind(-1)  # the stack of the two carries logp's graph: a metric entropy leaves it
+    return unpack(logp), unpack(entropy if entropy_grad else entropy.detach()) if with_entropy else None
 
 
 def pack_rows(lengths: list[int], max_tokens: int, count: int = 0) -> list[list[int]]:

@@ -1,6 +1,7 @@
-"""Under torchrun: balance() evens out the ranks' tokens, each keeping as many items; packed micro-batches by a token budget give FSDP2 the same log-probs and the same
+"""Under torchrun: packed micro-batches by a token budget give FSDP2 the same log-probs and the same
 gradient as padded ones, on ranks whose rows need different numbers of micro-batches (the rank with
-fewer runs stand-ins). fp32 compute. Run by tests/test_packing.py:
+fewer runs stand-ins), fp32 compute; and balance() evens out the ranks' tokens, each keeping as many
+items. Run by tests/test_packing.py:
 
     torchrun --nproc_per_node=2 tests/packing_check.py MODEL_DIR
 """
@@ -57,13 +58,14 @@ assert counts[0] == counts[1] and stand_ins > 0, (counts, stand_ins)  # as many 
 for n in g_padded:
     torch.testing.assert_close(g_packed[n], g_padded[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
 # balance: rank 0's groups are long, rank 1's short; afterwards every rank holds as many, their tokens within one group
-groups = [(rank, k, w) for k, w in enumerate([900, 700, 650, 400] if rank == 0 else [120, 80, 60, 30])]
+tokens = [[900, 700, 650, 400], [120, 80, 60, 30]]                        # each rank's groups, before
+groups = [(rank, k, w) for k, w in enumerate(tokens[rank])]
 mine = balance(groups, [w for _, _, w in groups], world)
 everyone = [None] * world
 dist.all_gather_object(everyone, mine)
 loads = [sum(w for _, _, w in part) for part in everyone]
-assert sorted(x for part in everyone for x in part) == sorted((r, k, w) for r, ws in enumerate([[900, 700, 650, 400], [120, 80, 60, 30]])
-                                                              for k, w in enumerate(ws))  # each group once
+assert sorted(x for part in everyone for x in part) == [(r, k, w) for r, ws in enumerate(tokens)
+                                                        for k, w in enumerate(ws)]  # each group once
 assert all(len(part) == 4 for part in everyone) and max(loads) - min(loads) <= 900, loads  # was 2650 vs 290
 assert balance(groups, [w for _, _, w in groups], world) == mine  # the same deal again
 if rank == 0:

@@ -93,6 +93,9 @@ def test_logit_chunks_and_compiled_layers_keep_the_numbers(tiny_model_dir, monke
     for name, got in (("chunks of 64", run(plain, 64)), ("compiled, chunks of 64", run(compiled, 64))):
         for k in whole:
             torch.testing.assert_close(got[k], whole[k], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}, {k}: {m}")
+    # entropy as a metric (entropy_grad False) carries no graph: the scripts sum it into their step metrics
+    logp, entropy = token_logprobs(plain, batch.input_ids, batch.attention_mask, 1.0, with_entropy=True, packed=True)
+    assert logp.requires_grad and not entropy.requires_grad
 
 
 def test_packed_values_equal_padded(tiny_model_dir):
