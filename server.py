@@ -37,7 +37,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 import torch
 import torch.distributed as dist
@@ -193,6 +193,7 @@ class ServerEngine:
                     raise r.exception()
             time.sleep(0.1)
         if not joined.done() or joined.exception():
+            wait([joined], timeout=10)  # its store connect times out now too: not inside it at exit (an abort)
             raise ServerError(f"the weight-update group did not form within --rollout-timeout {self.timeout_s:g} s "
                               f"({joined.exception() if joined.done() else 'no answer'}): can the servers reach this machine "
                               f"at {address}:{port}? (--rollout-sync-address)")
@@ -344,7 +345,17 @@ def join_group(*, address: str, port: int, world_size: int, rank: int, group_nam
     with without_agent_store():  # rank 0 hosts this store itself, under torchrun too
         store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                         group_name=group_name, timeout=timeout)
+    # a default group bound to a GPU (fsdp.init_distributed's device_id) makes torch build a new NCCL group by
+    # splitting the default group's communicator, which the servers are not in: both sides would wait forever
+    default = _world.default_pg
+    bound = default.bound_device_id if default is not None else None
+    if bound is not None:
+        default.bound_device_id = None
+    try:
+        group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                             group_name=group_name, timeout=timeout)
+    finally:
+        if bound is not None:
+            default.bound_device_id = bound
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group

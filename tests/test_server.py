@@ -137,6 +137,32 @@ def test_a_server_of_another_model_is_refused(tiny_model_dir, tmp_path):
     server.stop()
 
 
+def test_the_weight_sync_group_is_not_split_from_a_bound_default_group(gloo, monkeypatch):
+    """fsdp.init_distributed binds the default group to the rank's GPU; torch then builds every new NCCL group
+    by splitting the default group's communicator, which the servers are not in, and both sides waited
+    forever (seen on 2 H200s). join_group unbinds it while the weight-update group forms, then binds it back."""
+    import socket
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from server import join_group
+
+    default, seen = c10d._get_default_group(), []
+    helper = c10d._new_process_group_helper
+    monkeypatch.setattr(c10d, "_new_process_group_helper",
+                        lambda *a, **k: seen.append(default.bound_device_id) or helper(*a, **k))
+    default.bound_device_id = torch.device("cpu", 0)  # as init_distributed's device_id does on a GPU
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        group = join_group(address="127.0.0.1", port=port, world_size=1, rank=0, group_name="t_bound", backend="gloo", timeout_s=10)
+        assert seen == [None] and default.bound_device_id == torch.device("cpu", 0)
+        torch.distributed.destroy_process_group(group)
+    finally:
+        default.bound_device_id = None
+
+
 def test_a_group_that_cannot_form_fails_within_the_timeout(server_process):
     url, _ = server_process
     t0 = time.time()  # the server is told to join at an address nobody listens on
