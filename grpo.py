@@ -481,8 +481,9 @@ def main(args: Args):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True)
     total_optimizer_steps = args.steps * args.epochs * args.num_minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
-    # PLUMBING: what the memory phases move around the engine (memory.py)
+    # PLUMBING: what the memory phases move around the engine, and the weight sync's buckets and TP group (memory.py)
     phases = dict(models=[m for m in (policy, ref) if m is not None], optimizers=[optimizer], offload=args.offload, mem=mem)
+    sync = dict(bucket_bytes=args.sync_bucket_mb * 2**20, tp_group=tp.process_group if engine_kind == "sglang" else None)
     # for MFU (fsdp.mfu): the GPU's peak FLOP/s (None on a CPU or a GPU not in fsdp's table), the policy's size
     peak, n_params = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else ""), matmul_params(policy)
     startup["model_s"] = time.time() - t0
@@ -571,7 +572,7 @@ def main(args: Args):
         if ahead is not None:
             with mem.phase("generate"):
                 ahead.result()
-        wake_up(engine, policy=policy, bucket_bytes=args.sync_bucket_mb * 2**20, **phases)
+        wake_up(engine, policy=policy, **sync, **phases)
         if eval_due(step - 1):
             with mem.phase("eval"):
                 evaluate(step - 1)  # after step-1 updates
@@ -711,7 +712,7 @@ def main(args: Args):
 
     # ---- final evaluation and cleanup --------------------------------------------------------------
     if args.eval_every and start_step < args.steps:
-        wake_up(engine, policy=policy, bucket_bytes=args.sync_bucket_mb * 2**20, **phases)
+        wake_up(engine, policy=policy, **sync, **phases)
         evaluate(args.steps)
     mem.close()
     stop_engine(engine, watch)

@@ -552,9 +552,11 @@ def main(args: Args):
     total_optimizer_steps = args.steps * args.epochs * args.num_minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
     critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
-    # PLUMBING: what the memory phases move around the engine (memory.py): all of it leaves the GPU with --offload
+    # PLUMBING: what the memory phases move around the engine (all of it leaves the GPU with --offload), and the
+    # weight sync's buckets and TP group (memory.py)
     phases = dict(models=[m for m in (policy, ref, critic) if m is not None], optimizers=[optimizer, critic_optimizer],
                   offload=args.offload, mem=mem)
+    sync = dict(bucket_bytes=args.sync_bucket_mb * 2**20, tp_group=tp.process_group if engine_kind == "sglang" else None)
     kl_coef = args.kl_coef
     # for MFU (fsdp.mfu): the GPU's peak FLOP/s (None on a CPU or a GPU not in fsdp's table), the models' sizes
     peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
@@ -647,7 +649,7 @@ def main(args: Args):
         if ahead is not None:
             with mem.phase("generate"):
                 ahead.result()
-        wake_up(engine, policy=policy, bucket_bytes=args.sync_bucket_mb * 2**20, **phases)
+        wake_up(engine, policy=policy, **sync, **phases)
         if eval_due(step - 1):
             with mem.phase("eval"):
                 evaluate(step - 1)  # after step-1 updates
@@ -798,7 +800,7 @@ def main(args: Args):
 
     # ---- final evaluation and cleanup --------------------------------------------------------------
     if args.eval_every and start_step < args.steps:
-        wake_up(engine, policy=policy, bucket_bytes=args.sync_bucket_mb * 2**20, **phases)
+        wake_up(engine, policy=policy, **sync, **phases)
         evaluate(args.steps)
     mem.close()
     stop_engine(engine, watch)

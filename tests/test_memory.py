@@ -3,11 +3,15 @@
 A fake engine records the calls SGLang would get; a one-process gloo group stands in for torchrun.
 """
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
+from conftest import ROOT
 from fsdp import load_model, shard_model
 from memory import ALL_TAGS, MemoryLog, move_optimizer, release, resume, sleep, wake_up
 
@@ -119,6 +123,15 @@ def test_sync_sends_every_parameter_full_and_bf16(policy, tiny_model_dir):
         assert torch.equal(tensor, sharded[name].detach().full_tensor().to(torch.bfloat16))
 
 
+def test_sync_with_a_tp_group_hands_each_rank_its_own_copy(tiny_model_dir):
+    """--rollout-tp 2: for every parameter SGLang gets one handle per TP rank, each made by that rank
+    (TP worker i opens rank i's copy on its own GPU), bucket by bucket (tests/sync_tp_check.py)."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "tests/sync_tp_check.py", tiny_model_dir], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and "tp sync ok" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_offload_moves_every_model_and_optimizer_while_generating():
     """With offload, every training-side model (policy, reference, critic) and every optimizer leaves
     the device before the KV cache is resumed, and comes back after the release."""
@@ -153,7 +166,7 @@ def test_offload_moves_every_model_and_optimizer_while_generating():
     import memory  # record what sync_weights and move_optimizer (tested on their own) are asked to do
 
     real = memory.sync_weights, memory.move_optimizer
-    memory.sync_weights = lambda model, engine, bucket_bytes: events.append(("sync", ""))
+    memory.sync_weights = lambda model, engine, bucket_bytes, tp_group: events.append(("sync", ""))
     memory.move_optimizer = lambda opt, device: events.append((opt.name, str(device)))
     try:
         wake_up(engine, policy=policy, models=models, optimizers=optimizers, offload=True, mem=MemoryLog())
