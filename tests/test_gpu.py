@@ -57,6 +57,11 @@ def test_a_launched_server_takes_the_weights(tmp_path):
     assert (tmp_path / f"rollout_server_{1 if torch.cuda.device_count() >= 2 else 0}.log").exists()
 
 
+def test_the_weight_sync_group_has_a_communicator_of_its_own():
+    """A split from the trainer's default NCCL communicator would leave the servers out (tests/nccl_split_check.py)."""
+    assert "join_group's was not" in run([sys.executable, "tests/nccl_split_check.py"], timeout=300)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="--rollout-gpus 1 needs a GPU beside the trainer's")
 def test_grpo_rollout_gpus_async(tmp_path):
     """torchrun --nproc_per_node 1 on a two-GPU machine: the job starts its server on GPU 1, trains on
