@@ -24,6 +24,7 @@ import atexit
 import threading
 import time
 from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.distributed as dist
@@ -81,15 +82,13 @@ def sleep(engine, *, models: list, optimizers: list, offload: bool, mem: "Memory
 def sync_weights(model, engine, bucket_bytes: int = 512 * 2**20, tp_group=None):
     """Push the FSDP2 model's weights into the engine, in buckets of about `bucket_bytes`.
 
-    Every rank all-gathers every parameter (`full_tensor()` is a collective: all ranks, same
-    order); ranks that own an engine hand the full bf16 tensors to it, by CUDA IPC for SGLang,
-    with no copy through the CPU. Buckets bound the extra memory to one bucket of gathered
-    weights. The prefix cache holds KV computed with the old weights: flush it once, at the end.
+    Every rank all-gathers every parameter (`full_tensor()` is a collective: all ranks, same order); ranks that own an
+    engine hand the full bf16 tensors to it, by CUDA IPC for SGLang, no copy through the CPU. Buckets bound the extra
+    memory to one bucket of gathered weights. The prefix cache holds KV of the old weights: flushed once, at the end.
 
-    `tp_group` (--rollout-tp k, an in-process SGLang engine over the group's k GPUs): each rank hands
-    over the copy it gathered on its own GPU; SGLang's TP worker i opens rank i's, on its own device.
-    Given only the owner's, every other worker opened another GPU's memory: 1.05 s against 0.32 s
-    per sync at 1.5B on 2 H200s (bench/results/sync_tp2_1p5b_h200x2.json).
+    `tp_group` (--rollout-tp k, one SGLang engine over the group's GPUs): SGLang's TP worker i opens the copy
+    rank i gathered, on its own GPU. Given only the owner's, every worker opened GPU 0's memory: 1.05 s
+    against 0.32 s per sync at 1.5B on 2 H200s (bench/results/sync_tp2_1p5b_h200x2.json).
     """
     bucket, size = [], 0
     for name, param in model.named_parameters():
@@ -111,20 +110,21 @@ def sync_weights(model, engine, bucket_bytes: int = 512 * 2**20, tp_group=None):
 def _send(bucket: list, engine, tp_group):
     """One bucket to the engine; with `tp_group`, a CUDA IPC handle (bytes) per TP rank for each tensor."""
     if tp_group is not None:
-        from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor  # lazy
-        from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-        monkey_patch_torch_reductions()  # handles name the GPU by UUID, whatever CUDA_VISIBLE_DEVICES says
-        handles = [MultiprocessingSerializer.serialize(tensor) for _, tensor in bucket]
+        handles = [ipc_handle(tensor) for _, tensor in bucket]
         per_rank = [None] * dist.get_world_size(tp_group) if engine is not None else None
         dist.gather_object(handles, per_rank, dst=dist.get_global_rank(tp_group, 0), group=tp_group)
         if engine is not None:  # [(name, LocalSerializedTensor(values=[rank 0's handle, rank 1's, ...]))]
+            from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor  # lazy
             bucket = [(name, LocalSerializedTensor(values=list(values))) for (name, _), values in zip(bucket, zip(*per_rank))]
     if engine is not None:
         engine.update_weights_from_tensor(bucket, flush_cache=False)
     if tp_group is not None:
         dist.barrier(group=tp_group)  # a rank's tensors stay alive until its TP worker has loaded them
+
+
+def ipc_handle(tensor: torch.Tensor) -> bytes:
+    """A CUDA tensor pickled as SGLang's MultiprocessingSerializer does (an IPC handle, no data), SGLang not imported."""
+    return bytes(ForkingPickler.dumps(tensor))
 
 
 def release(engine, tags):

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 2 bench/sync_bench.py --model /tmp/m15 --out $OUT/sync_tp2.json
 
 One in-process SGLang engine over both GPUs (tp 2, owned by rank 0), the FSDP2 model sharded over
-both ranks, and memory.sync_weights timed `reps` times each way, alternating, in one process:
+both ranks (`python bench/sync_bench.py` on one GPU: tp 1, both ways on the same GPU), and memory.sync_weights timed `reps` times each way, alternating, in one process:
   owner   every TP worker opens the owner's full tensors (GPU 0) and copies its part over (before)
   each    TP worker i opens rank i's own gathered copy, on its own GPU (sync_weights' tp_group)
 Both must leave the engine with the trainer's weights: after each, SGLang samples and the FSDP2 model
@@ -57,6 +57,7 @@ def gap(engine, policy, tp, device, seed: int) -> float:
 def main(args: Args):
     rank, world, device = init_distributed()
     tp = tp_group(world)
+    group = tp.process_group or dist.new_group([0])  # one GPU: a group of one, to run the per-rank path there too
     engine = None
     if rank == tp.owner:
         engine = start_sglang(args.model, gpu_id=0, options=SGLangOptions(mem_fraction=args.mem_fraction, tp_size=world,
@@ -70,7 +71,7 @@ def main(args: Args):
         torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
-        sync_weights(policy, engine, tp_group=tp.process_group if mode == "each" else None)
+        sync_weights(policy, engine, tp_group=group if mode == "each" else None)
         dist.barrier()
         return time.perf_counter() - t0
 

@@ -1,6 +1,6 @@
 """Under torchrun: memory.sync_weights with a TP group (--rollout-tp 2) hands SGLang, per parameter, one
 handle per TP rank, each rank's own gathered copy, in the group's order, bucket by bucket. SGLang's
-modules are stood in for (its serializer pickles here; on a GPU it passes CUDA IPC handles). Run by
+LocalSerializedTensor is stood in for, and the handles are plain pickles (on a GPU: CUDA IPC handles). Run by
 tests/test_memory.py:
 
     torchrun --nproc_per_node=2 tests/sync_tp_check.py MODEL_DIR
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])  # the repo root, for the modules
 from fsdp import init_distributed, load_model, shard_model  # noqa: E402
-from memory import sync_weights  # noqa: E402
+import memory  # noqa: E402
 
 rank, world, device = init_distributed()
 
@@ -26,16 +26,12 @@ class LocalSerializedTensor:  # SGLang's: values[i] is what TP worker i opens
     values: list
 
 
-def serialize(tensor):  # the handle says which rank made it
-    return pickle.dumps((dist.get_rank(), tensor.clone()))
-
-
 stand_ins = {"sglang": {}, "sglang.srt": {}, "sglang.srt.model_executor": {}, "sglang.srt.model_executor.model_runner_components": {},
-             "sglang.srt.model_executor.model_runner_components.weight_updater": {"LocalSerializedTensor": LocalSerializedTensor},
-             "sglang.srt.utils": {"MultiprocessingSerializer": types.SimpleNamespace(serialize=serialize)},
-             "sglang.srt.utils.patch_torch": {"monkey_patch_torch_reductions": lambda: None}}
+             "sglang.srt.model_executor.model_runner_components.weight_updater": {"LocalSerializedTensor": LocalSerializedTensor}}
 for name, attrs in stand_ins.items():
     sys.modules[name] = types.SimpleNamespace(**attrs)
+# on a GPU, a handle is torch's pickling of a CUDA tensor; here a copy that says which rank made it
+memory.ipc_handle = lambda tensor: pickle.dumps((dist.get_rank(), tensor.clone()))
 
 
 class Engine:
@@ -54,7 +50,7 @@ model = shard_model(load_model(sys.argv[1], device, torch.float32), param_dtype=
 full = {name: p.full_tensor().to(torch.bfloat16) for name, p in model.named_parameters()}
 engine = Engine() if rank == 0 else None
 group = dist.new_group([0, 1])
-sync_weights(model, engine, bucket_bytes=4096, tp_group=group)  # a bucket per few tensors
+memory.sync_weights(model, engine, bucket_bytes=4096, tp_group=group)  # a bucket per few tensors
 if rank == 0:
     sent = [item for bucket in engine.buckets for item in bucket]
     assert len(engine.buckets) > 2 and engine.flushed == 1
