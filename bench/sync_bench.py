@@ -4,11 +4,14 @@
     torchrun --nproc_per_node 2 bench/sync_bench.py --model /tmp/m15 --out $OUT/sync_tp2.json
 
 One in-process SGLang engine over both GPUs (tp 2, owned by rank 0), the FSDP2 model sharded over
-both ranks (`python bench/sync_bench.py` on one GPU: tp 1, both ways on the same GPU), and memory.sync_weights timed `reps` times each way, alternating, in one process:
+both ranks, and memory.sync_weights timed `reps` times each way, alternating, in one process
+(`python bench/sync_bench.py` on one GPU: tp 1, a TP group of one, both ways on the same GPU):
   owner   every TP worker opens the owner's full tensors (GPU 0) and copies its part over (before)
   each    TP worker i opens rank i's own gathered copy, on its own GPU (sync_weights' tp_group)
-Both must leave the engine with the trainer's weights: after each, SGLang samples and the FSDP2 model
-rescores (mean |log-prob gap|, small); with the training weights moved and not synced it is large.
+`sglang_update_s`: the part of a sync inside SGLang's update calls (its TP workers opening and loading
+the tensors); the rest is ours (all-gathers, handles, barriers). Both ways must leave the engine with
+the trainer's weights: after each, SGLang samples and the FSDP2 model rescores (mean |log-prob gap|,
+small); with the training weights moved and not synced it is large.
 """
 import json
 import statistics
@@ -67,12 +70,27 @@ def main(args: Args):
     shard_model(policy, param_dtype=torch.bfloat16)
     n_params = sum(p.numel() for p in policy.parameters())
 
+    inside = {"owner": [], "each": []}  # per timed sync: seconds in SGLang's update calls (its workers open and load)
+    if engine is not None:
+        update = engine.update_weights_from_tensor
+
+        def counted(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = update(*args, **kwargs)
+            counted.seconds += time.perf_counter() - t0
+            return out
+        engine.update_weights_from_tensor = counted
+
     def timed(mode: str) -> float:
         torch.cuda.synchronize()
         dist.barrier()
+        if engine is not None:
+            counted.seconds = 0.0
         t0 = time.perf_counter()
         sync_weights(policy, engine, tp_group=group if mode == "each" else None)
         dist.barrier()
+        if engine is not None:
+            inside[mode].append(counted.seconds)
         return time.perf_counter() - t0
 
     result = {"model": args.model, "params": n_params, "tp": world, "gpu": torch.cuda.get_device_name(),
@@ -91,6 +109,8 @@ def main(args: Args):
     result["sync_s"] = {mode: statistics.median(t) for mode, t in times.items()}
     result["sync_s_all"] = times
     result["owner_over_each"] = result["sync_s"]["owner"] / result["sync_s"]["each"]
+    # where a sync's time goes: SGLang's side (update calls) and ours (gathers, handles, barriers, cache flush)
+    result["sglang_update_s"] = {mode: statistics.median(t[-args.reps:]) for mode, t in inside.items() if t}
     if rank == 0:
         print(json.dumps(result, indent=2))
         with open(args.out, "w") as f:
