@@ -1,6 +1,7 @@
 """Shared pytest set-up: import the scripts and modules from the repo root, and one tiny model per session."""
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -9,6 +10,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for path in (ROOT, os.path.join(ROOT, "tests")):  # `from grpo import ...`, `from tiny_model import ...`
     if path not in sys.path:
         sys.path.insert(0, path)
+
+
+def torchrun_check(script: str, *args: str) -> subprocess.CompletedProcess:
+    """tests/<script> under torchrun as two CPU ranks (gloo): the checks that need a real two-rank world."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")

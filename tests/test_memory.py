@@ -3,15 +3,12 @@
 A fake engine records the calls SGLang would get; a one-process gloo group stands in for torchrun.
 """
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import torchrun_check
 from fsdp import load_model, shard_model
 from memory import ALL_TAGS, MemoryLog, move_optimizer, release, resume, sleep, wake_up
 
@@ -126,9 +123,7 @@ def test_sync_sends_every_parameter_full_and_bf16(policy, tiny_model_dir):
 def test_sync_with_a_tp_group_hands_each_rank_its_own_copy(tiny_model_dir):
     """--rollout-tp 2: for every parameter SGLang gets one handle per TP rank, each made by that rank
     (TP worker i opens rank i's copy on its own GPU), bucket by bucket (tests/sync_tp_check.py)."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "tests/sync_tp_check.py", tiny_model_dir], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun_check("tests/sync_tp_check.py", tiny_model_dir)
     assert proc.returncode == 0 and "tp sync ok" in proc.stdout, proc.stderr[-3000:]
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from conftest import torchrun_check
 from data import Sample, collate
 from fsdp import forward_tokens, load_model, matmul_params, mfu, micro_batches, pack_rows, peak_flops, token_logprobs
 from test_smoke import ROOT, metrics, run_grpo
@@ -201,9 +202,7 @@ def test_ppo_packed_matches_padded_two_ranks(trained_tiny_model_dir, tmp_path):
 
 def test_fsdp_packed_equals_padded_two_ranks(tiny_model_dir):
     """FSDP2, fp32, ranks needing different numbers of micro-batches: the same log-probs and gradient."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "tests/packing_check.py", tiny_model_dir], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun_check("tests/packing_check.py", tiny_model_dir)
     assert proc.returncode == 0 and "packed matches padded" in proc.stdout, proc.stderr[-3000:]
 
 

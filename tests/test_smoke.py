@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from conftest import torchrun_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small and fast; --format-weight 0.5 makes rewards vary for the tiny model, so updates are real.
@@ -291,9 +292,7 @@ def test_sglang_schedulers_start_without_torchrun_agent_store(monkeypatch):
 def test_fsdp_sums_gradients_over_ranks(tiny_model_dir):
     """The normalization story of grpo.py's `aggregate`: two ranks with half a batch each and the
     global token count give the whole batch's gradient (FSDP sums; no division by world size)."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "tests/fsdp_sum_check.py", tiny_model_dir], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun_check("tests/fsdp_sum_check.py", tiny_model_dir)
     assert proc.returncode == 0 and "gradients match" in proc.stdout, proc.stderr[-3000:]
 
 
