@@ -120,6 +120,34 @@ def test_sglang_asked_for_without_a_gpu(tiny_model_dir, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("kind, dont_write, compiled, noted", [
+    ("sglang", True, False, True),    # a container image's PYTHONDONTWRITEBYTECODE, nothing compiled in it
+    ("sglang", True, True, False),    # the image compiled its bytecode: the flag costs nothing
+    ("sglang", False, False, False),  # the first run writes the cache
+    ("hf", True, False, False),       # one process: no SGLang processes compiling it all again
+])
+def test_uncached_bytecode_is_named_with_its_cost(monkeypatch, capsys, tmp_path, kind, dont_write, compiled, noted):
+    """With SGLang, bytecode compiled on every launch took the start-up from 44-46 s to 82-89 s on an H100
+    (bench/results, start-up): the run says so before it starts, and how to stop it."""
+    import importlib.util
+
+    import torch
+
+    import preflight
+
+    pyc = tmp_path / "torch.pyc"
+    if compiled:
+        pyc.write_bytes(b"")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "cache_from_source", lambda path: str(pyc))
+    monkeypatch.setattr(sys, "dont_write_bytecode", dont_write)
+    assert preflight.check_engine(kind) == kind
+    out = capsys.readouterr().out
+    assert ("unset PYTHONDONTWRITEBYTECODE" in out) == noted, out
+
+
 # ----------------------------------------------------------------------------------------------
 # Flags: checked before anything is loaded or written, in grpo.py, ppo.py and evaluate.py alike
 
