@@ -2,7 +2,8 @@
 that name the input and the fix, exit code 2, no traceback, and nothing written.
 
 Every run here is a subprocess, as a person would start it. The hub is made unreachable
-(HF_ENDPOINT on a closed local port, an empty cache) so the tests behave the same on any machine.
+(HF_ENDPOINT on a closed local port, an empty cache) and GPUs hidden (CUDA_VISIBLE_DEVICES=""), so the
+tests behave the same on any machine: on a GPU machine a run that expects no GPU would otherwise start SGLang.
 The README's install commands themselves run in bench/fresh_machine.sh (a fresh virtualenv).
 """
 
@@ -21,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(script: str, *args, cwd=ROOT, tmp=None, timeout=300):
     """Run `python <script> args` like a person would; returns (exit code, stdout + stderr, seconds)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
            "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": str(tmp / "hf-cache") if tmp else "/nonexistent"}
     env.pop("RL_DEBUG", None)
     t0 = time.time()
