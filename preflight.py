@@ -42,7 +42,7 @@ def friendly_errors(script: str, oom_hint: str = OOM_HINT):
     try:
         yield
         # main's reference cycles freed now, not at interpreter exit, where a gloo process group's work held by
-        # FSDP2's modules aborted a third of two-rank CPU runs ("terminate called ...", tests/gloo_exit_check.py)
+        # FSDP2's modules aborted 1 in 10 to 1 in 3 two-rank CPU runs ("terminate called ...", tests/gloo_exit_check.py)
         gc.collect()
     except Interrupted as e:  # a signal during start-up: nothing was trained, nothing to save
         leave_process_group()

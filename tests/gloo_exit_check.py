@@ -1,8 +1,8 @@
 """Under torchrun, two CPU ranks (gloo): a run that ends as grpo.py's does (an FSDP2 model trained a few
 steps, the process group destroyed at the end of main, main run inside preflight.friendly_errors) exits
 with code 0. Before friendly_errors collected main's reference cycles, FSDP2's modules kept the process
-group's work alive until the interpreter's own teardown, and about a third of such runs then aborted
-("terminate called without an active exception", exit -6). Run by tests/test_smoke.py:
+group's work alive until the interpreter's own teardown, where 2 in 20 of these runs aborted ("terminate
+called without an active exception", exit -6; 8 in 25 runs of a plain FSDP2 script). Run by tests/test_smoke.py:
 
     torchrun --nproc_per_node=2 tests/gloo_exit_check.py MODEL_DIR
 """

@@ -6,8 +6,8 @@ tests/test_memory.py:
     torchrun --nproc_per_node=2 tests/sync_tp_check.py MODEL_DIR
 """
 
-import pickle
 import gc
+import pickle
 import sys
 import types
 from dataclasses import dataclass

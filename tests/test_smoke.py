@@ -99,8 +99,8 @@ def run_two_nodes(model, out_dir, *extra, node1_dir=None, expect_ok=True) -> lis
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # PYTHONFAULTHANDLER: a rank that aborts (once in CI: SIGABRT at the end of a resume, not reproduced since)
-    # prints where its threads were
+    # PYTHONFAULTHANDLER: a rank that aborts (once in CI: SIGABRT at exit, see gloo_exit_check.py) prints where
+    # its threads were
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
     procs = []
     for node in (0, 1):
@@ -306,7 +306,7 @@ def test_fsdp_sums_gradients_over_ranks(tiny_model_dir):
 
 def test_two_cpu_ranks_leave_no_fsdp_module_for_the_interpreter_teardown(tiny_model_dir):
     """gloo: FSDP2 modules still alive at interpreter exit hold the process group's work, and freeing them
-    there aborted about a third of two-rank runs (exit -6; once in CI at the end of test_grpo_two_nodes).
+    there aborted 1 in 10 to 1 in 3 two-rank runs (exit -6; once in CI at the end of test_grpo_two_nodes).
     friendly_errors collects main's cycles when main returns: none is left, and each run exits 0."""
     for _ in range(3):
         proc = torchrun_check("tests/gloo_exit_check.py", tiny_model_dir)
