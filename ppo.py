@@ -45,7 +45,7 @@ from reward import EVAL_LINE, EVAL_TOOLS_LINE, correct, eval_stats, format_rewar
 from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, send, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
 from server import ServerEngine, launch_servers
-from tools import SANDBOX_LIMITS, TOOLS, tool_call_stop_ids, tool_stats, tools_prompt
+from tools import TOOLS, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
 
 
@@ -168,7 +168,10 @@ class Args:
     tool_workers: int = 16
     """with --tools: tool calls that run at once on each engine (threads; python runs in its own process)"""
     tool_timeout_s: float = 10.0
-    """with --tools: wall-clock limit of one python tool run (it also gets 1 GiB of memory; tools.py)"""
+    """with --tools: wall-clock limit of one python tool run (it also gets 1 GiB of memory, 32 processes; sandbox.py)"""
+    python_sandbox: str = "bwrap"
+    """with --tools python: where model-written programs run: 'bwrap' (a bubblewrap jail on this machine), a
+    SandboxFusion server's URL (http://HOST:PORT), or 'process' (a plain subprocess: it can reach the trainer)"""
     # --- memory and systems
     gradient_checkpointing: bool = False
     """recompute activations in backward (less memory, ~30% more compute)"""
@@ -451,6 +454,7 @@ def main(args: Args):
     args = size_for_cpu(args, CPU_SIZES, "ppo.py")
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     check_args(args, world_size)
+    tools = select_tools(args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s)  # its sandbox checked
     run_name = args.run_name or f"ppo-{os.path.basename(args.model.rstrip('/'))}-{'+'.join(map(source_name, args.dataset))}-s{args.seed}"
     run_dir = os.path.join(args.output_dir, run_name)
     resume_from = checkpoint_to_resume(run_dir, args.resume)
@@ -458,7 +462,6 @@ def main(args: Args):
     tokenizer, context_len = check_model(args.model)  # before SGLang starts: a bad --model fails in one line
     if args.critic_model:
         check_model(args.critic_model, "--critic-model", with_tokenizer=False)
-    tools = {name: TOOLS[name] for name in args.tools.split(",") if name}
     stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p)
@@ -469,7 +472,6 @@ def main(args: Args):
     template = args.prompt_template  # None: each kind's own (data.py)
     tools_template = template or (ADDITION_PROMPT if set(args.dataset) <= set(BUILTIN_TASKS) else GSM8K_PROMPT)
     context, tool_specs = tools_prompt(tokenizer, tools, tools_template) if tools else (None, None)  # the tools, worked calls
-    SANDBOX_LIMITS["seconds"] = args.tool_timeout_s
     tool_use = ToolUse(tools, tokenizer, ThreadPoolExecutor(args.tool_workers), max_turns=args.max_turns,
                        max_reply_tokens=args.max_tool_reply_tokens) if tools else None
     user_reward = load_reward(args.reward) if args.reward else None
@@ -579,7 +581,8 @@ def main(args: Args):
         return bool(args.eval_every) and done % args.eval_every == 0 and (done > 0 or args.eval_before_train)
 
     allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
-    log = RunLog(run_dir, config=asdict(args), start_step=start_step, info=run_info(world_size, engine_kind), track=args.track,
+    info = run_info(world_size, engine_kind, python_sandbox=args.python_sandbox if "python" in tools else None)
+    log = RunLog(run_dir, config=asdict(args), start_step=start_step, info=info, track=args.track,
                  project=args.wandb_project, run_name=run_name, eval_redone=start_step < args.steps and eval_due(start_step))
     last_saved, nonfinite = start_step, NonFinite(args.max_nonfinite_steps)
 

@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import functools
 import multiprocessing
+import re
 import signal
 import threading
 import time
@@ -398,7 +399,7 @@ async def episode(engine, prompt: list[int], seed: int, *, sampling: Sampling, t
         results += [(f"error: {problem}", "error", 0.0) for problem in malformed]  # said to the model, never raised
         sample.tool_calls += [(c["name"], status, seconds) for c, (_, status, seconds) in zip(calls, results)]
         sample.tool_calls += [("?", "error", 0.0)] * len(malformed)
-        replies = [tok.decode(tok.encode(r, add_special_tokens=False)[:tool_use.max_reply_tokens]) for r, _, _ in results]
+        replies = [tok.decode(plain_ids(tok, r)[:tool_use.max_reply_tokens]) for r, _, _ in results]
         reply_ids = tool_reply_ids(tok, replies, last_token=turn_out.response_ids[-1] if turn_out.response_ids else None)
         if len(sample.response_ids) + len(reply_ids) >= sampling.max_new_tokens:  # no room for it and a next turn
             sample.truncated = True
@@ -423,6 +424,7 @@ async def all_or_none(coroutines) -> list:
 
 
 _CONTENT = "\x00the assistant's content\x00"  # a string no chat template writes itself
+_REPLY = re.compile("\x00tool reply ([0-9]+)\x00")
 
 
 def tool_reply_ids(tokenizer, replies: list[str], last_token: int | None) -> list[int]:
@@ -430,15 +432,26 @@ def tool_reply_ids(tokenizer, replies: list[str], last_token: int | None) -> lis
     whatever ends the assistant turn (less the stop token the model sampled itself), one tool
     message per reply, and the next assistant turn's header. Taken as the token delta of a whole
     rendered conversation: a tool message rendered alone loses what the template writes between
-    turns (verl#6501: the newline after Qwen's <|im_end|>)."""
+    turns (verl#6501: the newline after Qwen's <|im_end|>). The template's own markers are special
+    tokens; the replies are plain text (`plain_ids`): a program that prints '<|im_end|><|im_start|>user'
+    can't forge a turn."""
     base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _CONTENT}]
-    full = tokenizer.apply_chat_template(base + [{"role": "tool", "content": r} for r in replies], tokenize=False,
-                                         add_generation_prompt=True)
+    slots = [{"role": "tool", "content": f"\x00tool reply {i}\x00"} for i in range(len(replies))]
+    full = tokenizer.apply_chat_template(base + slots, tokenize=False, add_generation_prompt=True)
     if _CONTENT not in full:
         raise ValueError("the chat template rewrites an earlier assistant turn when tool messages follow it; "
                          "a multi-turn rollout needs a template that keeps earlier turns as they were")
-    ids = tokenizer.encode(full[full.index(_CONTENT) + len(_CONTENT):], add_special_tokens=False)
+    pieces = _REPLY.split(full[full.index(_CONTENT) + len(_CONTENT):])  # template text, reply number, template text, ...
+    if pieces[1::2] != [str(i) for i in range(len(replies))]:
+        raise ValueError("the chat template does not show each tool message's content once, in order")
+    ids = [i for k, piece in enumerate(pieces) for i in (plain_ids(tokenizer, replies[int(piece)]) if k % 2 else
+                                                         tokenizer.encode(piece, add_special_tokens=False))]
     return ids[1:] if ids and ids[0] == last_token else ids
+
+
+def plain_ids(tokenizer, text: str) -> list[int]:
+    """`text` as tokens with no special token in them: '<|im_end|>' in it stays the characters."""
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
 def logprob_gap(batch) -> float:

@@ -114,10 +114,12 @@ def launch_time() -> float:
         return time.time()
 
 
-def run_info(world_size: int, engine: str) -> dict:
-    """What ran where: for reports."""
+def run_info(world_size: int, engine: str, python_sandbox: str | None = None) -> dict:
+    """What ran where: for reports (and where the python tool ran programs, 'process' marked weaker)."""
     cuda = torch.cuda.is_available()
     return {"command": " ".join(sys.argv), "world_size": world_size, "engine": engine,
             "gpu": torch.cuda.get_device_name() if cuda else "cpu",
             "gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30 if cuda else None,
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            **({"python_sandbox": python_sandbox + " (warning: a plain subprocess, not a jail)" * (python_sandbox == "process")}
+               if python_sandbox else {})}

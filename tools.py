@@ -1,4 +1,4 @@
-"""Tools a policy calls mid-answer, and the sandbox the `python` tool runs in.
+"""Tools a policy calls mid-answer: the tools, their prompt, parsing and running calls.
 
     TOOLS["calculator"]("(12 + 3) * 45")               # a tool is a plain function with a docstring
     spec = tool_spec(calculator)                        # the JSON schema a chat template shows the model
@@ -9,22 +9,21 @@ Your own tool: a function with type hints and a Google-style docstring (a summar
 `Args:` with one line per argument), returning text. Add it to the dict you pass to the rollout:
 its name, description and argument schema are read from the function (transformers'
 `get_json_schema`, the same that `apply_chat_template(tools=...)` uses). A tool runs in a thread of
-the trainer; one that runs code must hand the code to another process, as `python` does.
+the trainer, trusted as the trainer's own code; one that runs what the model wrote must hand it to a
+sandbox, as `python` does (sandbox.run_program: a jail, or a SandboxFusion server).
 """
 
 import ast
 import json
 import math
 import operator
-import os
 import re
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 
 from data import ask
+from preflight import InputError
+from runlog import print0
+from sandbox import run_program, sandbox_problem
 
 # ----------------------------------------------------------------------------------------------
 # The tools
@@ -78,89 +77,29 @@ def python(code: str) -> str:
     Args:
         code: a Python program; print() the results you need
     """
-    return run_sandboxed(code)
+    return run_program(code, sandbox=PYTHON_SANDBOX["sandbox"], limits=PYTHON_SANDBOX["limits"])
 
 
 TOOLS = {"calculator": calculator, "python": python}
+# Where `python` runs programs (sandbox.py): 'bwrap' (a jail), 'process' (a plain subprocess) or a SandboxFusion
+# URL, and the limits over sandbox.LIMITS. select_tools sets them from the script's flags.
+PYTHON_SANDBOX = {"sandbox": "bwrap", "limits": {}}
 
 
-# ----------------------------------------------------------------------------------------------
-# The sandbox
-
-
-SANDBOX_LIMITS = {"seconds": 10.0, "memory_mb": 1024, "file_mb": 16, "output_chars": 4000}
-
-# Runs first in the sandbox's interpreter, before the user's code: limits, no network, and an
-# audit hook (PEP 578) that refuses what the code must not do. argv: dir, memory MB, cpu s, file MB.
-_BOOTSTRAP = r"""
-import ctypes, os, resource, sys
-root, memory_mb, cpu_s, file_mb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb << 20, file_mb << 20))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-libc = ctypes.CDLL(None, use_errno=True)
-for flags in (0x40000000, 0x10000000 | 0x40000000):  # CLONE_NEWNET; as a user: CLONE_NEWUSER too
-    if libc.unshare(flags) == 0:
-        break  # a network namespace of our own: no interfaces but a loopback that is down
-WRITES = ("w", "a", "x", "+")
-PATHS = {"os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.truncate", "os.chmod", "os.chown", "os.link",
-         "os.symlink", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
-REFUSED = ("subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.",
-           "socket.", "ctypes.", "os.kill", "resource.setrlimit", "sys.addaudithook")
-def inside(path):
-    try:
-        return os.path.realpath(os.fsdecode(path)).startswith(root + os.sep) or os.path.realpath(os.fsdecode(path)) == root
-    except TypeError:  # a file descriptor
-        return True
-def hook(event, args):
-    if event == "open" and args[0] is not None:
-        writing = (isinstance(args[1], str) and any(c in args[1] for c in WRITES)) or (args[2] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-        if writing and not inside(args[0]):
-            raise PermissionError(f"sandbox: no writing outside {root}: {args[0]}")
-    elif event in PATHS and not all(inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))):
-        raise PermissionError(f"sandbox: {event} outside {root}")
-    elif event.startswith(REFUSED):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-sys.addaudithook(hook)
-del ctypes, libc
-sys.argv = ["main.py"]
-exec(compile(open("main.py").read(), "main.py", "exec"), {"__name__": "__main__"})
-"""
-
-
-def run_sandboxed(code: str, limits: dict | None = None) -> str:
-    """Run `code` in a fresh interpreter in its own temporary folder, with the limits of
-    SANDBOX_LIMITS: wall-clock and CPU seconds, address space, file size; no network where the
-    kernel allows a network namespace; an audit hook refusing writes outside the folder,
-    subprocesses, sockets and ctypes. Returns stdout then stderr, cut to `output_chars`; a timeout
-    or a crash comes back as text. See the README for what this does not protect against."""
-    lim = {**SANDBOX_LIMITS, **(limits or {})}
-    with tempfile.TemporaryDirectory(prefix="sandbox-") as root:
-        root = os.path.realpath(root)
-        with open(os.path.join(root, "main.py"), "w") as f:
-            f.write(code)
-        cpu_s = math.ceil(lim["seconds"]) + 1  # a busy loop meets the wall-clock limit first
-        cmd = [sys.executable, "-I", "-c", _BOOTSTRAP, root, str(lim["memory_mb"]), str(cpu_s), str(lim["file_mb"])]
-        env = {"PATH": "/usr/bin:/bin", "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
-               "OPENBLAS_NUM_THREADS": "1"}  # thread pools reserve memory that RLIMIT_AS counts
-        proc = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=lim["seconds"])
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.communicate()
-            raise TimeoutError(f"the program ran longer than {lim['seconds']:g} s and was stopped") from None
-    if proc.returncode == -signal.SIGXCPU:
-        raise TimeoutError(f"the program used more than {cpu_s} s of CPU time and was stopped")
-    text = out.decode(errors="replace")
-    if err:
-        text += ("\n" if text else "") + "stderr:\n" + err.decode(errors="replace").strip()
-    if proc.returncode < 0:
-        text += f"\n(killed by signal {-proc.returncode}: out of memory or CPU time?)"
-    cut = lim["output_chars"]
-    return text if len(text) <= cut else text[:cut] + f"\n... ({len(text) - cut} more characters cut)"
+def select_tools(names: str, *, python_sandbox: str = "bwrap", seconds: float = 10.0) -> dict:
+    """The tools named in `names` ('calculator,python'), by name. With python, its programs run in
+    `python_sandbox` for at most `seconds`; a sandbox that can't run stops here (InputError: the cause,
+    the fix), before anything loads, and 'process' is said as a warning."""
+    tools = {name: TOOLS[name] for name in names.split(",") if name}
+    if "python" in tools:
+        problem = sandbox_problem(python_sandbox)
+        if problem:
+            raise InputError(problem)
+        if python_sandbox == "process":
+            print0("warning: --python-sandbox process: model-written programs run as plain subprocesses of the trainer, "
+                   "which they can read, signal or exhaust (README: the python tool)")
+        PYTHON_SANDBOX.update(sandbox=python_sandbox, limits={"seconds": seconds})
+    return tools
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ MODE: engine_child  the HF engine owns a child process (a stand-in for SGLang's 
       raising_reward  the reward function raises on every sample
       nan_loss      the first update's log-probs (with gradient) are NaN
       tool_caller   the HF engine's first turn of every episode is a calculator call (its tokens
-                    forced, their log-probs the model's own); later turns are sampled
+                    forced, their log-probs the model's own; PATCH_TOOL_CALL: another call); later turns are sampled
       engine_owner  every engine start prints the rank, node (torchrun's GROUP_RANK), local rank and GPUs that own it
 """
 
@@ -72,7 +72,7 @@ elif mode == "tool_caller":
 
     import rollout
 
-    CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'
+    CALL = os.environ.get("PATCH_TOOL_CALL", '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>')
 
     class ToolCaller(rollout.HFEngine):
         async def async_generate(self, input_ids, sampling_params, return_logprob=False):

@@ -1,0 +1,355 @@
+"""Where the python tool runs the programs a model writes (PLUMBING): code the run did not write.
+
+    reply = run_program("print(2 ** 10)")                            # a bubblewrap jail (the default)
+    reply = run_program(code, sandbox="http://sandbox:8080")          # a SandboxFusion server (verl's choice)
+    reply = run_program(code, sandbox="process", limits={"seconds": 5})  # a plain subprocess: weaker, on request
+    problem = sandbox_problem("bwrap")                               # None, or one line: the cause and the fix
+
+Returns what the program printed (stdout, then stderr), cut to `output_chars`; a program that runs
+past `seconds` raises TimeoutError; a sandbox service that does not answer raises ConnectionError.
+
+What the jail holds (`bwrap`), and why each part: the boundary is the kernel's, set up by bubblewrap
+(what Flatpak uses), never a check inside the program's own interpreter, which the program can undo.
+- Its own user, pid, network, ipc, uts and cgroup namespaces, uid/gid 65534 inside, no capabilities,
+  no further user namespaces: the trainer's processes, /proc entries, signals, sockets and abstract
+  sockets do not exist in there; there is no network but a loopback of its own.
+- A file system of read-only binds (the system's libraries, this Python and its packages) and two
+  size-capped tmpfs, /tmp (the work folder) and /dev/shm: nothing of the host is writable, nothing is
+  left on the host's disk, and the work folder goes with the mount namespace, whatever its modes.
+- A seccomp filter (libseccomp through pyseccomp) refusing what no program here needs and what
+  widens the kernel's surface: ptrace, other processes' memory, pidfds, namespaces and mounts, bpf,
+  io_uring, keyrings, modules, kexec, perf, userfaultfd.
+- Limits: rlimits set before the program runs (address space, CPU, file size, processes, open
+  files; a program can lower them, never raise them), and where this process may make cgroups, one
+  per call capping the memory (tmpfs included) and processes of the whole jail. As root the kernel
+  does not enforce RLIMIT_NPROC (root's processes are exempt, inside a user namespace too): there
+  the cgroup's pids.max is the only process cap, and without one a fork bomb runs until `seconds`.
+- On the trainer's side: output read with a deadline, each stream's first `output_chars` bytes kept
+  and the rest discarded; at the deadline the jail is killed (its pid namespace takes every
+  descendant with it, a daemon or a new session included) and the call returns.
+What it does not hold: kernel bugs (a jail shares the kernel; SandboxFusion's service puts programs
+on other machines), CPU time taken from the trainer within `seconds` (the cgroup caps memory and
+processes, not CPU share), and whatever a user's own tool does (tools.py: those run in a thread).
+"""
+
+import functools
+import itertools
+import json
+import math
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+LIMITS = {"seconds": 10.0, "memory_mb": 1024, "file_mb": 16, "disk_mb": 64, "processes": 32, "output_chars": 4000}
+SERVICE_GRACE_S = 5.0  # a sandbox service's answer may take this long past `seconds` (queueing, start-up)
+SERVICE_MAX_BYTES = 4 << 20  # a sandbox service's answer is read up to this size
+
+# Runs first in the program's interpreter: the limits, then the program. The audit hook (PEP 578) is
+# not a boundary (the program can undo it): it only tells the model at once what the jail would refuse
+# anyway. argv: work folder, memory MB, CPU s, file MB, processes.
+_BOOTSTRAP = r"""
+import ctypes, os, resource, sys
+root, memory_mb, cpu_s, file_mb, processes = sys.argv[1], *map(int, sys.argv[2:6])
+for limit, value in ((resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_CORE, 0),
+                     (resource.RLIMIT_FSIZE, file_mb << 20), (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_NOFILE, 256)):
+    resource.setrlimit(limit, (value, value))
+for flags in (0x40000000, 0x10000000 | 0x40000000):  # --python-sandbox process: no network where the kernel allows
+    if ctypes.CDLL(None, use_errno=True).unshare(flags) == 0:  # CLONE_NEWNET (as a user, with CLONE_NEWUSER)
+        break
+def hook(event, args):
+    if event == "socket.connect" and not str(args[1]).startswith(("('127.", "('::1'", "('localhost'")):
+        raise PermissionError("sandbox: this program has no network")
+    if event == "open" and isinstance(args[0], str) and args[2] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+        if not os.path.abspath(args[0]).startswith((root + os.sep, "/dev/")):
+            raise PermissionError(f"sandbox: write files in the current folder ({root}), not {args[0]}")
+sys.addaudithook(hook)
+sys.argv = ["main.py"]
+exec(compile(open("main.py").read(), "main.py", "exec"), {"__name__": "__main__"})
+"""
+
+# Refused with EPERM inside the jail (see the module docstring); clone3 answers ENOSYS so that the C
+# library falls back to clone, whose flags the filter can read (a new user namespace is refused there).
+DENIED_SYSCALLS = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "kcmp",
+    "setns", "unshare", "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsconfig",
+    "fsmount", "fspick", "mount_setattr", "bpf", "io_uring_setup", "io_uring_enter", "io_uring_register", "keyctl",
+    "add_key", "request_key", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+    "perf_event_open", "userfaultfd", "open_by_handle_at", "name_to_handle_at", "swapon", "swapoff", "reboot",
+    "syslog", "acct", "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "uselib", "vhangup")
+
+
+def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None) -> str:
+    """Run `code` where `sandbox` says ('bwrap', 'process', or a SandboxFusion URL), with `limits`
+    over LIMITS. Never waits past `seconds` + 1 s (a service: + SERVICE_GRACE_S)."""
+    lim = {**LIMITS, **(limits or {})}
+    if sandbox.startswith(("http://", "https://")):
+        return run_on_service(code, sandbox, lim)
+    with tempfile.TemporaryDirectory(prefix="sandbox-", ignore_cleanup_errors=True) as host_dir:
+        cpu_s = math.ceil(lim["seconds"]) + 1  # a busy loop meets the wall-clock limit first
+        if sandbox == "bwrap":
+            files = [_memfd("main.py", code.encode()), _memfd("seccomp", seccomp_filter())]
+            cmd, root = jail_command(code_fd=files[0], seccomp_fd=files[1], lim=lim), "/tmp"
+            env = JAIL_ENV  # none of the trainer's variables (its keys) in any process of the jail
+        else:
+            files, root = [], os.path.realpath(host_dir)
+            with open(os.path.join(root, "main.py"), "w") as f:
+                f.write(code)
+            cmd, env = [sys.executable, "-I", "-c", _BOOTSTRAP], {**JAIL_ENV, "HOME": root, "TMPDIR": root}
+        cmd += [root, str(lim["memory_mb"]), str(cpu_s), str(lim["file_mb"]), str(lim["processes"])]
+        groups = make_cgroups(lim)
+        if groups:  # the shell joins the cgroups, then becomes bwrap: every process after it starts inside
+            cmd = ["/bin/sh", "-c", 'for p in $0; do echo $$ > "$p"; done; exec "$@"',
+                   " ".join(os.path.join(g, "cgroup.procs") for g in groups), *cmd]
+        try:
+            proc = subprocess.Popen(cmd, cwd=host_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, pass_fds=files, start_new_session=True)
+        finally:
+            for fd in files:
+                os.close(fd)
+        try:
+            out, err, dropped, finished = read_bounded(proc, seconds=lim["seconds"], keep=lim["output_chars"])
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # bwrap (the jail dies with it) or the program's process group
+            proc.wait()
+            remove_cgroups(groups)
+    if not finished:
+        raise TimeoutError(f"the program ran longer than {lim['seconds']:g} s and was stopped")
+    killed_by = -proc.returncode if proc.returncode < 0 else proc.returncode - 128 if sandbox == "bwrap" and proc.returncode > 128 else 0
+    if killed_by == signal.SIGXCPU:
+        raise TimeoutError(f"the program used more than {cpu_s} s of CPU time and was stopped")
+    note = f"(killed by signal {killed_by}: over its {lim['memory_mb']} MB of memory?)" if killed_by else ""
+    return reply_text(out.decode(errors="replace"), err.decode(errors="replace"), dropped=dropped, note=note,
+                      cut=lim["output_chars"])
+
+
+def reply_text(out: str, err: str, *, dropped: int, note: str, cut: int) -> str:
+    """What the model reads: stdout, then stderr, then a note, cut to `cut` characters."""
+    text = out + (("\n" if out else "") + "stderr:\n" + err.strip() if err else "") + ("\n" + note if note else "")
+    more = max(len(text) - cut, 0) + dropped
+    return text[:cut] + f"\n... ({more} more characters cut)" if more else text
+
+
+JAIL_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1"}  # thread pools reserve memory that RLIMIT_AS counts
+
+
+def jail_command(*, code_fd: int, seccomp_fd: int, lim: dict) -> list[str]:
+    """bwrap's command line: the namespaces, the read-only system and Python, /tmp and /dev/shm as
+    size-capped tmpfs, the program copied in as /tmp/main.py, the seccomp filter, then this Python."""
+    cmd = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--uid", "65534", "--gid", "65534",
+           "--cap-drop", "ALL", "--die-with-parent", "--as-pid-1", "--new-session", "--hostname", "sandbox", "--clearenv"]
+    for name, value in {**JAIL_ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}.items():
+        cmd += ["--setenv", name, value]
+    cmd += ["--ro-bind", "/usr", "/usr", "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):  # on a merged /usr these are links into it
+        cmd += ["--symlink", os.readlink(path), path] if os.path.islink(path) else ["--ro-bind-try", path, path]
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--size", str(lim["disk_mb"] << 20), "--tmpfs", "/dev/shm",
+            "--size", str(lim["disk_mb"] << 20), "--tmpfs", "/tmp"]
+    for prefix in sorted({sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}):
+        if prefix != "/usr" and not prefix.startswith("/usr/"):  # a venv or a Python of its own, read-only
+            cmd += ["--ro-bind", prefix, prefix]
+    return cmd + ["--file", str(code_fd), "/tmp/main.py", "--chdir", "/tmp", "--seccomp", str(seccomp_fd),
+                  sys.executable, "-I", "-c", _BOOTSTRAP]
+
+
+@functools.cache
+def seccomp_filter() -> bytes:
+    """DENIED_SYSCALLS as a BPF program for bwrap --seccomp (built once per process)."""
+    import pyseccomp  # lazy: only the jail needs it
+
+    f = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+    for name in DENIED_SYSCALLS:
+        f.add_rule(pyseccomp.ERRNO(1), name)  # EPERM
+    f.add_rule(pyseccomp.ERRNO(38), "clone3")  # ENOSYS: use clone
+    f.add_rule(pyseccomp.ERRNO(1), "clone", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0x10000000, 0x10000000))  # CLONE_NEWUSER
+    fd = _memfd("seccomp", b"")
+    with os.fdopen(fd, "w+b") as file:
+        f.export_bpf(file)
+        file.seek(0)
+        return file.read()
+
+
+def _memfd(name: str, data: bytes) -> int:
+    """A file in memory holding `data`, read from its start: how bwrap is handed the program and the filter."""
+    fd = os.memfd_create(name)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def read_bounded(proc, *, seconds: float, keep: int) -> tuple[bytes, bytes, int, bool]:
+    """Read `proc`'s stdout and stderr until it exits and both close, or `seconds` pass: (the first `keep`
+    bytes of each, how many bytes were discarded, whether it exited in time). One thread, a deadline,
+    nothing buffered past `keep`: a runaway print costs the trainer no memory, and a descendant that
+    holds the pipes open after the program exits costs it 0.2 s. `proc` is left unreaped (its process
+    group can still be killed safely)."""
+    deadline, exited = time.monotonic() + seconds, False
+    kept, dropped = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}, 0
+    pidfd = os.pidfd_open(proc.pid)  # readable once the program exits; waits on it without reaping it
+    with selectors.DefaultSelector() as selector:
+        for fd in (*kept, pidfd):
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map() and (left := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(left):
+                if key.fd == pidfd:
+                    exited, deadline = True, min(deadline, time.monotonic() + 0.2)
+                    selector.unregister(pidfd)
+                    continue
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    selector.unregister(key.fd)
+                room = max(keep - len(kept[key.fd]), 0)
+                kept[key.fd] += chunk[:room]
+                dropped += max(len(chunk) - room, 0)
+    os.close(pidfd)
+    return bytes(kept[proc.stdout.fileno()]), bytes(kept[proc.stderr.fileno()]), dropped, exited
+
+
+# ----------------------------------------------------------------------------------------------
+# cgroups: memory and processes of the whole jail, where this process may make them
+
+
+@functools.cache
+def cgroup_parents() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The cgroup folders this process may make children in, each with its limit files: this process's
+    own cgroup in a v2 hierarchy whose children get memory and pids, or in v1's memory and pids ones."""
+    parents, own = [], {}
+    for line in open("/proc/self/cgroup").read().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for c in controllers.split(",") if controllers else ["(v2)"]:
+            own[c] = path
+    for line in open("/proc/self/mountinfo").read().splitlines():
+        fields, (fstype, _, options) = line.split(" - ")[0].split(), line.split(" - ")[1].split()
+        mount_root, mount_point = fields[3], fields[4]
+        found = [c for c in ("memory", "pids") if fstype == "cgroup" and c in options.split(",")]
+        if fstype == "cgroup2":
+            found = ["(v2)"]
+        for c in found:
+            if c not in own or not (own[c] + "/").startswith(mount_root.rstrip("/") + "/"):
+                continue
+            where = os.path.join(mount_point, own[c][len(mount_root.rstrip("/")):].lstrip("/"))
+            if c == "(v2)":
+                enabled = _read(os.path.join(where, "cgroup.subtree_control")).split()
+                files = ("memory.max", "memory.swap.max", "pids.max") if {"memory", "pids"} <= set(enabled) else ()
+            else:
+                files = ("memory.limit_in_bytes",) if c == "memory" else ("pids.max",)
+            if files and os.access(where, os.W_OK):
+                parents.append((where, files))
+    return tuple(parents)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+_calls = itertools.count()
+
+
+def make_cgroups(lim: dict) -> list[str]:
+    """A fresh cgroup per call in each parent, with the call's limits; [] where none can be made."""
+    made = []
+    values = {"memory.max": lim["memory_mb"] << 20, "memory.limit_in_bytes": lim["memory_mb"] << 20,
+              "memory.swap.max": 0, "pids.max": lim["processes"]}
+    for parent, files in cgroup_parents():
+        path = os.path.join(parent, f"sandbox-{os.getpid()}-{next(_calls)}")
+        try:
+            os.mkdir(path)
+            made.append(path)
+            for name in files:
+                with open(os.path.join(path, name), "w") as f:
+                    f.write(str(values[name]))
+        except OSError as e:
+            remove_cgroups(made)
+            raise RuntimeError(f"could not set up the sandbox's cgroup {path}: {e}") from None
+    return made
+
+
+def remove_cgroups(paths: list[str]):
+    """Kill whatever is left in the call's cgroups (the process sandbox's escaped descendants), then remove them."""
+    for path in paths:
+        for _ in range(200):  # a killed process leaves its cgroup a moment later
+            pids = _read(os.path.join(path, "cgroup.procs")).split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                os.rmdir(path)
+                break
+            except OSError:
+                time.sleep(0.005)
+
+
+# ----------------------------------------------------------------------------------------------
+# A SandboxFusion server (github.com/bytedance/SandboxFusion): POST /run_code
+
+
+def run_on_service(code: str, url: str, lim: dict) -> str:
+    """The program run by a SandboxFusion server: its `run_timeout` and `memory_limit_MB` are ours, the
+    answer is read up to SERVICE_MAX_BYTES and cut as a local run's is."""
+    body = json.dumps({"code": code, "language": "python", "run_timeout": lim["seconds"],
+                       "memory_limit_MB": lim["memory_mb"]}).encode()
+    request = urllib.request.Request(url.rstrip("/") + "/run_code", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=lim["seconds"] + SERVICE_GRACE_S) as answer:
+            raw = answer.read(SERVICE_MAX_BYTES + 1)
+        if len(raw) > SERVICE_MAX_BYTES:
+            raise ValueError(f"its answer is over {SERVICE_MAX_BYTES >> 20} MiB")
+        result = json.loads(raw)
+    except urllib.error.HTTPError as e:
+        raise ConnectionError(f"the sandbox service at {url} answered HTTP {e.code}: {e.read(500).decode(errors='replace')}") from None
+    except (OSError, ValueError) as e:  # refused, unreachable, timed out, not JSON
+        raise ConnectionError(f"the sandbox service at {url} did not answer: {e}") from None
+    run = result.get("run_result") or {}
+    if result.get("status") == "SandboxError" or run.get("status") == "Error":
+        raise ConnectionError(f"the sandbox service at {url} failed to run the program: {result.get('message', '')[:500]}")
+    if run.get("status") == "TimeLimitExceeded":
+        raise TimeoutError(f"the program ran longer than {lim['seconds']:g} s and was stopped")
+    out, err = str(run.get("stdout") or ""), str(run.get("stderr") or "")
+    cut = lim["output_chars"]
+    return reply_text(out[:cut], err[:cut], dropped=max(len(out) - cut, 0) + max(len(err) - cut, 0), note="", cut=cut)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fail closed: before anything loads
+
+
+def sandbox_problem(sandbox: str) -> str | None:
+    """None if programs can run in `sandbox`, else one line: what is wrong and how to fix it. Runs a
+    one-line program the way every call will."""
+    fixes = "; or pass --python-sandbox process to accept a plain subprocess's weaker isolation (README: the python tool)"
+    if sandbox == "process":
+        return None
+    if sandbox == "bwrap":
+        if shutil.which("bwrap") is None:
+            return "the python tool's jail needs bubblewrap, which is not installed: apt-get install bubblewrap" + fixes
+        try:
+            seccomp_filter()
+        except (ImportError, OSError, RuntimeError) as e:
+            return f"the python tool's jail needs libseccomp and pyseccomp ({e}): pip install pyseccomp, apt-get install libseccomp2" + fixes
+    elif not sandbox.startswith(("http://", "https://")):
+        return f"--python-sandbox {sandbox} must be bwrap, process or a SandboxFusion server's http(s):// URL"
+    try:
+        reply = run_program("print(6 * 7)", sandbox=sandbox, limits={"seconds": 30.0})
+    except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
+        return f"--python-sandbox {sandbox}: {e}" + ("" if sandbox == "bwrap" else ": start the service, or fix the URL" + fixes)
+    if reply.strip() == "42":
+        return None
+    if sandbox != "bwrap":
+        return f"--python-sandbox {sandbox}: a test program printed {reply.strip()[:300]!r}, not 42" + fixes
+    return (f"bubblewrap could not make the python tool's jail: {reply.strip()[:300]!r}. The kernel or the container refuses "
+            "user namespaces: allow them (sysctl kernel.unprivileged_userns_clone=1 and user.max_user_namespaces > 0; in "
+            "Docker, --security-opt seccomp=unconfined --security-opt apparmor=unconfined, or --privileged)" + fixes)
