@@ -16,14 +16,20 @@ What the jail holds (`bwrap`), and why each part: the boundary is the kernel's, 
 - A file system of read-only binds (the system's libraries, this Python and its packages) and two
   size-capped tmpfs, /tmp (the work folder) and /dev/shm: nothing of the host is writable, nothing is
   left on the host's disk, and the work folder goes with the mount namespace, whatever its modes.
+  /proc/sys, /proc/sysrq-trigger and the like are read-only: the jail's uid is the trainer's outside,
+  and where that is root, the kernel checks writes to them by uid alone (host-wide sysctls).
 - A seccomp filter (libseccomp through pyseccomp) refusing what no program here needs and what
   widens the kernel's surface: ptrace, other processes' memory, pidfds, namespaces and mounts, bpf,
-  io_uring, keyrings, modules, kexec, perf, userfaultfd.
+  io_uring, keyrings, modules, kexec, perf, userfaultfd, vsock (a VM's host side, which network
+  namespaces don't separate), files in memory (outside the disk cap).
 - Limits: rlimits set before the program runs (address space, CPU, file size, processes, open
   files; a program can lower them, never raise them), and where this process may make cgroups, one
-  per call capping the memory (tmpfs included) and processes of the whole jail. As root the kernel
-  does not enforce RLIMIT_NPROC (root's processes are exempt, inside a user namespace too): there
-  the cgroup's pids.max is the only process cap, and without one a fork bomb runs until `seconds`.
+  per call capping the memory (tmpfs included) and processes of the whole jail.
+- The user outside: run as root, bwrap runs as user 65534 (`outside_user`) where that user can read
+  this Python (a system, /opt or /usr/local Python; not one under root's 0700 home). Where it can't,
+  the jail's uid is root's to the kernel, without capabilities: root-only (0400) files of the jail's
+  /proc can be read (kernel layout, not the trainer's data), and the kernel waives RLIMIT_NPROC for
+  root, so only a cgroup caps processes there; without one a fork bomb runs until `seconds`.
 - On the trainer's side: output read with a deadline, each stream's first `output_chars` bytes kept
   and the rest discarded; at the deadline the jail is killed (its pid namespace takes every
   descendant with it, a daemon or a new session included) and the call returns.
@@ -82,7 +88,8 @@ DENIED_SYSCALLS = (
     "fsmount", "fspick", "mount_setattr", "bpf", "io_uring_setup", "io_uring_enter", "io_uring_register", "keyctl",
     "add_key", "request_key", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
     "perf_event_open", "userfaultfd", "open_by_handle_at", "name_to_handle_at", "swapon", "swapoff", "reboot",
-    "syslog", "acct", "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "uselib", "vhangup")
+    "syslog", "acct", "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "uselib", "vhangup",
+    "memfd_create", "memfd_secret")  # files in memory: outside the disk cap
 
 
 def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None) -> str:
@@ -103,13 +110,15 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
                 f.write(code)
             cmd, env = [sys.executable, "-I", "-c", _BOOTSTRAP], {**JAIL_ENV, "HOME": root, "TMPDIR": root}
         cmd += [root, str(lim["memory_mb"]), str(cpu_s), str(lim["file_mb"]), str(lim["processes"])]
-        groups = make_cgroups(lim)
-        if groups:  # the shell joins the cgroups, then becomes bwrap: every process after it starts inside
+        groups, user = make_cgroups(lim), outside_user() if sandbox == "bwrap" else {}
+        if groups:  # the shell joins the cgroups as root, then becomes bwrap (as user 65534: setpriv)
+            drop = ["setpriv", "--reuid", str(user["user"]), "--regid", str(user["group"]), "--clear-groups", "--"] if user else []
             cmd = ["/bin/sh", "-c", 'for p in $0; do echo $$ > "$p"; done; exec "$@"',
-                   " ".join(os.path.join(g, "cgroup.procs") for g in groups), *cmd]
+                   " ".join(os.path.join(g, "cgroup.procs") for g in groups), *drop, *cmd]
+            user = {}
         try:
             proc = subprocess.Popen(cmd, cwd=host_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, pass_fds=files, start_new_session=True)
+                                    stderr=subprocess.PIPE, pass_fds=files, start_new_session=True, **user)
         finally:
             for fd in files:
                 os.close(fd)
@@ -124,7 +133,8 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
     killed_by = -proc.returncode if proc.returncode < 0 else proc.returncode - 128 if sandbox == "bwrap" and proc.returncode > 128 else 0
     if killed_by == signal.SIGXCPU:
         raise TimeoutError(f"the program used more than {cpu_s} s of CPU time and was stopped")
-    note = f"(killed by signal {killed_by}: over its {lim['memory_mb']} MB of memory?)" if killed_by else ""
+    note = f"(killed by {signal.Signals(killed_by).name}" + (f": over its {lim['memory_mb']} MB of memory?)" if killed_by == 9 else
+                                                             ")") if killed_by in signal.Signals._value2member_map_ else ""
     return reply_text(out.decode(errors="replace"), err.decode(errors="replace"), dropped=dropped, note=note,
                       cut=lim["output_chars"])
 
@@ -150,13 +160,36 @@ def jail_command(*, code_fd: int, seccomp_fd: int, lim: dict) -> list[str]:
     cmd += ["--ro-bind", "/usr", "/usr", "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
     for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):  # on a merged /usr these are links into it
         cmd += ["--symlink", os.readlink(path), path] if os.path.islink(path) else ["--ro-bind-try", path, path]
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--size", str(lim["disk_mb"] << 20), "--tmpfs", "/dev/shm",
+    cmd += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]  # as root the jail's uid is root's: read-only
+    for path in ("/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs"):  # sysctls, sysrq, devices
+        cmd += ["--ro-bind-try", path, path]
+    cmd += ["--dev", "/dev", "--size", str(lim["disk_mb"] << 20), "--tmpfs", "/dev/shm",
             "--size", str(lim["disk_mb"] << 20), "--tmpfs", "/tmp"]
-    for prefix in sorted({sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}):
-        if prefix != "/usr" and not prefix.startswith("/usr/"):  # a venv or a Python of its own, read-only
-            cmd += ["--ro-bind", prefix, prefix]
+    for prefix in python_prefixes():  # read-only
+        cmd += ["--ro-bind", prefix, prefix]
+    cmd += ["--remount-ro", "/dev", "--remount-ro", "/"]  # bwrap's own root and /dev are tmpfs too: not writable
     return cmd + ["--file", str(code_fd), "/tmp/main.py", "--chdir", "/tmp", "--seccomp", str(seccomp_fd),
                   sys.executable, "-I", "-c", _BOOTSTRAP]
+
+
+def python_prefixes() -> list[str]:
+    """This Python's folders outside /usr: a venv, a Python of its own (pyenv, uv, conda)."""
+    found = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}
+    return sorted(p for p in found if p != "/usr" and not p.startswith("/usr/"))
+
+
+@functools.cache
+def outside_user() -> dict:
+    """Popen's user and group for bwrap: as root, 65534 outside the jail too, if that user can read this
+    Python (and setpriv is there). Then the jail's processes are nobody's to the kernel, not root's: it
+    enforces RLIMIT_NPROC (waived for root), root-only files in /proc stay closed, and a process that got
+    out would be nobody. Else ({}) this process's own user: as root, the jail's uid is root's outside."""
+    def readable(path: str) -> bool:  # by others: every folder on the way searchable, the last one listable
+        parts = [path[:i] or "/" for i in range(len(path) + 1) if i == len(path) or path[i] == "/"]
+        return all(os.stat(p).st_mode & 0o001 for p in parts) and bool(os.stat(path).st_mode & 0o004)
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not all(readable(p) for p in python_prefixes()):
+        return {}
+    return {"user": 65534, "group": 65534, "extra_groups": []}
 
 
 @functools.cache
@@ -169,6 +202,7 @@ def seccomp_filter() -> bytes:
         f.add_rule(pyseccomp.ERRNO(1), name)  # EPERM
     f.add_rule(pyseccomp.ERRNO(38), "clone3")  # ENOSYS: use clone
     f.add_rule(pyseccomp.ERRNO(1), "clone", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0x10000000, 0x10000000))  # CLONE_NEWUSER
+    f.add_rule(pyseccomp.ERRNO(1), "socket", pyseccomp.Arg(0, pyseccomp.EQ, 40))  # AF_VSOCK: network namespaces don't hold it
     fd = _memfd("seccomp", b"")
     with os.fdopen(fd, "w+b") as file:
         f.export_bpf(file)

@@ -14,6 +14,12 @@ if [ -d .whl-server ] && [ ! -e /tmp/site-server/.done ]; then
     && touch /tmp/site-server/.done
 fi
 export PYTHONPATH=/tmp/site-extra:/tmp/site-server:$PYTHONPATH PYTHONUNBUFFERED=1
+# The python tool's jail (sandbox.py) needs bubblewrap, which the GPU image lacks: Debian's package, carried in .debs/
+# (bench/README.md), unpacked into /tmp/jail-root (not /: other packages there can break it) and put on the PATH.
+if ! command -v bwrap >/dev/null && [ -d .debs ]; then
+  for f in .debs/*.deb; do dpkg -x "$f" /tmp/jail-root; done
+  export PATH=/tmp/jail-root/usr/bin:$PATH
+fi
 # The image sets PYTHONDONTWRITEBYTECODE=1 and ships no .pyc files: every process (the trainer, SGLang's scheduler and
 # detokenizer) compiled torch and SGLang from source, 82-89 s to step 1 instead of 44-46 s (results/README.md, start-up).
 unset PYTHONDONTWRITEBYTECODE

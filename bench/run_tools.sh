@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GRPO on multiplication (3 x 2 digits) with and without the calculator, SmolLM2-135M-Instruct, one run
-# after the other on the same GPU and engine settings (bench/results/tools_*). A run continues from its last
+# after the other on the same GPU and engine settings (bench/results/tools_*). RUNS picks the runs (default
+# "tools_calculator tools_none"; tools_python: the python tool, its programs in the bubblewrap jail). A run continues from its last
 # checkpoint when started again, so a 100-step pair can span calls of the GPU machine: with DEADLINE (a
 # Unix time) a run gets SIGTERM in time to save a checkpoint (grpo.py's --save-on-sigterm) and exit.
 # On the GPU machine: source bench/gpu_env.sh && DEADLINE=$(( $(date +%s) + 560 )) bash bench/run_tools.sh [STEPS] [OUTDIR]
@@ -9,10 +10,10 @@ common=(--model "$SMOLLM2" --dataset multiplication --steps "$STEPS" --prompts-p
         --max-new-tokens 256 --lr 1e-5 --micro-batch-size 128 --eval-every 10 --eval-before-train --save-every 10
         --log-samples-every 10 --output-dir "$OUTDIR")
 mkdir -p "$OUTDIR"
-for run in tools_calculator tools_none; do
+for run in ${RUNS:-tools_calculator tools_none}; do
   [ -d "$OUTDIR/$run/checkpoints/step_$(printf %06d "$STEPS")" ] && continue  # done
   resume=(); [ -d "$OUTDIR/$run/checkpoints" ] && resume=(--resume)
-  extra=(); [ "$run" = tools_calculator ] && extra=(--tools calculator --max-turns 3 --max-prompt-len 1024 --micro-batch-size 32)
+  extra=(); [ "$run" != tools_none ] && extra=(--tools "${run#tools_}" --max-turns 3 --max-prompt-len 1024 --micro-batch-size 32)
   limit=()
   if [ -n "$DEADLINE" ]; then
     left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 120 ] && break  # too little time to start and do a step
