@@ -181,14 +181,16 @@ def python_prefixes() -> list[str]:
 @functools.cache
 def outside_user() -> list[str]:
     """What bwrap's command starts with: as root, setpriv to user 65534 outside the jail too, if that user
-    can read this Python. Then the jail's processes are nobody's to the kernel, not root's: it enforces
+    can run bwrap and read this Python. Then the jail's processes are nobody's to the kernel, not root's: it enforces
     RLIMIT_NPROC (waived for root), root-only files in /proc stay closed, and a process that got out would
     be nobody. Else [] (this process's own user: as root, the jail's uid is root's outside). Not Popen's
     `user=`: with it Python forks the whole trainer instead of vfork, ~0.7 s a call in a GRPO run."""
-    def readable(path: str) -> bool:  # by others: every folder on the way searchable, the last one listable
+    def usable(path: str, bit: int) -> bool:  # by others: every folder on the way searchable, then `bit` (o+r, o+x)
         parts = [path[:i] or "/" for i in range(len(path) + 1) if i == len(path) or path[i] == "/"]
-        return all(os.stat(p).st_mode & 0o001 for p in parts) and bool(os.stat(path).st_mode & 0o004)
-    if os.geteuid() != 0 or not shutil.which("setpriv") or not all(readable(p) for p in python_prefixes()):
+        return all(os.stat(p).st_mode & 0o001 for p in parts[:-1]) and bool(os.stat(path).st_mode & bit)
+    bwrap = os.path.realpath(shutil.which("bwrap") or "/")
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not usable(bwrap, 0o001) or \
+            not all(usable(p, 0o005) for p in python_prefixes()):
         return []
     return [shutil.which("setpriv"), "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
 
