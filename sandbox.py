@@ -98,7 +98,7 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
     lim = {**LIMITS, **(limits or {})}
     if sandbox.startswith(("http://", "https://")):
         return run_on_service(code, sandbox, lim)
-    with tempfile.TemporaryDirectory(prefix="sandbox-", ignore_cleanup_errors=True) as host_dir:
+    with tempfile.TemporaryDirectory(prefix="sandbox-", ignore_cleanup_errors=True) as host_dir:  # process: its folder
         cpu_s = math.ceil(lim["seconds"]) + 1  # a busy loop meets the wall-clock limit first
         if sandbox == "bwrap":
             files = [_memfd("main.py", code.encode()), _memfd("seccomp", seccomp_filter())]
@@ -133,8 +133,8 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
     killed_by = -proc.returncode if proc.returncode < 0 else proc.returncode - 128 if sandbox == "bwrap" and proc.returncode > 128 else 0
     if killed_by == signal.SIGXCPU:
         raise TimeoutError(f"the program used more than {cpu_s} s of CPU time and was stopped")
-    note = f"(killed by {signal.Signals(killed_by).name}" + (f": over its {lim['memory_mb']} MB of memory?)" if killed_by == 9 else
-                                                             ")") if killed_by in signal.Signals._value2member_map_ else ""
+    note = f"(killed by {signal.strsignal(killed_by) or killed_by}" if killed_by else ""  # SIGSYS: a refused ABI
+    note += f": over its {lim['memory_mb']} MB of memory?)" if killed_by == signal.SIGKILL else ")" * bool(note)
     return reply_text(out.decode(errors="replace"), err.decode(errors="replace"), dropped=dropped, note=note,
                       cut=lim["output_chars"])
 
