@@ -38,7 +38,7 @@ from fsdp import (all_reduce, all_reduce_dict, balance, batch_logprobs, clip_and
                   matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
-from reward import EVAL_LINE, EVAL_TOOLS_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score
+from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score
 from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, send, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
 from server import ServerEngine, launch_servers
@@ -221,7 +221,7 @@ class Args:
     save_on_sigterm: bool = True
     """on SIGTERM (preemption: Slurm, Kubernetes, torchrun), save the finished steps before exiting"""
     max_nonfinite_steps: int = 3
-    """stop after this many steps in a row that skipped updates for a NaN/inf loss or gradient (a NaN reward makes one)"""
+    """stop after this many steps in a row that skipped updates for a NaN/inf loss or gradient (a NaN reward scores 0)"""
     dist_timeout_minutes: float = 30.0
     """how long a rank waits at a collective for the others (a slow generation, or a dead rank) before failing"""
     output_dir: str = "runs"
@@ -699,11 +699,10 @@ def main(args: Args):
         if step == start_step + 1:
             metrics["time/startup_to_first_step_s"] = time.time() - t_launch
             metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
-        errors = [("reward errors", "rollout/reward_errors", ".0f")] if metrics["rollout/reward_errors"] else []
+        errors = [c for c in REWARD_LINE if metrics[c[1]]]  # samples scored 0: raised, NaN/inf
         print0(log_line(f"step {step}", metrics, CONSOLE + TOOLS_CONSOLE * bool(tools) + errors))
         log.log(metrics)
-        if warning := nonfinite.after_step(step, int(metrics.get("train/nonfinite_skips", 0)), args.epochs * args.num_minibatches,
-                                           int(metrics["rollout/reward_nonfinite"])):
+        if warning := nonfinite.after_step(step, int(metrics.get("train/nonfinite_skips", 0)), args.epochs * args.num_minibatches):
             print0(warning)
         if args.log_samples_every and step % args.log_samples_every == 0:
             log.samples(step, seen)

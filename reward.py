@@ -6,7 +6,7 @@
     text_reward(completion, "Paris")            # the text after '####', case and spaces aside
     correct(kind, completion, answer, mode)     # the check of an Example's kind: int, gsm8k, math or text
     format_reward(completion, kind)             # 1.0 if the completion gives its answer in the kind's format
-    score(reward_fn, completion, answer)        # never raises: (reward, "") or (0.0, "ValueError: ...")
+    score(reward_fn, completion, answer)        # never raises: (reward, "") or (0.0, "ValueError: ..."); NaN/inf: 0.0
     reward_fn = load_reward("my_reward.py:reward")  # your own (completion, answer) -> float, from a file
     rollout_stats(samples, seconds)             # a step's reward, accuracy, lengths, over all ranks
     eval_stats(samples, answer_fn, sources)     # held-out accuracy, over all ranks, and per source
@@ -191,16 +191,22 @@ def format_reward(completion: str, kind: str = "gsm8k") -> float:
     return float(gives_answer(completion, kind))
 
 
+NONFINITE = "not finite"  # how reward_error starts for a NaN/inf reward (rollout_stats counts it)
+
+
 def score(reward_fn, completion: str, answer: str) -> tuple[float, str]:
-    """Call a reward function; a function that raises scores 0.0 and reports what it raised.
+    """Call a reward function; one that raises scores 0.0 and reports what it raised, one whose value
+    is NaN/inf scores 0.0 and reports it ('not finite: nan').
 
     A buggy or unlucky reward function (a regex on a pathological string, a parser that chokes)
-    must never stop a training run: the caller counts the errors in its metrics instead.
+    must never stop a training run, nor skip a whole step's update for one sample: the caller
+    counts these in its metrics instead.
     """
     try:
-        return float(reward_fn(completion, answer)), ""
+        value = float(reward_fn(completion, answer))
     except Exception as e:  # noqa: BLE001 -- deliberately broad: any reward bug becomes a counted 0
         return 0.0, f"{type(e).__name__}: {e}"
+    return (value, "") if math.isfinite(value) else (0.0, f"{NONFINITE}: {value}")
 
 
 def load_reward(spec: str):
@@ -249,19 +255,22 @@ def judge(samples, answer_fn=None) -> dict[str, float]:
 
 def rollout_stats(samples, seconds: float, answer_fn=None) -> dict:
     """Reward, accuracy, format, length (tool replies included), truncation and sampled tokens/s of a
-    step's samples, over all ranks.
-    A reward function that raised on most samples is also said on the console."""
+    step's samples, over all ranks; rewards scored 0.0 because the function raised or gave NaN/inf.
+    A reward function that raised on most samples, and any NaN/inf reward, is also said on the console."""
     counts = judge(samples, answer_fn)
     sampled = sum(len(s.response_ids) if s.model_mask is None else sum(s.model_mask) for s in samples)  # tools' tokens not
+    nonfinite = sum(s.reward_error.startswith(NONFINITE) for s in samples)
     tot = all_reduce(torch.tensor([
         len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples), counts["strict"],
         counts["format"], sum(len(s.response_ids) for s in samples), sum(s.truncated for s in samples),
-        sum(bool(s.reward_error) for s in samples), sum(not math.isfinite(s.reward) for s in samples), sampled],
+        sum(bool(s.reward_error) for s in samples) - nonfinite, nonfinite, sampled],
         dtype=torch.float64))
     n, mean = tot[0], tot[1] / tot[0]
     if tot[7] > n / 2:  # a broken reward function: say so on the console, not only in the metrics
-        first = next((s.reward_error for s in samples if s.reward_error), "")
+        first = next((s.reward_error for s in samples if s.reward_error and not s.reward_error.startswith(NONFINITE)), "")
         print0(f"warning: the reward function raised on {int(tot[7])} of {int(n)} samples (scored 0)" + (f", e.g. {first}" if first else ""))
+    if tot[8]:  # each cost its own sample only, but a person must know
+        print0(f"warning: {int(tot[8])} NaN/inf of {int(n)} rewards, scored 0")
     return {"rollout/reward_mean": mean, "rollout/reward_std": (tot[2] / n - mean**2).clamp(min=0).sqrt(),
             "rollout/strict_acc": tot[3] / n, "rollout/format_rate": tot[4] / n,
             "rollout/response_len_mean": tot[5] / n,
@@ -287,3 +296,4 @@ def eval_stats(samples, answer_fn=None, sources: list[str] = ()) -> dict:
 EVAL_LINE = [("eval strict acc", "eval/strict_acc", ".3f"), ("flexible acc", "eval/flexible_acc", ".3f"),
              ("format", "eval/format_rate", ".3f")]  # the console line of an evaluation
 EVAL_TOOLS_LINE = [("used a tool", "eval/tool_used_frac", ".3f")]  # and with tools
+REWARD_LINE = [("reward errors", "rollout/reward_errors", ".0f"), ("NaN rewards", "rollout/reward_nonfinite", ".0f")]  # shown if not 0

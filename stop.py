@@ -8,7 +8,7 @@
         ...save if SIGTERM, shut the engine down, exit 128 + signum
     watch = EngineWatch(engine, phase=lambda: mem.current)   # an engine that fails ends the run, naming the phase
     stop_engine(engine, watch)         # on purpose (also at exit, whatever way the trainer exits)
-    nonfinite = NonFinite(limit=3)     # K steps in a row with NaN/inf: stop, naming the likely causes
+    nonfinite = NonFinite(limit=3)     # K steps in a row with a NaN/inf loss or gradient: stop, naming the likely causes
 
 A signal never lands in the middle of an update, a weight sync or a save: outside `interruptible()`
 it is only remembered, and the loop stops at its next check, between phases. Generation is the one
@@ -185,23 +185,22 @@ def kill(processes: list):
 
 
 class NonFinite:
-    """Counts steps whose update was skipped for a NaN/inf loss or gradient norm (a NaN reward
-    becomes one through the advantages); `limit` such steps in a row stop the run."""
+    """Counts steps whose update was skipped for a NaN/inf loss or gradient norm (a NaN/inf reward
+    never makes one: reward.score scores it 0.0); `limit` such steps in a row stop the run."""
 
     def __init__(self, limit: int):
         self.limit, self.in_a_row = limit, 0
 
-    def after_step(self, step: int, skipped: int, total: int, nonfinite_rewards: int) -> str | None:
+    def after_step(self, step: int, skipped: int, total: int) -> str | None:
         """A console line if this step skipped updates; raises after `limit` bad steps in a row."""
         if not skipped:
             self.in_a_row = 0
             return None
         self.in_a_row += 1
-        why = f"{nonfinite_rewards} rewards were NaN/inf; " if nonfinite_rewards else ""
         if self.in_a_row >= self.limit:
             raise InputError(f"steps {step - self.limit + 1}-{step} each skipped updates for a NaN/inf loss or gradient "
-                             f"({why}the skipped updates never reached the weights).\n  Likely causes: a reward "
-                             f"function returning NaN/inf, a learning rate too high (--lr), a model that overflows "
-                             f"in bf16; --max-nonfinite-steps sets how many in a row are tolerated")
-        return (f"step {step}: {skipped} of {total} updates skipped for a NaN/inf loss or gradient ({why}"
-                f"the weights are unchanged; {self.limit - self.in_a_row} more such steps in a row stop the run)")
+                             f"(the skipped updates never reached the weights).\n  Likely causes: a learning rate too "
+                             f"high (--lr), a model that overflows in bf16; --max-nonfinite-steps sets how many in a row "
+                             f"are tolerated")
+        return (f"step {step}: {skipped} of {total} updates skipped for a NaN/inf loss or gradient (the weights are "
+                f"unchanged; {self.limit - self.in_a_row} more such steps in a row stop the run)")

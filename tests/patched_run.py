@@ -3,7 +3,8 @@
     python tests/patched_run.py MODE grpo.py --model ... (the script's flags)
 
 MODE: engine_child  the HF engine owns a child process (a stand-in for SGLang's scheduler) and prints its pid
-      nan_reward    every reward is NaN from step N (PATCH_FROM, default 1) to step M (PATCH_UNTIL, default: always)
+      nan_reward    every reward is NaN from step N (PATCH_FROM, default 1) to step M (PATCH_UNTIL, default: always);
+                    PATCH_ONE_IN=k: only one reward call in k (the k-th, 2k-th, ...)
       raising_reward  the reward function raises on every sample
       nan_loss      the first update's log-probs (with gradient) are NaN
       tool_caller   the HF engine's first turn of every episode is a calculator call (its tokens
@@ -48,7 +49,7 @@ elif mode in ("nan_reward", "raising_reward"):
             raise RuntimeError("a buggy reward")
         step = (calls["n"] - 1) // per_step + 1
         nan = int(os.environ.get("PATCH_FROM", "1")) <= step <= int(os.environ.get("PATCH_UNTIL", "1000000"))
-        return float("nan") if nan else 0.0
+        return float("nan") if nan and calls["n"] % int(os.environ.get("PATCH_ONE_IN", "1")) == 0 else 0.0
 
     reward.format_reward = format_reward
 elif mode == "nan_loss":

@@ -137,6 +137,13 @@ def test_score_normal_and_raising_reward():
     assert value == 0.0 and error.startswith("ValueError: ")
 
 
+def test_a_nonfinite_reward_scores_zero_and_says_so():
+    """NaN/inf would poison the whole step's advantages (a group's mean, PPO's whitening): it costs its sample only."""
+    assert score(lambda c, a: float("nan"), "x", "y") == (0.0, "not finite: nan")
+    assert score(lambda c, a: float("-inf"), "x", "y") == (0.0, "not finite: -inf")
+    assert score(lambda c, a: 1e308, "x", "y") == (1e308, "")  # large but finite: the function's own business
+
+
 def test_task_metrics_by_hand_without_a_process_group():
     """A notebook calls these with no torch.distributed set up: all_reduce is then the identity."""
     import torch.distributed as dist
@@ -154,6 +161,12 @@ def test_task_metrics_by_hand_without_a_process_group():
     stats = rollout_stats(samples, seconds=2.0, answer_fn=gsm8k_reward)
     assert float(stats["rollout/reward_mean"]) == 1.25 / 3 and float(stats["rollout/response_len_max"]) == 6
     assert float(stats["rollout/truncated_frac"]) == 1 / 3 and float(stats["perf/rollout_tokens_per_s"]) == 6.0
+    assert [float(stats[f"rollout/reward_{k}"]) for k in ("errors", "nonfinite")] == [0, 0]
+    # samples scored 0.0 by score, each counted under its cause
+    for s, error in zip(samples, ["not finite: nan", "", "ValueError: x"]):
+        s.reward, s.reward_error = 0.0, error
+    stats = rollout_stats(samples, seconds=2.0, answer_fn=gsm8k_reward)
+    assert [float(stats[f"rollout/reward_{k}"]) for k in ("errors", "nonfinite")] == [1, 1]
 
 
 # ----------------------------------------------------------------------------------------------
