@@ -41,7 +41,7 @@ from fsdp import (all_reduce, all_reduce_dict, balance, batch_forward, batch_log
                   load_model, lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
-from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score
+from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
 from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, send, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
 from server import ServerEngine, launch_servers
@@ -157,6 +157,10 @@ class Args:
     format_weight: float = 0.0
     """reward += format_weight when the response gives its answer in the asked format, right or wrong. Beware:
     unconditional format reward is easy to hack (a small model learns to guess '#### 57')"""
+    reward_workers: int = 8
+    """reward calls that run at once, each in a thread (1: one at a time, for a reward that is not thread-safe)"""
+    reward_timeout_s: float = 30.0
+    """a reward call still running after this scores 0 (rollout/reward_timeouts) and runs on, abandoned (reward.score_all)"""
     # --- tools (multi-turn rollouts)
     tools: str = ""
     """comma-separated tools a sample may call mid-answer: calculator, python (tools.py); '' for one turn"""
@@ -441,6 +445,8 @@ def check_args(args: Args, world_size: int):
         ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
         ("--tool-timeout-s", a.tool_timeout_s, a.tool_timeout_s > 0, "> 0"),
         ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
+        ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
+        ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
         ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
     ])
 
@@ -664,7 +670,10 @@ def main(args: Args):
             for s, i in zip(samples, pending.sample_idx):
                 ex = train_prompts.examples[i]
                 s.answer, s.kind, s.source = ex.answer, ex.kind, ex.source
-                s.reward, s.reward_error = score(lambda c, a: reward_fn(c, a, s.kind), s.text, s.answer)
+            scored = score_all(reward_fn, [(s.text, s.answer, s.kind) for s in samples], workers=args.reward_workers,
+                               timeout_s=args.reward_timeout_s)  # in threads, each call within the limit (reward.py)
+            for s, (reward, error) in zip(samples, scored):  # raised, NaN/inf or timed out: 0.0, and why
+                s.reward, s.reward_error = reward, error
         if signum := agreed_signal():  # a signal during generation: stop before anything is trained on
             stop_now(signum, step - 1, sampler_state)
         if args.async_rollout and step < args.steps:  # ALGO: one step off-policy: the next batch is sampled
@@ -786,7 +795,7 @@ def main(args: Args):
         if step == start_step + 1:
             metrics["time/startup_to_first_step_s"] = time.time() - t_launch
             metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
-        errors = [c for c in REWARD_LINE if metrics[c[1]]]  # samples scored 0: raised, NaN/inf
+        errors = [c for c in REWARD_LINE if metrics[c[1]]]  # samples scored 0: raised, NaN/inf, timed out
         print0(log_line(f"step {step}", metrics, CONSOLE + TOOLS_CONSOLE * bool(tools) + errors))
         log.log(metrics)
         n_updates = args.epochs * args.num_minibatches * (2 if update_actor else 1)

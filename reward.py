@@ -7,6 +7,7 @@
     correct(kind, completion, answer, mode)     # the check of an Example's kind: int, gsm8k, math or text
     format_reward(completion, kind)             # 1.0 if the completion gives its answer in the kind's format
     score(reward_fn, completion, answer)        # never raises: (reward, "") or (0.0, "ValueError: ..."); NaN/inf: 0.0
+    score_all(reward_fn, calls, workers=8, timeout_s=30)  # score() of each, in threads, each call within a time limit
     reward_fn = load_reward("my_reward.py:reward")  # your own (completion, answer) -> float, from a file
     rollout_stats(samples, seconds)             # a step's reward, accuracy, lengths, over all ranks
     eval_stats(samples, answer_fn, sources)     # held-out accuracy, over all ranks, and per source
@@ -17,22 +18,27 @@ Two ways to find the final answer, as in lm-evaluation-harness's GSM8K:
             what math-verify finds ("the final answer is ...", the last $...$); text: the last line ends in it
 """
 
+import collections
+import contextlib
 import functools
 import importlib.util
 import inspect
 import math
 import os
+import queue
 import re
 import sys
 import threading
+import time
 from decimal import Decimal, InvalidOperation
 
 import torch
 import torch.distributed as dist
 
 from fsdp import all_reduce
-from preflight import InputError
+from preflight import InputError, Interrupted
 from runlog import print0
+from stop import interruptible
 
 # A number: optional sign, digits with optional thousands commas, optional decimals; or ".5".
 _NUM = r"-?(?:[0-9][0-9,]*(?:\.[0-9]+)?|\.[0-9]+)"
@@ -136,7 +142,7 @@ def math_equal(predicted: str, answer: str, timeout_s: int) -> bool:
     """math-verify's verdict on the answer it finds in `predicted` against the LaTeX `answer`."""
     parse, verify = math_verify()
     if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("math_reward runs in the main thread only: math-verify's timeout is a SIGALRM")
+        raise NeedsMainThread("math_reward runs in the main thread only: math-verify's timeout is a SIGALRM")
     gold = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout_s)
     return verify(gold, parse(predicted, parsing_timeout=timeout_s), timeout_seconds=timeout_s)
 
@@ -191,10 +197,15 @@ def format_reward(completion: str, kind: str = "gsm8k") -> float:
     return float(gives_answer(completion, kind))
 
 
-NONFINITE = "not finite"  # how reward_error starts for a NaN/inf reward (rollout_stats counts it)
+TIMED_OUT, NONFINITE = "timed out", "not finite"  # how reward_error starts for these (rollout_stats counts each)
+_abandoned: list[threading.Thread] = []  # reward calls past their time limit that still run, over all steps
 
 
-def score(reward_fn, completion: str, answer: str) -> tuple[float, str]:
+class NeedsMainThread(RuntimeError):
+    """A check only the main thread can bound in time (math-verify's SIGALRM): score_all runs it there."""
+
+
+def score(reward_fn, *args) -> tuple[float, str]:
     """Call a reward function; one that raises scores 0.0 and reports what it raised, one whose value
     is NaN/inf scores 0.0 and reports it ('not finite: nan').
 
@@ -203,10 +214,57 @@ def score(reward_fn, completion: str, answer: str) -> tuple[float, str]:
     counts these in its metrics instead.
     """
     try:
-        value = float(reward_fn(completion, answer))
+        value = float(reward_fn(*args))
     except Exception as e:  # noqa: BLE001 -- deliberately broad: any reward bug becomes a counted 0
         return 0.0, f"{type(e).__name__}: {e}"
     return (value, "") if math.isfinite(value) else (0.0, f"{NONFINITE}: {value}")
+
+
+def score_all(reward_fn, calls: list[tuple], *, workers: int, timeout_s: float) -> list[tuple[float, str]]:
+    """score(reward_fn, *args) of each args in `calls`, in their order: at most `workers` calls at once, each in a
+    thread of its own and waited for at most `timeout_s` (then it scores 0.0, 'timed out: ...'). A signal ends the
+    wait at once: the calls not done score 0.0, 'stopped', and the loop stops at its next check, as after generation.
+    A call that raised NeedsMainThread (math-verify) runs again in this thread, after the others, within its own timeouts.
+
+    PLUMBING: threads, not processes: a reward may be a closure over the script's state (no pickling), and a fork of
+    a trainer that holds CUDA is unsafe. A thread can't be stopped, so a call past its limit is abandoned: a daemon
+    thread, it holds up neither the next call nor the exit. New calls start only while fewer than `workers` abandoned
+    calls still run (fewer than 2 x workers threads in all); when nothing else runs, the rest wait for one to end,
+    and after `timeout_s` score 0.0 unrun: a hung reward costs a step timeout_s or two, never a pile of threads.
+    """
+    results, todo = [None] * len(calls), collections.deque(range(len(calls)))
+    finished = queue.SimpleQueue()  # (index, result) from the threads; an abandoned call's late one is never read
+    running, stuck_since = {}, None  # index -> (thread, deadline); when only abandoned calls were left running
+
+    def start(i: int):
+        thread = threading.Thread(target=lambda: finished.put((i, score(reward_fn, *calls[i]))), daemon=True, name=f"reward-{i}")
+        thread.start()
+        running[i] = (thread, time.monotonic() + timeout_s)
+
+    with contextlib.suppress(Interrupted), interruptible():  # a signal raises Interrupted in this wait; the calls go on
+        while todo or running:
+            _abandoned[:] = [t for t in _abandoned if t.is_alive()]
+            while todo and len(running) < workers and len(_abandoned) < workers:
+                start(todo.popleft())
+            stuck_since = (stuck_since or time.monotonic()) if todo and not running else None
+            if stuck_since and time.monotonic() - stuck_since > timeout_s:
+                for i in todo:
+                    results[i] = (0.0, f"{TIMED_OUT}: not run, {len(_abandoned)} earlier calls still run past the limit")
+                break
+            with contextlib.suppress(queue.Empty):
+                i, result = finished.get(timeout=max(0.0, min([0.5] + [d - time.monotonic() for _, d in running.values()])))
+                if i in running:  # (not abandoned already)
+                    results[i] = result
+                    del running[i]
+            for i, (thread, deadline) in list(running.items()):
+                if time.monotonic() > deadline:
+                    results[i] = (0.0, f"{TIMED_OUT}: still running after {timeout_s:g} s")
+                    _abandoned.append(thread)
+                    del running[i]
+        for i, (_, error) in enumerate(results):
+            if error.startswith(NeedsMainThread.__name__):
+                results[i] = score(reward_fn, *calls[i])
+    return [r or (0.0, "stopped") for r in results]
 
 
 def load_reward(spec: str):
@@ -255,28 +313,30 @@ def judge(samples, answer_fn=None) -> dict[str, float]:
 
 def rollout_stats(samples, seconds: float, answer_fn=None) -> dict:
     """Reward, accuracy, format, length (tool replies included), truncation and sampled tokens/s of a
-    step's samples, over all ranks; rewards scored 0.0 because the function raised or gave NaN/inf.
-    A reward function that raised on most samples, and any NaN/inf reward, is also said on the console."""
+    step's samples, over all ranks; rewards scored 0.0 because the function raised, gave NaN/inf or timed out.
+    A reward function that raised on most samples, and any NaN/inf or timed-out reward, is also said on the console."""
     counts = judge(samples, answer_fn)
     sampled = sum(len(s.response_ids) if s.model_mask is None else sum(s.model_mask) for s in samples)  # tools' tokens not
-    nonfinite = sum(s.reward_error.startswith(NONFINITE) for s in samples)
+    nonfinite, timeouts = (sum(s.reward_error.startswith(why) for s in samples) for why in (NONFINITE, TIMED_OUT))
     tot = all_reduce(torch.tensor([
         len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples), counts["strict"],
         counts["format"], sum(len(s.response_ids) for s in samples), sum(s.truncated for s in samples),
-        sum(bool(s.reward_error) for s in samples) - nonfinite, nonfinite, sampled],
+        sum(bool(s.reward_error) for s in samples) - nonfinite - timeouts, nonfinite, sampled, timeouts,
+        sum(t.is_alive() for t in _abandoned)],  # reward calls past their limit that still run
         dtype=torch.float64))
     n, mean = tot[0], tot[1] / tot[0]
     if tot[7] > n / 2:  # a broken reward function: say so on the console, not only in the metrics
-        first = next((s.reward_error for s in samples if s.reward_error and not s.reward_error.startswith(NONFINITE)), "")
+        first = next((s.reward_error for s in samples if s.reward_error and not s.reward_error.startswith((NONFINITE, TIMED_OUT))), "")
         print0(f"warning: the reward function raised on {int(tot[7])} of {int(n)} samples (scored 0)" + (f", e.g. {first}" if first else ""))
-    if tot[8]:  # each cost its own sample only, but a person must know
-        print0(f"warning: {int(tot[8])} NaN/inf of {int(n)} rewards, scored 0")
+    why = " and ".join(f"{int(k)} {what}" for k, what in ((tot[8], "NaN/inf"), (tot[10], "timed out (--reward-timeout-s)")) if k)
+    if why:  # each cost its own sample only, but a person must know
+        print0(f"warning: {why} of {int(n)} rewards, scored 0" + (f"; {int(tot[11])} calls still run in the background" if tot[11] else ""))
     return {"rollout/reward_mean": mean, "rollout/reward_std": (tot[2] / n - mean**2).clamp(min=0).sqrt(),
             "rollout/strict_acc": tot[3] / n, "rollout/format_rate": tot[4] / n,
             "rollout/response_len_mean": tot[5] / n,
             "rollout/response_len_max": all_reduce(max(len(s.response_ids) for s in samples), dist.ReduceOp.MAX),
             "rollout/truncated_frac": tot[6] / n, "rollout/reward_errors": tot[7], "rollout/reward_nonfinite": tot[8],
-            "perf/rollout_tokens_per_s": tot[9] / seconds}  # tokens the engine sampled
+            "rollout/reward_timeouts": tot[10], "perf/rollout_tokens_per_s": tot[9] / seconds}  # tokens the engine sampled
 
 
 def eval_stats(samples, answer_fn=None, sources: list[str] = ()) -> dict:
@@ -296,4 +356,5 @@ def eval_stats(samples, answer_fn=None, sources: list[str] = ()) -> dict:
 EVAL_LINE = [("eval strict acc", "eval/strict_acc", ".3f"), ("flexible acc", "eval/flexible_acc", ".3f"),
              ("format", "eval/format_rate", ".3f")]  # the console line of an evaluation
 EVAL_TOOLS_LINE = [("used a tool", "eval/tool_used_frac", ".3f")]  # and with tools
-REWARD_LINE = [("reward errors", "rollout/reward_errors", ".0f"), ("NaN rewards", "rollout/reward_nonfinite", ".0f")]  # shown if not 0
+REWARD_LINE = [("reward errors", "rollout/reward_errors", ".0f"), ("NaN rewards", "rollout/reward_nonfinite", ".0f"),
+               ("reward timeouts", "rollout/reward_timeouts", ".0f")]  # a step's console line shows those not 0

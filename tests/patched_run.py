@@ -6,6 +6,9 @@ MODE: engine_child  the HF engine owns a child process (a stand-in for SGLang's 
       nan_reward    every reward is NaN from step N (PATCH_FROM, default 1) to step M (PATCH_UNTIL, default: always);
                     PATCH_ONE_IN=k: only one reward call in k (the k-th, 2k-th, ...)
       raising_reward  the reward function raises on every sample
+      slow_reward   every reward call from step PATCH_FROM to PATCH_UNTIL sleeps PATCH_SLEEP_S seconds (default 10), then
+                    scores as before; the first call of such a step prints 'slow reward: step N' (PATCH_SAMPLES_PER_STEP
+                    calls a step, default 16)
       nan_loss      the first update's log-probs (with gradient) are NaN
       tool_caller   the HF engine's first turn of every episode is a calculator call (its tokens
                     forced, their log-probs the model's own; PATCH_TOOL_CALL: another call); later turns are sampled
@@ -35,21 +38,30 @@ if mode == "engine_child":
             print(f"engine child pid {self.child.pid}", flush=True)
 
     rollout.HFEngine = EngineWithChild
-elif mode in ("nan_reward", "raising_reward"):
+elif mode in ("nan_reward", "raising_reward", "slow_reward"):
+    import threading
+
     import reward
 
-    calls, real = {"n": 0}, reward.format_reward
+    calls, lock, real = {"n": 0}, threading.Lock(), reward.format_reward
     per_step = int(os.environ.get("PATCH_SAMPLES_PER_STEP", "16"))
 
     def format_reward(completion: str, kind: str = "gsm8k") -> float:  # reward_fn adds format_weight * this: NaN * 0 is NaN
         if sys._getframe(1).f_code.co_name != "reward_fn":  # the metrics' own calls (reward.judge): the real one
             return real(completion, kind)
-        calls["n"] += 1
+        with lock:  # reward calls run in threads (reward.score_all)
+            calls["n"] += 1
+            n = calls["n"]
+        step = (n - 1) // per_step + 1
         if mode == "raising_reward":
             raise RuntimeError("a buggy reward")
-        step = (calls["n"] - 1) // per_step + 1
-        nan = int(os.environ.get("PATCH_FROM", "1")) <= step <= int(os.environ.get("PATCH_UNTIL", "1000000"))
-        return float("nan") if nan and calls["n"] % int(os.environ.get("PATCH_ONE_IN", "1")) == 0 else 0.0
+        patched = int(os.environ.get("PATCH_FROM", "1")) <= step <= int(os.environ.get("PATCH_UNTIL", "1000000"))
+        if mode == "slow_reward":
+            if patched and (n - 1) % per_step == 0:
+                print(f"slow reward: step {step}", flush=True)
+            time.sleep(float(os.environ.get("PATCH_SLEEP_S", "10")) * patched)
+            return real(completion, kind)
+        return float("nan") if patched and n % int(os.environ.get("PATCH_ONE_IN", "1")) == 0 else 0.0
 
     reward.format_reward = format_reward
 elif mode == "nan_loss":

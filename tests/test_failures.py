@@ -153,8 +153,8 @@ def test_a_reward_that_always_raises_is_on_the_console(trained_tiny_model_dir, t
 # Signals and a dead engine
 
 
-def start(model, out_dir, *extra, script="grpo.py", launch=(), nproc=1):
-    """Start a run in the background, its output going to out_dir/console.txt."""
+def start(model, out_dir, *extra, script="grpo.py", launch=(), nproc=1, env=None):
+    """Start a run in the background, its output going to out_dir/console.txt; `env` added to the environment."""
     from test_smoke import COMMON, PER_SCRIPT, ROOT
 
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -163,7 +163,7 @@ def start(model, out_dir, *extra, script="grpo.py", launch=(), nproc=1):
                       *PER_SCRIPT[script], *extra]
     os.makedirs(out_dir, exist_ok=True)
     console = open(os.path.join(out_dir, "console.txt"), "w")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     return subprocess.Popen(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, text=True, env=env)
 
 
@@ -228,6 +228,37 @@ def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(trained_tiny_mode
     a = {k: v for k, v in rows(straight)[-1].items() if k.startswith(keep)}
     b = {k: v for k, v in rows(stopped)[-1].items() if k.startswith(keep)}
     assert rows(stopped)[-1]["step"] == done + 1 and a == pytest.approx(b, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+def test_a_reward_past_its_time_limit_scores_zero_and_the_run_goes_on(trained_tiny_model_dir, tmp_path, script):
+    """Every reward call sleeps 10 s, --reward-timeout-s 1: each step waits about 2 s for its rewards, not 16 x 10 s;
+    the timeouts are counted and said; the sleeping calls hold up neither the next step nor the exit."""
+    t0 = time.time()
+    proc = patched("slow_reward", trained_tiny_model_dir, tmp_path, "--steps", "2", "--reward-timeout-s", "1", *QUIET,
+                   script=script)
+    seconds = time.time() - t0
+    train = metrics(tmp_path)[0]
+    assert [r["rollout/reward_timeouts"] for r in train] == [16, 16] and all(r["time/generate"] < 5 for r in train)
+    assert proc.stdout.count("warning: 16 timed out (--reward-timeout-s) of 16 rewards, scored 0; ") == 2
+    assert "calls still run in the background" in proc.stdout and "| reward timeouts 16" in proc.stdout
+    assert seconds < 60 and os.path.isdir(tmp_path / "r" / "checkpoints" / "step_000002")
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_a_slow_reward_runs_stops_the_run_in_seconds(trained_tiny_model_dir, tmp_path, script, signum):
+    """Step 2's rewards sleep 10 s each (under the 30 s limit): Ctrl-C or SIGTERM ends the run within seconds, as a
+    signal between phases does: 130 with no checkpoint, 143 with step 1 saved."""
+    proc = start(trained_tiny_model_dir, tmp_path, "--steps", "5", "--save-every", "100", *QUIET, script=script,
+                 launch=[os.path.join("tests", "patched_run.py"), "slow_reward"], env={"PATCH_FROM": "2"})
+    wait_for(tmp_path, "slow reward: step 2", proc)
+    seconds = stop_with(proc, signum)
+    lines = console_lines(tmp_path)
+    assert proc.returncode == 128 + signum and seconds < 10, lines[-5:]  # 161 s before reward.score_all
+    assert lines[-1].startswith(f"stopped by {signal.Signals(signum).name} after step 1") and "Traceback" not in "\n".join(lines)
+    saved = os.listdir(tmp_path / "r" / "checkpoints") if (tmp_path / "r" / "checkpoints").exists() else []
+    assert saved == (["step_000001"] if signum == signal.SIGTERM else [])
 
 
 def test_sigterm_under_torchrun_stops_every_rank_and_saves(trained_tiny_model_dir, tmp_path):

@@ -1,4 +1,10 @@
-"""reward.py on tricky completions: markers, signs, currency, commas, decimals, trailing text."""
+"""reward.py on tricky completions: markers, signs, currency, commas, decimals, trailing text; scoring
+in threads with a time limit (score_all)."""
+
+import os
+import signal
+import threading
+import time
 
 import pytest
 
@@ -144,6 +150,111 @@ def test_a_nonfinite_reward_scores_zero_and_says_so():
     assert score(lambda c, a: 1e308, "x", "y") == (1e308, "")  # large but finite: the function's own business
 
 
+# ----------------------------------------------------------------------------------------------
+# score_all: rewards in threads, each call within a time limit
+
+
+@pytest.fixture
+def release():
+    """An event that hung reward calls wait on; set after the test, and every abandoned call waited for, so the
+    next test starts with none (reward._abandoned is module state)."""
+    import reward
+
+    event = threading.Event()
+    yield event
+    event.set()
+    for t in list(reward._abandoned):
+        t.join(timeout=10)
+    reward._abandoned.clear()
+
+
+def test_score_all_gives_what_score_gives_in_order():
+    """Values, errors and NaN as one call at a time would give them, in the calls' order, whatever order they end in."""
+    from reward import score_all
+
+    def reward_fn(completion, answer, kind):
+        time.sleep(0.02 * (len(completion) % 3))  # later calls end first
+        if completion == "boom":
+            raise ValueError("boom")
+        return float("nan") if completion == "nan" else gsm8k_reward(completion, answer) + (kind == "text")
+    calls = [("#### 5", "5", "gsm8k"), ("boom", "5", "gsm8k"), ("#### 4", "5", "text"), ("nan", "5", "gsm8k")] * 3
+    assert score_all(reward_fn, calls, workers=3, timeout_s=5) == [score(reward_fn, *c) for c in calls]
+    assert score_all(reward_fn, calls[:4], workers=3, timeout_s=5) == [
+        (1.0, ""), (0.0, "ValueError: boom"), (1.0, ""), (0.0, "not finite: nan")]
+    assert score_all(reward_fn, [], workers=3, timeout_s=5) == []
+
+
+def test_a_slow_reward_call_costs_its_own_sample_only(release):
+    """One call hangs: it scores 0.0 at the limit, the other calls run beside it; it then runs on abandoned."""
+    import reward
+
+    def reward_fn(completion, answer):
+        if completion == "hang":
+            release.wait()
+        return 1.0
+    t0 = time.time()
+    out = reward.score_all(reward_fn, [("a", ""), ("hang", ""), ("b", ""), ("c", "")], workers=2, timeout_s=0.3)
+    assert out == [(1.0, ""), (0.0, "timed out: still running after 0.3 s"), (1.0, ""), (1.0, "")]
+    assert 0.3 <= time.time() - t0 < 1.5 and len(reward._abandoned) == 1 and reward._abandoned[0].daemon
+
+
+def test_a_hanging_reward_never_piles_up_threads(release):
+    """Every call hangs: fewer than 2 x workers threads ever run; once `workers` abandoned calls still run, new calls
+    wait for one to end for timeout_s, then score 0 unrun; a step then costs timeout_s, not a thread per call."""
+    from reward import score_all
+
+    def alive():
+        return sum(t.name.startswith("reward-") and t.is_alive() for t in threading.enumerate())
+    t0 = time.time()
+    out = score_all(lambda c, a: release.wait(), [(i, "") for i in range(10)], workers=2, timeout_s=0.2)
+    assert all(v == 0.0 and e.startswith("timed out: ") for v, e in out) and time.time() - t0 < 2.0
+    assert "timed out: not run, " in out[-1][1] and 2 <= alive() < 4
+    t0 = time.time()
+    out = score_all(lambda c, a: release.wait(), [(i, "") for i in range(10)], workers=2, timeout_s=0.2)
+    assert all(e.startswith("timed out: not run, ") for v, e in out) and time.time() - t0 < 1.5 and alive() < 4
+    release.set()  # the hung calls end: the next step scores again
+    time.sleep(0.1)
+    assert score_all(lambda c, a: 1.0, [(1, "")], workers=2, timeout_s=0.2) == [(1.0, "")]
+
+
+def test_math_verify_in_score_all_runs_in_the_main_thread():
+    """math-verify's timeout is a SIGALRM: a call that needs it runs again in the main thread, and gives what it
+    gives there (rather than an error per sample for every MATH run)."""
+    from reward import correct, score_all
+
+    returned_in = []  # the thread each math call that returned ran in
+
+    def reward_fn(completion, answer, kind, mode="strict"):
+        value = correct(kind, completion, answer, mode)
+        returned_in.append((kind, threading.current_thread() is threading.main_thread()))
+        return value
+    calls = [(r"so \boxed{\frac{3}{7}}", "3/7", "math"), ("the answer is $19$", "19", "math"), ("#### 3", "3", "gsm8k"),
+             (r"\boxed{29}", "31", "math")]  # answers no other test asks math-verify about: math_equal caches its verdicts
+    assert score_all(reward_fn, calls, workers=2, timeout_s=5) == [(1.0, ""), (0.0, ""), (1.0, ""), (0.0, "")]
+    assert sorted(returned_in) == [("gsm8k", False), ("math", False), ("math", True), ("math", True)]  # no box: no math-verify
+    flexible = [c + ("flexible",) for c in calls[1:2]]
+    assert score_all(reward_fn, flexible, workers=2, timeout_s=5) == [(1.0, "")] and returned_in[-1] == ("math", True)
+
+
+def test_a_signal_ends_the_wait_for_rewards_at_once(monkeypatch, release):
+    """SIGTERM (or Ctrl-C) while rewards are scored: score_all returns within a second, the calls not done
+    'stopped' (the loop then stops as after generation), and the signal is noted for it."""
+    import stop
+    from reward import score_all
+
+    monkeypatch.setitem(stop._state, "signum", 0)  # restored after the test, as are the handlers below
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    stop.handle_signals()
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        t0 = time.time()
+        out = score_all(lambda c, a: release.wait() or 1.0, [(i, "") for i in range(4)], workers=4, timeout_s=60)
+        assert time.time() - t0 < 1.5 and out == [(0.0, "stopped")] * 4 and stop.requested() == signal.SIGTERM
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
 def test_task_metrics_by_hand_without_a_process_group():
     """A notebook calls these with no torch.distributed set up: all_reduce is then the identity."""
     import torch.distributed as dist
@@ -161,12 +272,12 @@ def test_task_metrics_by_hand_without_a_process_group():
     stats = rollout_stats(samples, seconds=2.0, answer_fn=gsm8k_reward)
     assert float(stats["rollout/reward_mean"]) == 1.25 / 3 and float(stats["rollout/response_len_max"]) == 6
     assert float(stats["rollout/truncated_frac"]) == 1 / 3 and float(stats["perf/rollout_tokens_per_s"]) == 6.0
-    assert [float(stats[f"rollout/reward_{k}"]) for k in ("errors", "nonfinite")] == [0, 0]
-    # samples scored 0.0 by score, each counted under its cause
-    for s, error in zip(samples, ["not finite: nan", "", "ValueError: x"]):
+    assert [float(stats[f"rollout/reward_{k}"]) for k in ("errors", "nonfinite", "timeouts")] == [0, 0, 0]
+    # samples scored 0.0 by score / score_all, each counted under its cause
+    for s, error in zip(samples, ["not finite: nan", "timed out: still running after 30 s", "ValueError: x"]):
         s.reward, s.reward_error = 0.0, error
     stats = rollout_stats(samples, seconds=2.0, answer_fn=gsm8k_reward)
-    assert [float(stats[f"rollout/reward_{k}"]) for k in ("errors", "nonfinite")] == [1, 1]
+    assert [float(stats[f"rollout/reward_{k}"]) for k in ("errors", "nonfinite", "timeouts")] == [1, 1, 1]
 
 
 # ----------------------------------------------------------------------------------------------
