@@ -221,49 +221,74 @@ def score(reward_fn, *args) -> tuple[float, str]:
 
 
 def score_all(reward_fn, calls: list[tuple], *, workers: int, timeout_s: float) -> list[tuple[float, str]]:
-    """score(reward_fn, *args) of each args in `calls`, in their order: at most `workers` calls at once, each in a
-    thread of its own and waited for at most `timeout_s` (then it scores 0.0, 'timed out: ...'). A signal ends the
-    wait at once: the calls not done score 0.0, 'stopped', and the loop stops at its next check, as after generation.
-    A call that raised NeedsMainThread (math-verify) runs again in this thread, after the others, within its own timeouts.
+    """score(reward_fn, *args) of each args in `calls`, in their order, by `workers` threads, each call waited for at
+    most `timeout_s` (then it scores 0.0, 'timed out: ...'). A signal ends the wait at once: the calls not done score
+    0.0, 'stopped', and the loop stops at its next check, as after generation. A call that raised NeedsMainThread
+    (math-verify) runs again in this thread, after the others, within its own timeouts.
 
     PLUMBING: threads, not processes: a reward may be a closure over the script's state (no pickling), and a fork of
-    a trainer that holds CUDA is unsafe. A thread can't be stopped, so a call past its limit is abandoned: a daemon
-    thread, it holds up neither the next call nor the exit. New calls start only while fewer than `workers` abandoned
-    calls still run (fewer than 2 x workers threads in all); when nothing else runs, the rest wait for one to end,
-    and after `timeout_s` score 0.0 unrun: a hung reward costs a step timeout_s or two, never a pile of threads.
+    a trainer that holds CUDA is unsafe. A thread can't be stopped, so a worker whose call is past its limit is
+    abandoned: a daemon thread, it holds up neither the other calls nor the exit, and quits when the call returns.
+    A new worker replaces it only while fewer than `workers` abandoned ones still run (fewer than 2 x workers threads
+    in all); with none left, the rest wait for one to end, and after `timeout_s` score 0.0 unrun: a hung reward
+    costs a step timeout_s or two, never a pile of threads.
     """
-    results, todo = [None] * len(calls), collections.deque(range(len(calls)))
-    finished = queue.SimpleQueue()  # (index, result) from the threads; an abandoned call's late one is never read
-    running, stuck_since = {}, None  # index -> (thread, deadline); when only abandoned calls were left running
+    results, left, todo = [None] * len(calls), len(calls), collections.deque(range(len(calls)))
+    finished, lock = queue.SimpleQueue(), threading.Lock()  # finished: (index, result) from the workers
+    now_in = {}  # worker -> (index, deadline) of the call it is in; a worker given up on is taken out
 
-    def start(i: int):
-        thread = threading.Thread(target=lambda: finished.put((i, score(reward_fn, *calls[i]))), daemon=True, name=f"reward-{i}")
-        thread.start()
-        running[i] = (thread, time.monotonic() + timeout_s)
+    def work():
+        me = threading.current_thread()
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.popleft()
+                now_in[me] = (i, time.monotonic() + timeout_s)
+            result = score(reward_fn, *calls[i])
+            with lock:
+                if now_in.pop(me, None) is None:  # given up on: too late, and no more calls for this worker
+                    return
+                finished.put((i, result))
 
-    with contextlib.suppress(Interrupted), interruptible():  # a signal raises Interrupted in this wait; the calls go on
-        while todo or running:
-            _abandoned[:] = [t for t in _abandoned if t.is_alive()]
-            while todo and len(running) < workers and len(_abandoned) < workers:
-                start(todo.popleft())
-            stuck_since = (stuck_since or time.monotonic()) if todo and not running else None
-            if stuck_since and time.monotonic() - stuck_since > timeout_s:
-                for i in todo:
-                    results[i] = (0.0, f"{TIMED_OUT}: not run, {len(_abandoned)} earlier calls still run past the limit")
-                break
-            with contextlib.suppress(queue.Empty):
-                i, result = finished.get(timeout=max(0.0, min([0.5] + [d - time.monotonic() for _, d in running.values()])))
-                if i in running:  # (not abandoned already)
-                    results[i] = result
-                    del running[i]
-            for i, (thread, deadline) in list(running.items()):
-                if time.monotonic() > deadline:
-                    results[i] = (0.0, f"{TIMED_OUT}: still running after {timeout_s:g} s")
-                    _abandoned.append(thread)
-                    del running[i]
-        for i, (_, error) in enumerate(results):
-            if error.startswith(NeedsMainThread.__name__):
-                results[i] = score(reward_fn, *calls[i])
+    active, stuck_since = set(), None  # this call's workers not abandoned; since when none could run
+    try:
+        with contextlib.suppress(Interrupted), interruptible():  # a signal raises Interrupted in this wait
+            while left:
+                _abandoned[:], active = [t for t in _abandoned if t.is_alive()], {t for t in active if t.is_alive()}
+                while todo and len(active) < workers and len(_abandoned) < workers:
+                    worker = threading.Thread(target=work, daemon=True, name="reward")
+                    worker.start()
+                    active.add(worker)
+                stuck_since = (stuck_since or time.monotonic()) if todo and not active else None
+                if stuck_since and time.monotonic() - stuck_since > timeout_s:
+                    with lock:
+                        for i in todo:
+                            results[i] = (0.0, f"{TIMED_OUT}: not run, {len(_abandoned)} earlier calls still run past the limit")
+                        left -= len(todo)
+                        todo.clear()
+                    continue
+                with lock:
+                    wait = min([0.5] + [d - time.monotonic() for _, d in now_in.values()])
+                with contextlib.suppress(queue.Empty):
+                    i, results[i] = finished.get(timeout=max(0.0, wait))
+                    left -= 1
+                    while True:
+                        i, results[i] = finished.get_nowait()
+                        left -= 1
+                with lock:
+                    for worker, (i, deadline) in list(now_in.items()):
+                        if time.monotonic() > deadline:
+                            results[i], left = (0.0, f"{TIMED_OUT}: still running after {timeout_s:g} s"), left - 1
+                            del now_in[worker]
+                            _abandoned.append(worker)
+                            active.discard(worker)
+            for i, (_, error) in enumerate(results):
+                if error.startswith(NeedsMainThread.__name__):
+                    results[i] = score(reward_fn, *calls[i])
+    finally:
+        with lock:
+            todo.clear()  # after a signal: the workers take no more calls
     return [r or (0.0, "stopped") for r in results]
 
 

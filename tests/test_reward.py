@@ -179,6 +179,9 @@ def test_score_all_gives_what_score_gives_in_order():
         return float("nan") if completion == "nan" else gsm8k_reward(completion, answer) + (kind == "text")
     calls = [("#### 5", "5", "gsm8k"), ("boom", "5", "gsm8k"), ("#### 4", "5", "text"), ("nan", "5", "gsm8k")] * 3
     assert score_all(reward_fn, calls, workers=3, timeout_s=5) == [score(reward_fn, *c) for c in calls]
+    threads = set()  # a few workers serve all the calls: no thread per call (0.5 ms each on a busy CPU)
+    out = score_all(lambda c, a: threads.add(threading.current_thread()) or 1.0, [("", "")] * 100, workers=3, timeout_s=5)
+    assert out == [(1.0, "")] * 100 and 1 <= len(threads) <= 3
     assert score_all(reward_fn, calls[:4], workers=3, timeout_s=5) == [
         (1.0, ""), (0.0, "ValueError: boom"), (1.0, ""), (0.0, "not finite: nan")]
     assert score_all(reward_fn, [], workers=3, timeout_s=5) == []
@@ -204,7 +207,7 @@ def test_a_hanging_reward_never_piles_up_threads(release):
     from reward import score_all
 
     def alive():
-        return sum(t.name.startswith("reward-") and t.is_alive() for t in threading.enumerate())
+        return sum(t.name == "reward" and t.is_alive() for t in threading.enumerate())
     t0 = time.time()
     out = score_all(lambda c, a: release.wait(), [(i, "") for i in range(10)], workers=2, timeout_s=0.2)
     assert all(v == 0.0 and e.startswith("timed out: ") for v, e in out) and time.time() - t0 < 2.0
