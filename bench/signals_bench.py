@@ -12,6 +12,9 @@ Each case starts `grpo.py` in a session of its own, waits for the step line it n
   killed_scheduler   SIGKILL to SGLang's scheduler process
   crashed_scheduler  nothing: the scheduler raises an exception mid-generation (SGLang's own crash test,
                      SGLANG_TEST_CRASH_AFTER_STREAM_OUTPUTS), prints it and sends the trainer SIGQUIT
+  engine_no_memory   nothing: another process holds all but 3 GiB of the GPU, so SGLang's engine fails to start
+  killed_server      SIGKILL to an SGLang server the run samples from (`--rollout-url`, started by the bench beside
+                     the trainer on the one GPU, weights over gloo)
 and records the seconds to exit, the exit code, the session's processes still alive 5 s later,
 the GPU memory in use then, and the run's last console line. Every run's console goes into one file.
 """
@@ -28,7 +31,30 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ("normal_end", "sigint_startup", "sigint_group", "sigterm_parent", "sigterm_group", "sigkill_parent",
-         "killed_scheduler", "crashed_scheduler")
+         "killed_scheduler", "crashed_scheduler", "engine_no_memory", "killed_server")
+HOG = ("import time, torch; free = torch.cuda.mem_get_info()[0]; x = torch.empty(free - (3 << 30), dtype=torch.uint8, "
+       "device='cuda'); print('holding', flush=True); time.sleep(900)")
+SERVER_PORT = 30556
+
+
+def start_helper(case: str, model: str, log_dir: str):
+    """What a case needs running beside the run: a process holding the GPU's memory, or an SGLang server."""
+    if case == "engine_no_memory":
+        cmd = [sys.executable, "-c", HOG]
+    elif case == "killed_server":
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(SERVER_PORT),
+               "--skip-tokenizer-init", "--mem-fraction-static", "0.3", "--attention-backend", "triton",
+               "--sampling-backend", "pytorch", "--cuda-graph-backend-prefill", "disabled"]
+    else:
+        return None
+    log = open(os.path.join(log_dir, "helper.txt"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    ready = "holding" if case == "engine_no_memory" else "The server is fired up"
+    for _ in range(600):
+        if ready in open(log.name).read() or proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    return proc
 
 
 @dataclass
@@ -91,6 +117,9 @@ def run_case(case: str, args: Args, index: int) -> dict:
     steps = "2" if case == "normal_end" else "500"
     cmd = [sys.executable, "grpo.py", "--model", args.model, "--steps", steps, "--lr", "1e-5", "--micro-batch-size", "128",
            "--eval-every", "0", "--save-every", "100", "--output-dir", out_dir, "--run-name", "r", *args.grpo_flags.split()]
+    if case == "killed_server":
+        cmd += ["--rollout-mode", "server", "--rollout-url", f"http://127.0.0.1:{SERVER_PORT}", "--rollout-sync-backend", "gloo"]
+    helper = start_helper(case, args.model, out_dir)
     console_path = os.path.join(out_dir, "console.txt")
     console = open(console_path, "w")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -98,7 +127,8 @@ def run_case(case: str, args: Args, index: int) -> dict:
         env["SGLANG_TEST_CRASH_AFTER_STREAM_OUTPUTS"] = "400"
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     sid, t_start = proc.pid, time.time()
-    wait_for = {"normal_end": None, "crashed_scheduler": "Scheduler hit an exception", "sigint_startup": "data:"}.get(
+    wait_for = {"normal_end": None, "crashed_scheduler": "Scheduler hit an exception", "sigint_startup": "data:",
+                "engine_no_memory": None}.get(
         case, args.wait_for)  # crashed_scheduler: seconds to exit count from the scheduler's error line
     if wait_for:
         while wait_for not in open(console_path).read():
@@ -120,13 +150,18 @@ def run_case(case: str, args: Args, index: int) -> dict:
         schedulers = [p for p, cmdline in children(proc.pid) if "scheduler" in cmdline.lower()]
         victims = schedulers or [p for p, _ in children(proc.pid)]
         os.kill(victims[0], signal.SIGKILL)
+    elif case == "killed_server":
+        os.killpg(helper.pid, signal.SIGKILL)
     try:
-        code = proc.wait(timeout=300 if case in ("normal_end", "crashed_scheduler") else 120)
+        code = proc.wait(timeout=300 if case in ("normal_end", "crashed_scheduler", "engine_no_memory") else 120)
     except subprocess.TimeoutExpired:
         code = None
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     seconds = time.time() - t0
+    if helper is not None and helper.poll() is None:
+        os.killpg(helper.pid, signal.SIGKILL)
+        helper.wait()
     time.sleep(5)
     text = open(console_path).read()
     lines = [line for line in text.strip().splitlines() if line.strip()]
@@ -134,7 +169,8 @@ def run_case(case: str, args: Args, index: int) -> dict:
             "leftover_processes": session_processes(sid), "gpu_mem_after_mib": gpu_mem_used_mib(),
             "traceback_in_output": "Traceback" in text, "last_line": lines[-1] if lines else "",
             "checkpoints": sorted(os.listdir(os.path.join(out_dir, "r", "checkpoints")))
-            if os.path.isdir(os.path.join(out_dir, "r", "checkpoints")) else []}
+            if os.path.isdir(os.path.join(out_dir, "r", "checkpoints")) else [],
+            "run_folder": sorted(os.listdir(os.path.join(out_dir, "r"))) if os.path.isdir(os.path.join(out_dir, "r")) else []}
 
 
 def main(args: Args):
