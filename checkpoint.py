@@ -16,6 +16,7 @@ Everything is written under `step_000100.tmp/` and renamed when complete, so a k
 leaves the previous checkpoints untouched and the half-written one is never picked for resume.
 """
 
+import errno
 import glob
 import json
 import os
@@ -27,9 +28,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 
-from preflight import InputError
+from preflight import InputError, RunFailed
 
 
 def checkpoint_dir(out_dir: str, step: int) -> str:
@@ -109,10 +111,37 @@ def save_checkpoint(out_dir: str, step: int, stateful: dict, hf_models: dict, to
 
     stateful: {name: (model, optimizer)}, the FSDP2 models and optimizers to resume.
     hf_models: {folder: model} exported as Hugging Face folders ({"model": policy}). state: small
-    picklable things for trainer.pt (rank 0's copy is saved).
+    picklable things for trainer.pt (rank 0's copy is saved). A disk that fills up ends the run in a
+    line (RunFailed): the unfinished folder is removed, the earlier checkpoints are untouched.
     """
     rank, final = dist.get_rank(), checkpoint_dir(out_dir, step)
     tmp = final + ".tmp"
+    try:
+        write_checkpoint(tmp, stateful, hf_models, tokenizer, state)
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        if not out_of_space(e, os.path.dirname(tmp)):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        newest = latest_checkpoint(out_dir)
+        size = f", a checkpoint takes {gib(folder_bytes(newest))}" if newest else ""
+        raise RunFailed(f"no space left at {os.path.dirname(tmp)} while saving step {step} ({gib(shutil.disk_usage(out_dir).free)} "
+                        f"free{size}); the earlier checkpoints are intact (" + (f"newest: {os.path.basename(newest)}"
+                        if newest else "none yet") + "): free some space or lower --keep-checkpoints, then add --resume") from None
+    if rank == 0:
+        if os.path.exists(final):  # the same step saved again (e.g. the final save): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)  # atomic: the checkpoint exists completely or not at all
+        if keep > 0:
+            steps = sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_*[0-9]")))
+            for old in steps[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def write_checkpoint(tmp: str, stateful: dict, hf_models: dict, tokenizer, state: dict):
+    """Everything of save_checkpoint but the rename, into the folder `tmp`."""
+    rank = dist.get_rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
         os.makedirs(tmp)
@@ -134,15 +163,26 @@ def save_checkpoint(out_dir: str, step: int, stateful: dict, hf_models: dict, to
     dist.barrier()  # every rank has looked before rank 0 renames the folder
     if rank == 0:
         torch.save({**state, "world_size": dist.get_world_size()}, os.path.join(tmp, "trainer.pt"))
-        if os.path.exists(final):  # the same step saved again (e.g. the final save): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)  # atomic: the checkpoint exists completely or not at all
-        if keep > 0:
-            steps = sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_*[0-9]")))
-            for old in steps[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+
+
+def out_of_space(error: BaseException, folder: str) -> bool:
+    """Did a write fail for want of space? torch.save's zip writer loses the errno ('unexpected pos 704
+    vs 598', inside DCP's CheckpointException), so a disk with less than 1 MiB left counts as full too."""
+    errors = [error, *(failure[0] for failure in getattr(error, "failures", {}).values())]  # DCP's: each rank's
+    while errors:
+        e = errors.pop()
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        errors += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return shutil.disk_usage(folder).free < 2**20
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def load_checkpoint(path: str, stateful: dict) -> dict:

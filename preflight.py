@@ -7,7 +7,7 @@
     tokenizer, context = check_model("Qwen/Qwen2.5-0.5B-Instruct")      # before SGLang starts
 
 An InputError is bad input a person can fix: it prints its message, no traceback, and exits with
-code 2. RL_DEBUG=1 shows the traceback as well.
+code 2; a RunFailed (a full disk) does the same with code 1. RL_DEBUG=1 shows the traceback as well.
 """
 
 import dataclasses
@@ -25,6 +25,10 @@ class InputError(ValueError):
     names the input and the fix."""
 
 
+class RunFailed(RuntimeError):
+    """The run can't go on, and not for bad input (a full disk): the message says what happened and what to do."""
+
+
 class Interrupted(BaseException):
     """A signal cut a wait short (start-up or generation); args[0] is the signal number (stop.py).
     A BaseException, like KeyboardInterrupt: library code that catches Exception (an optional import
@@ -37,7 +41,8 @@ OOM_HINT = ("lower --micro-batch-size (one micro-batch's log-probs take micro-ba
 
 @contextmanager
 def friendly_errors(script: str, oom_hint: str = OOM_HINT):
-    """Run a script's main: an InputError prints '<script>: <message>' on each node's first rank and exits 2;
+    """Run a script's main: an InputError prints '<script>: <message>' on each node's first rank and exits 2
+    (a RunFailed: 1);
     a CUDA out-of-memory error keeps its traceback and adds a line on which flags lower the memory."""
     try:
         yield
@@ -49,7 +54,7 @@ def friendly_errors(script: str, oom_hint: str = OOM_HINT):
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"{script}: stopped by {signal.Signals(e.args[0]).name} during start-up", file=sys.stderr, flush=True)
         raise SystemExit(128 + e.args[0]) from None
-    except InputError as e:
+    except (InputError, RunFailed) as e:
         if os.environ.get("RL_DEBUG"):
             raise
         leave_process_group()
@@ -57,7 +62,7 @@ def friendly_errors(script: str, oom_hint: str = OOM_HINT):
             print(f"{script}: {e}", file=sys.stderr, flush=True)
         else:  # torchrun stops all ranks when the first exits: let the node's first rank print first
             time.sleep(5)
-        raise SystemExit(2) from None
+        raise SystemExit(2 if isinstance(e, InputError) else 1) from None
     except Exception as e:
         if type(e).__name__ != "OutOfMemoryError":  # torch's, not imported here
             raise

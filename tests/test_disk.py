@@ -1,0 +1,92 @@
+"""The disk and the checkpoints, as a person meets them (subprocess runs of grpo.py and ppo.py, CPU):
+a disk that fills up during a save, an --output-dir that can't be written, a checkpoint damaged
+without changing its size, a run stopped before its first checkpoint."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_smoke import ROOT, command
+
+SCRIPTS = ["grpo.py", "ppo.py"]
+QUIET = ["--eval-every", "0", "--log-samples-every", "0"]
+
+
+def steps_logged(run_dir) -> list[int]:
+    return [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+# ----------------------------------------------------------------------------------------------
+# A disk that fills up during a save
+
+# Run in a user and mount namespace of its own (unshare -rm: no root needed, and the mount goes when
+# it exits): a tmpfs with room for the first checkpoint and half of the next.
+DISK_FULL = r"""
+set -u
+mount -t tmpfs -o size=64m tmpfs "$DISK"
+"$@" --steps 1 > "$OUT/first.txt" 2>&1 || exit 3
+sums() { (cd "$DISK/r/checkpoints/step_000001" && find . -type f -exec sha256sum {} + | sort); }
+sums > "$OUT/before.sum"
+ckpt=$(du -sk "$DISK/r/checkpoints/step_000001" | cut -f1)
+mount -o remount,size=$(( $(df -k --output=used "$DISK" | tail -1) + ckpt / 2 ))k "$DISK"
+"$@" --steps 3 --resume > "$OUT/full.out" 2> "$OUT/full.err"; echo $? > "$OUT/full.rc"
+sums > "$OUT/after.sum"; ls "$DISK/r/checkpoints" > "$OUT/after.ls"
+mount -o remount,size=64m "$DISK"  # space freed
+"$@" --steps 3 --resume > "$OUT/resumed.txt" 2>&1; echo $? > "$OUT/resumed.rc"
+cp "$DISK/r/metrics.jsonl" "$OUT/"; ls "$DISK/r/checkpoints" > "$OUT/resumed.ls"
+"""
+
+
+def can_mount_a_tmpfs() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not can_mount_a_tmpfs(), reason="needs unshare -rm (a user namespace) to mount a small tmpfs")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(trained_tiny_model_dir, tmp_path, script):
+    """Step 2's save runs out of space: one line naming the folder, what is free and what a checkpoint
+    takes, exit 1; step 1's checkpoint is byte for byte as it was, the unfinished one is gone, and
+    once there is space --resume goes on from step 1."""
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir(), out.mkdir()
+    cmd = command(trained_tiny_model_dir, disk, "--save-every", "1", *QUIET, launcher=[sys.executable], script=script)
+    env = {**os.environ, "DISK": str(disk), "OUT": str(out), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(["unshare", "-rm", "bash", "-c", DISK_FULL, "disk_full", *cmd], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr + (out / "first.txt").read_text()[-3000:]
+    err = (out / "full.err").read_text().strip().splitlines()
+    assert (out / "full.rc").read_text().strip() == "1" and len(err) == 1, err
+    assert err[0].startswith(f"{script}: no space left at {disk}/r/checkpoints while saving step 2 (")
+    assert "MiB free, a checkpoint takes " in err[0] and "the earlier checkpoints are intact (newest: step_000001)" in err[0]
+    assert err[0].endswith("then add --resume") and "Traceback" not in (out / "full.out").read_text()
+    assert (out / "after.sum").read_text() == (out / "before.sum").read_text()  # step 1's files untouched
+    assert (out / "after.ls").read_text().split() == ["step_000001"]  # no step_000002.tmp left
+    resumed = (out / "resumed.txt").read_text()
+    assert (out / "resumed.rc").read_text().strip() == "0" and "step_000001: step 1" in resumed, resumed[-3000:]
+    assert steps_logged(out) == [1, 2, 3] and (out / "resumed.ls").read_text().split() == ["step_000002", "step_000003"]
+
+
+def test_out_of_space_sees_the_errno_through_wrappers_or_a_full_disk(tmp_path):
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from checkpoint import out_of_space
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        try:
+            raise full
+        except OSError as e:
+            raise RuntimeError("unexpected pos 704 vs 598") from e
+    except RuntimeError as e:
+        wrapped = e
+    assert out_of_space(full, str(tmp_path)) and out_of_space(wrapped, str(tmp_path))
+    assert out_of_space(CheckpointException("", {0: (OSError(errno.EDQUOT, "Disk quota exceeded"), None)}), str(tmp_path))
+    assert not out_of_space(RuntimeError("unexpected pos 704 vs 598"), str(tmp_path))  # this disk has room
+    assert not out_of_space(OSError(errno.EACCES, "Permission denied"), str(tmp_path))
