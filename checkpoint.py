@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 
-from preflight import InputError, RunFailed
+from preflight import InputError, RunFailed, check_writable
 
 
 def checkpoint_dir(out_dir: str, step: int) -> str:
@@ -69,7 +69,9 @@ def damage(path: str) -> str | None:
 def checkpoint_to_resume(run_dir: str, resume: bool) -> str | None:
     """With `resume`: the newest checkpoint of run_dir that `damage` finds nothing wrong with. A
     damaged newer one is renamed step_N.damaged (kept, never resumed or rotated away) and named in a
-    line. Without `resume`, run_dir must hold no earlier run: nothing is overwritten silently."""
+    line. Without `resume`, run_dir must hold no earlier run: nothing is overwritten silently. Either
+    way run_dir must be writable (preflight.check_writable): checked here, before anything loads."""
+    check_writable(run_dir)
     if not resume:
         if latest_checkpoint(run_dir) or os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
             raise InputError(f"{run_dir} holds an earlier run: pass --resume to continue it, or a new --run-name")

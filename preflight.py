@@ -15,6 +15,7 @@ import gc
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import contextmanager
@@ -88,6 +89,22 @@ def check_flags(rules: list[tuple[str, object, bool, str]]):
         raise InputError(problems[0])
     if problems:
         raise InputError("bad arguments:\n  " + "\n  ".join(problems))
+
+
+def check_writable(run_dir: str, flag: str = "--output-dir"):
+    """run_dir is a folder this process can write, or one it can create: tried with a folder made and
+    removed in the nearest existing folder on its path (read-only mounts, /proc, permissions)."""
+    near = run_dir
+    while near and not os.path.exists(near):
+        near = os.path.dirname(near.rstrip("/"))
+    near = near or "."
+    if not os.path.isdir(near):
+        raise InputError(f"{flag}: the run's folder {run_dir} can't be made, {near} is a file: pass another {flag}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=near))
+    except OSError as e:
+        raise InputError(f"{flag}: the run's folder {run_dir} can't be written, {near} refuses a new folder "
+                         f"({e.strerror}): pass another {flag}, one this user can write") from None
 
 
 def given_flags(argv: list[str]) -> set[str]:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from test_smoke import ROOT, command
+from test_smoke import ROOT, command, run_grpo
 
 SCRIPTS = ["grpo.py", "ppo.py"]
 QUIET = ["--eval-every", "0", "--log-samples-every", "0"]
@@ -90,3 +90,32 @@ def test_out_of_space_sees_the_errno_through_wrappers_or_a_full_disk(tmp_path):
     assert out_of_space(CheckpointException("", {0: (OSError(errno.EDQUOT, "Disk quota exceeded"), None)}), str(tmp_path))
     assert not out_of_space(RuntimeError("unexpected pos 704 vs 598"), str(tmp_path))  # this disk has room
     assert not out_of_space(OSError(errno.EACCES, "Permission denied"), str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# An --output-dir that can't be written
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("output_dir, near, why", [("README.md/runs", "README.md", "is a file"),
+                                                   ("/proc/runs", "/proc", "refuses a new folder")])
+def test_an_output_dir_that_cant_be_written_stops_before_anything_loads(tiny_model_dir, output_dir, near, why, script):
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    proc = run_grpo(tiny_model_dir, output_dir, "--steps", "1", script=script, expect_ok=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    assert err[0].startswith(f"{script}: --output-dir: the run's folder {output_dir}/r can't be ")
+    assert f"{near} {why}" in err[0] and "pass another --output-dir" in err[0]
+    assert "model " not in proc.stdout  # before the model is even looked at
+    assert open(os.path.join(ROOT, "README.md")).read() == readme and not os.path.exists("/proc/runs")
+
+
+def test_check_writable_makes_nothing_and_names_the_file_in_the_way(tmp_path):
+    from preflight import InputError, check_writable
+
+    check_writable(str(tmp_path / "runs" / "r"))  # to be made later: fine, and nothing is made now
+    check_writable(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "notes").write_text("x")
+    with pytest.raises(InputError, match=f"{tmp_path}/notes is a file: pass another --output-dir"):
+        check_writable(str(tmp_path / "notes" / "runs" / "r"))
