@@ -119,3 +119,35 @@ def test_check_writable_makes_nothing_and_names_the_file_in_the_way(tmp_path):
     (tmp_path / "notes").write_text("x")
     with pytest.raises(InputError, match=f"{tmp_path}/notes is a file: pass another --output-dir"):
         check_writable(str(tmp_path / "notes" / "runs" / "r"))
+
+
+# ----------------------------------------------------------------------------------------------
+# A checkpoint damaged without a change of size
+
+
+def file_bytes(folder) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("script, nproc", [("grpo.py", 1), ("ppo.py", 1), ("grpo.py", 2)])
+def test_a_shard_overwritten_in_place_is_named_moved_aside_and_the_older_checkpoint_taken(trained_tiny_model_dir,
+                                                                                         tmp_path, script, nproc):
+    """200 kB of random bytes in the middle of step 2's shard (of the last rank, which checks it), its
+    size unchanged: --resume names the file, moves the checkpoint aside as it is and goes on from
+    step 1, with no traceback."""
+    from test_failures import overwrite
+
+    args, shard = ["--save-every", "1", "--keep-checkpoints", "0", *QUIET], f"state/__{nproc - 1}_0.distcp"
+    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", *args, script=script, nproc=nproc)
+    ckpts = tmp_path / "r" / "checkpoints"
+    overwrite(ckpts / "step_000002" / shard, 200_000)
+    step1, step2 = file_bytes(ckpts / "step_000001"), file_bytes(ckpts / "step_000002")
+    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--resume", *args, script=script, nproc=nproc)
+    lines = [x for x in proc.stdout.splitlines() if "damaged" in x]
+    assert lines == [f"checkpoint {ckpts / 'step_000002'} is damaged ({shard} changed since the save: bytes "
+                     f"0-{len(step2[shard])} fail their checksum in manifest.json): moved aside to "
+                     f"{ckpts / 'step_000002'}.damaged"], proc.stdout
+    assert f"resumed from {ckpts / 'step_000001'}: step 1" in proc.stdout and "Traceback" not in proc.stderr
+    assert sorted(os.listdir(ckpts)) == ["step_000001", "step_000002", "step_000002.damaged", "step_000003"]
+    assert file_bytes(ckpts / "step_000002.damaged") == step2 and file_bytes(ckpts / "step_000001") == step1
+    assert steps_logged(tmp_path / "r") == [1, 2, 3]

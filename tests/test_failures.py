@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 from test_smoke import metrics, run_grpo
 
 from checkpoint import damage
@@ -71,6 +72,12 @@ def test_damage_names_what_is_wrong(trained_tiny_model_dir, tmp_path):
         "shard_missing": (lambda d: (d / "state" / shard).unlink(), f"state/{shard} is missing"),
         "metadata_missing": (lambda d: (d / "state" / ".metadata").unlink(), "FileNotFoundError"),
         "rng_truncated": (lambda d: (d / "rng_rank0.pt").write_bytes(b"\x80\x02"), "Error"),
+        "shard_overwritten": (lambda d: overwrite(d / "state" / shard, 200_000),
+                              f"state/{shard} changed since the save: bytes 0-"),
+        "model_overwritten": (lambda d: overwrite(d / "model" / "model.safetensors", 1000),
+                              "model/model.safetensors changed since the save: bytes 0-"),
+        "manifest_missing": (lambda d: (d / "manifest.json").unlink(), "FileNotFoundError"),
+        "manifest_garbled": (lambda d: (d / "manifest.json").write_text("{"), "JSONDecodeError"),
     }
     for name, (hurt, expected) in cases.items():
         copy = tmp_path / name
@@ -78,6 +85,35 @@ def test_damage_names_what_is_wrong(trained_tiny_model_dir, tmp_path):
         hurt(copy)
         problem = damage(str(copy))
         assert problem is not None and expected in problem, (name, problem)
+    old = tmp_path / "saved_before_checksums"  # no manifest and no mention of one in trainer.pt: still resumable
+    shutil.copytree(good, old)
+    (old / "manifest.json").unlink()
+    state = torch.load(old / "trainer.pt", weights_only=False)
+    torch.save({k: v for k, v in state.items() if k != "manifest"}, old / "trainer.pt")
+    assert damage(str(old)) is None
+
+
+def overwrite(path, n: int):
+    """n random bytes in the middle of a file, its size unchanged (a bad disk, a stray write)."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek((size - n) // 2)
+        f.write(os.urandom(n))
+    assert path.stat().st_size == size
+
+
+def test_checksums_by_hand(tmp_path):
+    import zlib
+
+    from checkpoint import checksums, owner
+
+    (tmp_path / "f").write_bytes(b"0123456789")
+    (tmp_path / "empty").write_bytes(b"")
+    crc = [f"{zlib.crc32(b):08x}" for b in (b"0123", b"4567", b"89", b"")]
+    assert checksums(str(tmp_path), {"f": 10, "empty": 0}, piece=4) == {"f": crc[:3], "empty": [crc[3]]}
+    assert crc[3] == "00000000" and checksums(str(tmp_path), {"f": 10}, piece=16) == {"f": [f"{zlib.crc32(b'0123456789'):08x}"]}
+    assert [owner(n) for n in ("state/__3_0.distcp", "rng_rank2.pt", "state/.metadata", "model/model.safetensors",
+                               "trainer.pt")] == [3, 2, 0, 0, 0]
 
 
 def test_damaged_newest_checkpoint_falls_back_to_the_older_one(trained_tiny_model_dir, tmp_path):
