@@ -75,12 +75,15 @@ def damage(path: str, rank: int = 0, world_size: int = 1) -> str | None:
 def checkpoint_to_resume(run_dir: str, resume: bool) -> str | None:
     """With `resume`: the newest checkpoint of run_dir that `damage` finds nothing wrong with. A
     damaged newer one is renamed step_N.damaged (kept, never resumed or rotated away) and named in a
-    line. Without `resume`, run_dir must hold no earlier run: nothing is overwritten silently. Either
-    way run_dir must be writable (preflight.check_writable): checked here, before anything loads."""
+    line. A run folder with no checkpoint at all (its run stopped before the first save) starts again
+    from step 0 (None). Without `resume`, run_dir must hold no earlier run: nothing is overwritten
+    silently, and --resume is the one way on. Either way run_dir must be writable: checked here,
+    before anything loads."""
     check_writable(run_dir)
     if not resume:
-        if latest_checkpoint(run_dir) or os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-            raise InputError(f"{run_dir} holds an earlier run: pass --resume to continue it, or a new --run-name")
+        if (path := latest_checkpoint(run_dir)) or os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            how = "continue it" if path else "start it again from step 0 in this folder (it has no checkpoint)"
+            raise InputError(f"{run_dir} holds an earlier run: pass --resume to {how}, or a new --run-name")
         return None
     damaged = []
     while (path := latest_checkpoint(run_dir)) is not None:
@@ -94,8 +97,16 @@ def checkpoint_to_resume(run_dir: str, resume: bool) -> str | None:
             print(f"checkpoint {path} is damaged ({problem}): moved aside to {path}.damaged", flush=True)
         dist.barrier()
         damaged.append(path)
-    raise InputError(f"--resume: {run_dir} has no " + (f"intact checkpoint (damaged: {', '.join(damaged)})" if damaged else
-                     "checkpoint (check --output-dir and --run-name, or drop --resume to start fresh)"))
+    if damaged:
+        raise InputError(f"--resume: {run_dir} has no intact checkpoint (damaged: {', '.join(damaged)}, moved aside): "
+                         f"--resume again starts it from step 0")
+    if not os.path.isdir(run_dir):
+        raise InputError(f"--resume: there is no run at {run_dir} (check --output-dir and --run-name, or drop --resume "
+                         f"to start a new run)")
+    if dist.get_rank() == 0:
+        print(f"--resume: {run_dir} has no checkpoint (its run stopped before the first save): starting it again from "
+              f"step 0", flush=True)
+    return None
 
 
 def save_hf_model(model, tokenizer, path: str, dtype: torch.dtype = torch.bfloat16):

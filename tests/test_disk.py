@@ -4,6 +4,8 @@ without changing its size, a run stopped before its first checkpoint."""
 
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 
@@ -151,3 +153,58 @@ def test_a_shard_overwritten_in_place_is_named_moved_aside_and_the_older_checkpo
     assert sorted(os.listdir(ckpts)) == ["step_000001", "step_000002", "step_000002.damaged", "step_000003"]
     assert file_bytes(ckpts / "step_000002.damaged") == step2 and file_bytes(ckpts / "step_000001") == step1
     assert steps_logged(tmp_path / "r") == [1, 2, 3]
+
+
+# ----------------------------------------------------------------------------------------------
+# Stopped before the first checkpoint
+
+
+def run_printed(line: str, *extra: str) -> subprocess.CompletedProcess:
+    """Run the command a 'stopped by ...; continue from step N with: CMD' line names, as a person would."""
+    cmd = shlex.split(line.split(" with: ", 1)[1])
+    assert cmd[0] == "python"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, *cmd[1:], *extra], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_ctrl_c_saves_the_finished_steps_and_the_line_it_prints_goes_on(trained_tiny_model_dir, tmp_path, script):
+    """Ctrl-C long before the first checkpoint (--save-every 100) saves the finished steps, as SIGTERM
+    does; the last line's command continues from there."""
+    from test_failures import console_lines, start, stop_with, wait_for
+
+    proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--save-every", "100", *QUIET, script=script)
+    wait_for(tmp_path, "step 2 |", proc)
+    assert stop_with(proc, signal.SIGINT) < 30 and proc.returncode == 130
+    last = console_lines(tmp_path)[-1]
+    done = int(last.split("after step ")[1].split(";")[0])
+    assert last.startswith(f"stopped by SIGINT after step {done}; continue from step {done} with: python {script} ")
+    assert last.endswith(" --resume") and os.listdir(tmp_path / "r" / "checkpoints") == [f"step_{done:06d}"]
+    resumed = run_printed(last, "--steps", str(done + 1))
+    assert resumed.returncode == 0 and f"step_{done:06d}: step {done}" in resumed.stdout, resumed.stderr[-3000:]
+    assert steps_logged(tmp_path / "r") == list(range(1, done + 2))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_run_stopped_before_its_first_checkpoint_has_one_way_on(trained_tiny_model_dir, tmp_path, script):
+    """Stopped with nothing saved (--no-save-on-signal): the last line, the plain rerun's refusal and
+    --resume all name the same way on, --resume, which starts the run again from step 0 in its folder."""
+    from test_failures import console_lines, start, stop_with, wait_for
+
+    proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--no-save-on-signal", *QUIET, script=script)
+    wait_for(tmp_path, "step 2 |", proc)
+    assert stop_with(proc, signal.SIGINT) < 30 and proc.returncode == 130
+    last, run_dir = console_lines(tmp_path)[-1], tmp_path / "r"
+    assert " after step " in last and "; continue from step 0 with: " in last and last.endswith(" --resume")
+    assert not (run_dir / "checkpoints").exists()
+    logged = (run_dir / "metrics.jsonl").read_text()
+    plain = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", *QUIET, script=script, expect_ok=False)
+    err = plain.stderr.strip().splitlines()
+    assert plain.returncode == 2 and err == [f"{script}: {run_dir} holds an earlier run: pass --resume to start it again "
+                                             f"from step 0 in this folder (it has no checkpoint), or a new --run-name"]
+    assert (run_dir / "metrics.jsonl").read_text() == logged
+    resumed = run_printed(last, "--steps", "2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (f"--resume: {run_dir} has no checkpoint (its run stopped before the first save): starting it again from "
+            f"step 0") in resumed.stdout
+    assert steps_logged(run_dir) == [1, 2]

@@ -30,7 +30,7 @@ def test_resume_without_a_checkpoint_refuses(tiny_model_dir, tmp_path):
     """A typo in --run-name must not silently start from step 0."""
     proc = run_grpo(tiny_model_dir, tmp_path, "--resume", *QUIET, expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--resume: " in proc.stderr and "has no checkpoint (check --output-dir and --run-name" in proc.stderr
+    assert f"--resume: there is no run at {tmp_path / 'r'} (check --output-dir and --run-name" in proc.stderr
     assert not (tmp_path / "r").exists()
 
 
@@ -38,7 +38,8 @@ def test_a_folder_with_metrics_is_never_wiped(trained_tiny_model_dir, tmp_path):
     run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", "--save-every", "-1", *QUIET)
     before = (tmp_path / "r" / "metrics.jsonl").read_text()
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", *QUIET, expect_ok=False)
-    assert proc.returncode == 2 and "holds an earlier run: pass --resume to continue it, or a new --run-name" in proc.stderr
+    assert proc.returncode == 2 and ("holds an earlier run: pass --resume to start it again from step 0 in this folder "
+                                     "(it has no checkpoint), or a new --run-name") in proc.stderr
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
 
 
@@ -134,6 +135,7 @@ def test_every_checkpoint_damaged_refuses_naming_them(trained_tiny_model_dir, tm
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--resume", *QUIET, expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "has no intact checkpoint (damaged: " in proc.stderr and "step_000001" in proc.stderr
+    assert proc.stderr.strip().endswith("moved aside): --resume again starts it from step 0")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,7 +229,7 @@ def console_lines(out_dir) -> list[str]:
 @pytest.mark.parametrize("when", ["start-up", "step 1 |", "step 2 |"])
 def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp_path, script, when):
     """SIGINT during start-up or anywhere in a step: out in seconds, exit code 130, a last line
-    that says so; no checkpoint is written for Ctrl-C, and no traceback."""
+    that says so, and no traceback; the finished steps are saved (none during start-up)."""
     proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "3", script=script)
     wait_for(tmp_path, "model " if when == "start-up" else when, proc)
     seconds = stop_with(proc, signal.SIGINT)
@@ -236,9 +238,11 @@ def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp
     assert not any("Traceback" in x for x in lines)
     if when == "start-up":
         assert lines[-1] in (f"{script}: stopped by SIGINT during start-up",) or lines[-1].startswith("stopped by SIGINT after step 0")
+        assert not (tmp_path / "r" / "checkpoints").exists()
     else:
-        assert lines[-1].startswith("stopped by SIGINT after step ") and "no checkpoint yet" in lines[-1]
-    assert not (tmp_path / "r" / "checkpoints").exists() or not os.listdir(tmp_path / "r" / "checkpoints")
+        done = int(lines[-1].split("after step ")[1].split(";")[0])
+        assert lines[-1].startswith(f"stopped by SIGINT after step {done}; continue from step {done} with: ")
+        assert os.listdir(tmp_path / "r" / "checkpoints") == [f"step_{done:06d}"]
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
