@@ -139,14 +139,10 @@ def save_checkpoint(out_dir: str, step: int, stateful: dict, hf_models: dict, to
     try:
         write_checkpoint(tmp, stateful, hf_models, tokenizer, state)
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-        if not out_of_space(e, os.path.dirname(tmp)):
+        if not out_of_space(e, out_dir):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        newest = latest_checkpoint(out_dir)
-        size = f", a checkpoint takes {gib(folder_bytes(newest))}" if newest else ""
-        raise RunFailed(f"no space left at {os.path.dirname(tmp)} while saving step {step} ({gib(shutil.disk_usage(out_dir).free)} "
-                        f"free{size}); the earlier checkpoints are intact (" + (f"newest: {os.path.basename(newest)}"
-                        if newest else "none yet") + "): free some space or lower --keep-checkpoints, then add --resume") from None
+        raise RunFailed(no_space_line(out_dir, step)) from None
     if rank == 0:
         if os.path.exists(final):  # the same step saved again (e.g. the final save): replace it
             shutil.rmtree(final)
@@ -198,8 +194,15 @@ def out_of_space(error: BaseException, folder: str) -> bool:
     return shutil.disk_usage(folder).free < 2**20
 
 
-def folder_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+def no_space_line(out_dir: str, step: int) -> str:
+    """What a save that ran out of space says (its unfinished folder removed): where, what is free, what
+    a checkpoint takes, what is intact, what to do."""
+    folder, newest = os.path.join(out_dir, "checkpoints"), latest_checkpoint(out_dir)
+    takes = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(newest) for f in files) if newest else 0
+    intact = f"the earlier checkpoints are intact (newest: {os.path.basename(newest)})" if newest else "no earlier checkpoint"
+    return (f"no space left at {folder} while saving step {step} ({gib(shutil.disk_usage(out_dir).free)} free"
+            + (f", a checkpoint takes {gib(takes)}" if newest else "") + f"); {intact}: free some space or lower "
+            "--keep-checkpoints, then add --resume")
 
 
 def gib(n: int) -> str:

@@ -94,6 +94,20 @@ def test_out_of_space_sees_the_errno_through_wrappers_or_a_full_disk(tmp_path):
     assert not out_of_space(OSError(errno.EACCES, "Permission denied"), str(tmp_path))
 
 
+def test_no_space_line_says_where_what_is_free_what_a_checkpoint_takes(tmp_path):
+    from checkpoint import gib, no_space_line
+
+    line = no_space_line(str(tmp_path), 3)
+    assert line.startswith(f"no space left at {tmp_path}/checkpoints while saving step 3 (") and " free); no earlier" in line
+    step = tmp_path / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "trainer.pt").write_bytes(b"x" * 3 * 2**20)
+    assert no_space_line(str(tmp_path), 3).endswith(
+        " free, a checkpoint takes 3.0 MiB); the earlier checkpoints are intact (newest: step_000002): free some space "
+        "or lower --keep-checkpoints, then add --resume")
+    assert (gib(3 * 2**30), gib(2**19)) == ("3.0 GiB", "0.5 MiB")
+
+
 # ----------------------------------------------------------------------------------------------
 # An --output-dir that can't be written
 
