@@ -604,7 +604,7 @@ def main(args: Args):
         if args.save_on_signal and args.save_every >= 0 and done > last_saved:
             save(done, sampler_state, kl_coef)
         launcher = f"torchrun --nproc_per_node={world_size}" if "RANK" in os.environ else "python"
-        again = f"{launcher} {' '.join(sys.argv)}{'' if args.resume else ' --resume'}"  # step 0: no checkpoint (checkpoint.py)
+        again = f"{launcher} {' '.join(sys.argv)}{'' if args.resume else ' --resume'}"  # no checkpoint: from step 0 (checkpoint_to_resume)
         mem.close()
         log.finish()  # curves.png too
         print0(f"stopped by {signal.Signals(signum).name} after step {done}; continue from step {last_saved} with: {again}")

@@ -43,8 +43,7 @@ OOM_HINT = ("lower --micro-batch-size (one micro-batch's log-probs take micro-ba
 @contextmanager
 def friendly_errors(script: str, oom_hint: str = OOM_HINT):
     """Run a script's main: an InputError prints '<script>: <message>' on each node's first rank and exits 2
-    (a RunFailed: 1);
-    a CUDA out-of-memory error keeps its traceback and adds a line on which flags lower the memory."""
+    (a RunFailed: 1); a CUDA out-of-memory error keeps its traceback and adds a line on which flags lower the memory."""
     try:
         yield
         # main's reference cycles freed now, not at interpreter exit, where a gloo process group's work held by
