@@ -11,25 +11,30 @@ Layout of one checkpoint, `out_dir/checkpoints/step_000100/`:
     state/          fp32 weights + optimizer state, sharded (torch.distributed.checkpoint): for resume
     trainer.pt      step, data position, LR schedule, anything the script adds
     rng_rank{r}.pt  each rank's RNG states
+    manifest.json   every file above with its size and a CRC-32 of each 256 MiB piece: --resume checks them
 
 Everything is written under `step_000100.tmp/` and renamed when complete, so a kill mid-save
 leaves the previous checkpoints untouched and the half-written one is never picked for resume.
 """
 
+import errno
 import glob
 import json
 import os
 import random
 import re
 import shutil
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 
-from preflight import InputError
+from preflight import InputError, RunFailed, check_writable
 
 
 def checkpoint_dir(out_dir: str, step: int) -> str:
@@ -43,9 +48,10 @@ def latest_checkpoint(out_dir: str) -> str | None:
     return max(done, key=lambda p: int(p.rsplit("_", 1)[1])) if done else None
 
 
-def damage(path: str) -> str | None:
+def damage(path: str, rank: int = 0, world_size: int = 1) -> str | None:
     """What makes a complete-looking checkpoint unreadable, or None: trainer.pt and every rank's RNG
-    file load, and every shard file that the DCP metadata names is there and long enough."""
+    file load, every shard file that the DCP metadata names is there and long enough, and the files
+    of this rank's share (`owner`) have the size and checksums of manifest.json."""
     try:
         state = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
         for r in range(state.get("world_size", 1)):
@@ -59,6 +65,8 @@ def damage(path: str) -> str | None:
             have = os.path.getsize(file) if os.path.exists(file) else -1
             if have < size:
                 return f"state/{name} is " + ("missing" if have < 0 else f"{have} bytes, expected {size}")
+        if state.get("manifest"):  # checkpoints saved before there were checksums have none
+            return changed_file(path, rank, world_size)
     except Exception as e:  # noqa: BLE001 -- any unreadable file means the same: not resumable
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return None
@@ -67,24 +75,38 @@ def damage(path: str) -> str | None:
 def checkpoint_to_resume(run_dir: str, resume: bool) -> str | None:
     """With `resume`: the newest checkpoint of run_dir that `damage` finds nothing wrong with. A
     damaged newer one is renamed step_N.damaged (kept, never resumed or rotated away) and named in a
-    line. Without `resume`, run_dir must hold no earlier run: nothing is overwritten silently."""
+    line. A run folder with no checkpoint at all (its run stopped before the first save) starts again
+    from step 0 (None). Without `resume`, run_dir must hold no earlier run: nothing is overwritten
+    silently, and --resume is the one way on. Either way run_dir must be writable: checked here,
+    before anything loads."""
+    check_writable(run_dir)
     if not resume:
-        if latest_checkpoint(run_dir) or os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-            raise InputError(f"{run_dir} holds an earlier run: pass --resume to continue it, or a new --run-name")
+        if (path := latest_checkpoint(run_dir)) or os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            how = "continue it" if path else "start it again from step 0 in this folder (it has no checkpoint)"
+            raise InputError(f"{run_dir} holds an earlier run: pass --resume to {how}, or a new --run-name")
         return None
     damaged = []
     while (path := latest_checkpoint(run_dir)) is not None:
-        problem = damage(path)
+        problems = [None] * dist.get_world_size()  # each rank reads the files it wrote: all read it before it moves
+        dist.all_gather_object(problems, damage(path, dist.get_rank(), dist.get_world_size()))
+        problem = next((p for p in problems if p), None)
         if problem is None:
             return path
-        dist.barrier()  # every rank has read it before rank 0 moves it
         if dist.get_rank() == 0:
             os.rename(path, path + ".damaged")
             print(f"checkpoint {path} is damaged ({problem}): moved aside to {path}.damaged", flush=True)
         dist.barrier()
         damaged.append(path)
-    raise InputError(f"--resume: {run_dir} has no " + (f"intact checkpoint (damaged: {', '.join(damaged)})" if damaged else
-                     "checkpoint (check --output-dir and --run-name, or drop --resume to start fresh)"))
+    if damaged:
+        raise InputError(f"--resume: {run_dir} has no intact checkpoint (damaged: {', '.join(damaged)}, moved aside): "
+                         f"--resume again starts it from step 0")
+    if not os.path.isdir(run_dir):
+        raise InputError(f"--resume: there is no run at {run_dir} (check --output-dir and --run-name, or drop --resume "
+                         f"to start a new run)")
+    if dist.get_rank() == 0:
+        print(f"--resume: {run_dir} has no checkpoint (its run stopped before the first save): starting it again from "
+              f"step 0", flush=True)
+    return None
 
 
 def save_hf_model(model, tokenizer, path: str, dtype: torch.dtype = torch.bfloat16):
@@ -109,10 +131,33 @@ def save_checkpoint(out_dir: str, step: int, stateful: dict, hf_models: dict, to
 
     stateful: {name: (model, optimizer)}, the FSDP2 models and optimizers to resume.
     hf_models: {folder: model} exported as Hugging Face folders ({"model": policy}). state: small
-    picklable things for trainer.pt (rank 0's copy is saved).
+    picklable things for trainer.pt (rank 0's copy is saved). A disk that fills up ends the run in a
+    line (RunFailed): the unfinished folder is removed, the earlier checkpoints are untouched.
     """
     rank, final = dist.get_rank(), checkpoint_dir(out_dir, step)
     tmp = final + ".tmp"
+    try:
+        write_checkpoint(tmp, stateful, hf_models, tokenizer, state)
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        if not out_of_space(e, out_dir):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RunFailed(no_space_line(out_dir, step)) from None
+    if rank == 0:
+        if os.path.exists(final):  # the same step saved again (e.g. the final save): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)  # atomic: the checkpoint exists completely or not at all
+        if keep > 0:
+            steps = sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_*[0-9]")))
+            for old in steps[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def write_checkpoint(tmp: str, stateful: dict, hf_models: dict, tokenizer, state: dict):
+    """Everything of save_checkpoint but the rename, into the folder `tmp`."""
+    rank = dist.get_rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
         os.makedirs(tmp)
@@ -133,16 +178,104 @@ def save_checkpoint(out_dir: str, step: int, stateful: dict, hf_models: dict, to
         raise InputError(f"{tmp} lacks the files of ranks {missing}: --output-dir must be one folder all nodes share (NFS, Lustre)")
     dist.barrier()  # every rank has looked before rank 0 renames the folder
     if rank == 0:
-        torch.save({**state, "world_size": dist.get_world_size()}, os.path.join(tmp, "trainer.pt"))
-        if os.path.exists(final):  # the same step saved again (e.g. the final save): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)  # atomic: the checkpoint exists completely or not at all
-        if keep > 0:
-            steps = sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_*[0-9]")))
-            for old in steps[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+        torch.save({**state, "world_size": dist.get_world_size(), "manifest": MANIFEST}, os.path.join(tmp, "trainer.pt"))
+    write_manifest(tmp)
+
+
+def out_of_space(error: BaseException, folder: str) -> bool:
+    """Did a write fail for want of space? torch.save's zip writer loses the errno ('unexpected pos 704
+    vs 598', inside DCP's CheckpointException), so a disk with less than 1 MiB left counts as full too."""
+    errors = [error, *(failure[0] for failure in getattr(error, "failures", {}).values())]  # DCP's: each rank's
+    while errors:
+        e = errors.pop()
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        errors += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return shutil.disk_usage(folder).free < 2**20
+
+
+def no_space_line(out_dir: str, step: int) -> str:
+    """What a save that ran out of space says (its unfinished folder removed): where, what is free, what
+    a checkpoint takes, what is intact, what to do."""
+    folder, newest = os.path.join(out_dir, "checkpoints"), latest_checkpoint(out_dir)
+    takes = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(newest) for f in files) if newest else 0
+    intact = f"the earlier checkpoints are intact (newest: {os.path.basename(newest)})" if newest else "no earlier checkpoint"
+    return (f"no space left at {folder} while saving step {step} ({gib(shutil.disk_usage(out_dir).free)} free"
+            + (f", a checkpoint takes {gib(takes)}" if newest else "") + f"); {intact}: free some space or lower "
+            "--keep-checkpoints, then add --resume")
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+# ----------------------------------------------------------------------------------------------
+# Checksums. CRC-32, not a cryptographic hash: it is there to find accidental damage (a bad disk, a
+# copy cut short or padded, a stray write), and it is 2-4x faster than sha256 (bench/results/
+# checkpoint_checksum_cpu.json). The files are read back after the save, mostly from the page cache
+# it has just filled: DCP and safetensors write through writers of their own.
+
+MANIFEST, PIECE = "manifest.json", 256 << 20  # a checksum per 256 MiB, so one 20 GB shard keeps every core busy
+
+
+def owner(name: str) -> int:
+    """The rank that wrote checkpoint file `name` checksums it: each rank its own DCP shards
+    (state/__{rank}_{i}.distcp, DCP's names) and RNG file, rank 0 the rest."""
+    m = re.fullmatch(r"state/__(\d+)_\d+\.distcp|rng_rank(\d+)\.pt", name)
+    return int(m.group(1) or m.group(2)) if m else 0
+
+
+def checksums(folder: str, sizes: dict[str, int], piece: int = PIECE) -> dict[str, list[str]]:
+    """{name: [CRC-32 of each `piece` bytes]} for the files of `sizes` ({name: bytes}) in `folder`,
+    pieces read in threads (zlib.crc32 releases the GIL), the node's cores shared by its ranks."""
+    jobs = [(name, start) for name, size in sizes.items() for start in range(0, max(size, 1), piece)]
+    threads = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
+    with ThreadPoolExecutor(threads) as pool:
+        crcs = list(pool.map(lambda job: piece_crc(os.path.join(folder, job[0]), job[1], piece), jobs))
+    out = {name: [] for name in sizes}
+    for (name, _), crc in zip(jobs, crcs):
+        out[name].append(crc)
+    return out
+
+
+def piece_crc(path: str, start: int, length: int) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        f.seek(start)
+        while length > 0 and (block := f.read(min(length, 16 << 20))):
+            crc, length = zlib.crc32(block, crc), length - len(block)
+    return f"{crc:08x}"
+
+
+def write_manifest(tmp: str):
+    """A collective: each rank checksums the files it wrote, rank 0 writes them all to manifest.json."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    names = sorted(os.path.relpath(os.path.join(d, f), tmp) for d, _, files in os.walk(tmp) for f in files)
+    sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in names if owner(name) == rank}
+    mine = {name: {"bytes": sizes[name], "crc32": crcs} for name, crcs in checksums(tmp, sizes).items()}
+    every = [None] * world_size
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump({"piece_bytes": PIECE, "files": dict(sorted(kv for files in every for kv in files.items()))}, f, indent=1)
+
+
+def changed_file(path: str, rank: int = 0, world_size: int = 1) -> str | None:
+    """The first file of this rank's share that is not as manifest.json says (missing, its size, the
+    checksum of a piece), or None."""
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    files, piece = {n: v for n, v in manifest["files"].items() if owner(n) % world_size == rank}, manifest["piece_bytes"]
+    for name, saved in files.items():
+        have = os.path.getsize(os.path.join(path, name)) if os.path.exists(os.path.join(path, name)) else -1
+        if have != saved["bytes"]:
+            return f"{name} is " + ("missing" if have < 0 else f"{have} bytes, saved as {saved['bytes']}")
+    now = checksums(path, {name: saved["bytes"] for name, saved in files.items()}, piece)
+    for name, saved in files.items():
+        if bad := [i for i, (crc, was) in enumerate(zip(now[name], saved["crc32"])) if crc != was]:
+            return (f"{name} changed since the save: bytes {bad[0] * piece}-{min(bad[0] * piece + piece, saved['bytes'])} "
+                    f"fail their checksum in {MANIFEST}")
+    return None
 
 
 def load_checkpoint(path: str, stateful: dict) -> dict:

@@ -235,8 +235,8 @@ class Args:
     """checkpoint every this many steps (0: only at the end; -1: never, for benchmarks)"""
     keep_checkpoints: int = 2
     """newest checkpoints kept (0: all)"""
-    save_on_sigterm: bool = True
-    """on SIGTERM (preemption: Slurm, Kubernetes, torchrun), save the finished steps before exiting"""
+    save_on_signal: bool = True
+    """on Ctrl-C or SIGTERM (preemption: Slurm, Kubernetes, torchrun), save the finished steps before exiting"""
     max_nonfinite_steps: int = 3
     """stop after this many steps in a row that skipped updates for a NaN/inf loss or gradient (a NaN reward scores 0)"""
     dist_timeout_minutes: float = 30.0
@@ -604,17 +604,16 @@ def main(args: Args):
 
     def stop_now(signum: int, done: int, sampler_state: dict):
         """Every rank, after agreeing on a signal: engine down, training state back on the GPU, a
-        checkpoint if SIGTERM (preemption) left finished steps unsaved, then exit 128 + signum."""
+        checkpoint of the finished steps not yet saved (Ctrl-C, preemption), then exit 128 + signum."""
         stop_engine(engine, watch)
         sleep(None, device=device, **phases)  # offloaded training state back
-        if signum == signal.SIGTERM and args.save_on_sigterm and args.save_every >= 0 and done > last_saved:
+        if args.save_on_signal and args.save_every >= 0 and done > last_saved:
             save(done, sampler_state, kl_coef)
         launcher = f"torchrun --nproc_per_node={world_size}" if "RANK" in os.environ else "python"
-        resume = (f"continue with: {launcher} {' '.join(sys.argv)}{'' if args.resume else ' --resume'}" if last_saved else
-                  f"no checkpoint yet: start again with a new --run-name or after deleting {run_dir}")
+        again = f"{launcher} {' '.join(sys.argv)}{'' if args.resume else ' --resume'}"  # no checkpoint: from step 0 (checkpoint_to_resume)
         mem.close()
         log.finish()  # curves.png too
-        print0(f"stopped by {signal.Signals(signum).name} after step {done}; {resume}")
+        print0(f"stopped by {signal.Signals(signum).name} after step {done}; continue from step {last_saved} with: {again}")
         dist.destroy_process_group()
         raise SystemExit(128 + signum)
 

@@ -7,7 +7,7 @@
     tokenizer, context = check_model("Qwen/Qwen2.5-0.5B-Instruct")      # before SGLang starts
 
 An InputError is bad input a person can fix: it prints its message, no traceback, and exits with
-code 2. RL_DEBUG=1 shows the traceback as well.
+code 2; a RunFailed (a full disk) does the same with code 1. RL_DEBUG=1 shows the traceback as well.
 """
 
 import dataclasses
@@ -15,6 +15,7 @@ import gc
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import contextmanager
@@ -23,6 +24,10 @@ from contextlib import contextmanager
 class InputError(ValueError):
     """Bad input (a flag, a file, a model folder), or a run that can't usefully go on: the message
     names the input and the fix."""
+
+
+class RunFailed(RuntimeError):
+    """The run can't go on, and not for bad input (a full disk): the message says what happened and what to do."""
 
 
 class Interrupted(BaseException):
@@ -37,8 +42,8 @@ OOM_HINT = ("lower --micro-batch-size (one micro-batch's log-probs take micro-ba
 
 @contextmanager
 def friendly_errors(script: str, oom_hint: str = OOM_HINT):
-    """Run a script's main: an InputError prints '<script>: <message>' on each node's first rank and exits 2;
-    a CUDA out-of-memory error keeps its traceback and adds a line on which flags lower the memory."""
+    """Run a script's main: an InputError prints '<script>: <message>' on each node's first rank and exits 2
+    (a RunFailed: 1); a CUDA out-of-memory error keeps its traceback and adds a line on which flags lower the memory."""
     try:
         yield
         # main's reference cycles freed now, not at interpreter exit, where a gloo process group's work held by
@@ -49,7 +54,7 @@ def friendly_errors(script: str, oom_hint: str = OOM_HINT):
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"{script}: stopped by {signal.Signals(e.args[0]).name} during start-up", file=sys.stderr, flush=True)
         raise SystemExit(128 + e.args[0]) from None
-    except InputError as e:
+    except (InputError, RunFailed) as e:
         if os.environ.get("RL_DEBUG"):
             raise
         leave_process_group()
@@ -57,7 +62,7 @@ def friendly_errors(script: str, oom_hint: str = OOM_HINT):
             print(f"{script}: {e}", file=sys.stderr, flush=True)
         else:  # torchrun stops all ranks when the first exits: let the node's first rank print first
             time.sleep(5)
-        raise SystemExit(2) from None
+        raise SystemExit(2 if isinstance(e, InputError) else 1) from None
     except Exception as e:
         if type(e).__name__ != "OutOfMemoryError":  # torch's, not imported here
             raise
@@ -83,6 +88,22 @@ def check_flags(rules: list[tuple[str, object, bool, str]]):
         raise InputError(problems[0])
     if problems:
         raise InputError("bad arguments:\n  " + "\n  ".join(problems))
+
+
+def check_writable(run_dir: str, flag: str = "--output-dir"):
+    """run_dir is a folder this process can write, or one it can create: tried with a folder made and
+    removed in the nearest existing folder on its path (read-only mounts, /proc, permissions)."""
+    near = run_dir
+    while near and not os.path.exists(near):
+        near = os.path.dirname(near.rstrip("/"))
+    near = near or "."
+    if not os.path.isdir(near):
+        raise InputError(f"{flag}: the run's folder {run_dir} can't be made, {near} is a file: pass another {flag}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=near))
+    except OSError as e:
+        raise InputError(f"{flag}: the run's folder {run_dir} can't be written, {near} refuses a new folder "
+                         f"({e.strerror}): pass another {flag}, one this user can write") from None
 
 
 def given_flags(argv: list[str]) -> set[str]:

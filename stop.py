@@ -5,7 +5,7 @@
     with interruptible():              # a wait on the engine (generation) is cut short by a signal
         outputs = engine.generate(...)
     if (signum := agreed_signal()):    # every rank, at the same places: did any rank get a signal?
-        ...save if SIGTERM, shut the engine down, exit 128 + signum
+        ...save the finished steps, shut the engine down, exit 128 + signum
     watch = EngineWatch(engine, phase=lambda: mem.current)   # an engine that fails ends the run, naming the phase
     stop_engine(engine, watch)         # on purpose (also at exit, whatever way the trainer exits)
     nonfinite = NonFinite(limit=3)     # K steps in a row with a NaN/inf loss or gradient: stop, naming the likely causes
@@ -47,10 +47,10 @@ def _on_signal(signum, frame):
     first = not _state["signum"]
     if first:
         _state["first_at"] = time.time()
-    _state["signum"] = max(_state["signum"], signum)  # SIGTERM after SIGINT (torchrun forwarding): save too
+    _state["signum"] = max(_state["signum"], signum)  # SIGTERM after SIGINT (torchrun forwarding) wins
     if first and os.environ.get("RANK", "0") == "0":
         when = "now" if _state["interruptible"] else "at the next safe point"
-        os.write(2, f"\n{signal.Signals(signum).name} received: stopping {when} (Ctrl-C again to exit at once)\n".encode())
+        os.write(2, f"\n{signal.Signals(signum).name} received: stopping {when} (Ctrl-C again to exit at once, unsaved)\n".encode())
     if _state["interruptible"]:
         raise Interrupted(signum)
 

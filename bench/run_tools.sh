@@ -3,7 +3,7 @@
 # after the other on the same GPU and engine settings (bench/results/tools_*). RUNS picks the runs (default
 # "tools_calculator tools_none"; tools_python: the python tool, its programs in the bubblewrap jail). A run continues from its last
 # checkpoint when started again, so a 100-step pair can span calls of the GPU machine: with DEADLINE (a
-# Unix time) a run gets SIGTERM in time to save a checkpoint (grpo.py's --save-on-sigterm) and exit.
+# Unix time) a run gets SIGTERM in time to save a checkpoint (grpo.py's --save-on-signal) and exit.
 # On the GPU machine: source bench/gpu_env.sh && DEADLINE=$(( $(date +%s) + 560 )) bash bench/run_tools.sh [STEPS] [OUTDIR]
 STEPS=${1:-100}; OUTDIR=${2:-runs}
 common=(--model "$SMOLLM2" --dataset multiplication --steps "$STEPS" --prompts-per-step 32 --group-size 8
@@ -12,7 +12,7 @@ common=(--model "$SMOLLM2" --dataset multiplication --steps "$STEPS" --prompts-p
 mkdir -p "$OUTDIR"
 for run in ${RUNS:-tools_calculator tools_none}; do
   [ -d "$OUTDIR/$run/checkpoints/step_$(printf %06d "$STEPS")" ] && continue  # done
-  resume=(); [ -d "$OUTDIR/$run/checkpoints" ] && resume=(--resume)
+  resume=(); [ -d "$OUTDIR/$run" ] && resume=(--resume)  # stopped before its first checkpoint: from step 0
   extra=(); [ "$run" != tools_none ] && extra=(--tools "${run#tools_}" --max-turns 3 --max-prompt-len 1024 --micro-batch-size 32)
   limit=()
   if [ -n "$DEADLINE" ]; then

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 from test_smoke import metrics, run_grpo
 
 from checkpoint import damage
@@ -30,7 +31,7 @@ def test_resume_without_a_checkpoint_refuses(tiny_model_dir, tmp_path):
     """A typo in --run-name must not silently start from step 0."""
     proc = run_grpo(tiny_model_dir, tmp_path, "--resume", *QUIET, expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--resume: " in proc.stderr and "has no checkpoint (check --output-dir and --run-name" in proc.stderr
+    assert f"--resume: there is no run at {tmp_path / 'r'} (check --output-dir and --run-name" in proc.stderr
     assert not (tmp_path / "r").exists()
 
 
@@ -38,7 +39,8 @@ def test_a_folder_with_metrics_is_never_wiped(trained_tiny_model_dir, tmp_path):
     run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", "--save-every", "-1", *QUIET)
     before = (tmp_path / "r" / "metrics.jsonl").read_text()
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", *QUIET, expect_ok=False)
-    assert proc.returncode == 2 and "holds an earlier run: pass --resume to continue it, or a new --run-name" in proc.stderr
+    assert proc.returncode == 2 and ("holds an earlier run: pass --resume to start it again from step 0 in this folder "
+                                     "(it has no checkpoint), or a new --run-name") in proc.stderr
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
 
 
@@ -72,6 +74,12 @@ def test_damage_names_what_is_wrong(trained_tiny_model_dir, tmp_path):
         "shard_missing": (lambda d: (d / "state" / shard).unlink(), f"state/{shard} is missing"),
         "metadata_missing": (lambda d: (d / "state" / ".metadata").unlink(), "FileNotFoundError"),
         "rng_truncated": (lambda d: (d / "rng_rank0.pt").write_bytes(b"\x80\x02"), "Error"),
+        "shard_overwritten": (lambda d: overwrite(d / "state" / shard, 200_000),
+                              f"state/{shard} changed since the save: bytes 0-"),
+        "model_overwritten": (lambda d: overwrite(d / "model" / "model.safetensors", 1000),
+                              "model/model.safetensors changed since the save: bytes 0-"),
+        "manifest_missing": (lambda d: (d / "manifest.json").unlink(), "FileNotFoundError"),
+        "manifest_garbled": (lambda d: (d / "manifest.json").write_text("{"), "JSONDecodeError"),
     }
     for name, (hurt, expected) in cases.items():
         copy = tmp_path / name
@@ -79,6 +87,35 @@ def test_damage_names_what_is_wrong(trained_tiny_model_dir, tmp_path):
         hurt(copy)
         problem = damage(str(copy))
         assert problem is not None and expected in problem, (name, problem)
+    old = tmp_path / "saved_before_checksums"  # no manifest and no mention of one in trainer.pt: still resumable
+    shutil.copytree(good, old)
+    (old / "manifest.json").unlink()
+    state = torch.load(old / "trainer.pt", weights_only=False)
+    torch.save({k: v for k, v in state.items() if k != "manifest"}, old / "trainer.pt")
+    assert damage(str(old)) is None
+
+
+def overwrite(path, n: int):
+    """n random bytes in the middle of a file, its size unchanged (a bad disk, a stray write)."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek((size - n) // 2)
+        f.write(os.urandom(n))
+    assert path.stat().st_size == size
+
+
+def test_checksums_by_hand(tmp_path):
+    import zlib
+
+    from checkpoint import checksums, owner
+
+    (tmp_path / "f").write_bytes(b"0123456789")
+    (tmp_path / "empty").write_bytes(b"")
+    crc = [f"{zlib.crc32(b):08x}" for b in (b"0123", b"4567", b"89", b"")]
+    assert checksums(str(tmp_path), {"f": 10, "empty": 0}, piece=4) == {"f": crc[:3], "empty": [crc[3]]}
+    assert crc[3] == "00000000" and checksums(str(tmp_path), {"f": 10}, piece=16) == {"f": [f"{zlib.crc32(b'0123456789'):08x}"]}
+    assert [owner(n) for n in ("state/__3_0.distcp", "rng_rank2.pt", "state/.metadata", "model/model.safetensors",
+                               "trainer.pt")] == [3, 2, 0, 0, 0]
 
 
 def test_damaged_newest_checkpoint_falls_back_to_the_older_one(trained_tiny_model_dir, tmp_path):
@@ -99,6 +136,7 @@ def test_every_checkpoint_damaged_refuses_naming_them(trained_tiny_model_dir, tm
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--resume", *QUIET, expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "has no intact checkpoint (damaged: " in proc.stderr and "step_000001" in proc.stderr
+    assert proc.stderr.strip().endswith("moved aside): --resume again starts it from step 0")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,7 +232,7 @@ def console_lines(out_dir) -> list[str]:
 @pytest.mark.parametrize("when", ["start-up", "step 1 |", "step 2 |"])
 def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp_path, script, when):
     """SIGINT during start-up or anywhere in a step: out in seconds, exit code 130, a last line
-    that says so; no checkpoint is written for Ctrl-C, and no traceback."""
+    that says so, and no traceback; the finished steps are saved (none during start-up)."""
     proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "3", script=script)
     wait_for(tmp_path, "model " if when == "start-up" else when, proc)
     seconds = stop_with(proc, signal.SIGINT)
@@ -203,9 +241,11 @@ def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp
     assert not any("Traceback" in x for x in lines)
     if when == "start-up":
         assert lines[-1] in (f"{script}: stopped by SIGINT during start-up",) or lines[-1].startswith("stopped by SIGINT after step 0")
+        assert not (tmp_path / "r" / "checkpoints").exists()
     else:
-        assert lines[-1].startswith("stopped by SIGINT after step ") and "no checkpoint yet" in lines[-1]
-    assert not (tmp_path / "r" / "checkpoints").exists() or not os.listdir(tmp_path / "r" / "checkpoints")
+        done = int(lines[-1].split("after step ")[1].split(";")[0])
+        assert lines[-1].startswith(f"stopped by SIGINT after step {done}; continue from step {done} with: ")
+        assert os.listdir(tmp_path / "r" / "checkpoints") == [f"step_{done:06d}"]
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])

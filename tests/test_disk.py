@@ -1,0 +1,224 @@
+"""The disk and the checkpoints, as a person meets them (subprocess runs of grpo.py and ppo.py, CPU):
+a disk that fills up during a save, an --output-dir that can't be written, a checkpoint damaged
+without changing its size, a run stopped before its first checkpoint."""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+
+import pytest
+from test_smoke import ROOT, command, run_grpo
+
+SCRIPTS = ["grpo.py", "ppo.py"]
+QUIET = ["--eval-every", "0", "--log-samples-every", "0"]
+
+
+def steps_logged(run_dir) -> list[int]:
+    return [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+# ----------------------------------------------------------------------------------------------
+# A disk that fills up during a save
+
+# Run in a user and mount namespace of its own (unshare -rm: no root needed, and the mount goes when
+# it exits): a tmpfs with room for the first checkpoint and half of the next.
+DISK_FULL = r"""
+set -u
+mount -t tmpfs -o size=64m tmpfs "$DISK"
+"$@" --steps 1 > "$OUT/first.txt" 2>&1 || exit 3
+sums() { (cd "$DISK/r/checkpoints/step_000001" && find . -type f -exec sha256sum {} + | sort); }
+sums > "$OUT/before.sum"
+ckpt=$(du -sk "$DISK/r/checkpoints/step_000001" | cut -f1)
+mount -o remount,size=$(( $(df -k --output=used "$DISK" | tail -1) + ckpt / 2 ))k "$DISK"
+"$@" --steps 3 --resume > "$OUT/full.out" 2> "$OUT/full.err"; echo $? > "$OUT/full.rc"
+sums > "$OUT/after.sum"; ls "$DISK/r/checkpoints" > "$OUT/after.ls"
+mount -o remount,size=64m "$DISK"  # space freed
+"$@" --steps 3 --resume > "$OUT/resumed.txt" 2>&1; echo $? > "$OUT/resumed.rc"
+cp "$DISK/r/metrics.jsonl" "$OUT/"; ls "$DISK/r/checkpoints" > "$OUT/resumed.ls"
+"""
+
+
+def can_mount_a_tmpfs() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not can_mount_a_tmpfs(), reason="needs unshare -rm (a user namespace) to mount a small tmpfs")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(trained_tiny_model_dir, tmp_path, script):
+    """Step 2's save runs out of space: one line naming the folder, what is free and what a checkpoint
+    takes, exit 1; step 1's checkpoint is byte for byte as it was, the unfinished one is gone, and
+    once there is space --resume goes on from step 1."""
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir(), out.mkdir()
+    cmd = command(trained_tiny_model_dir, disk, "--save-every", "1", *QUIET, launcher=[sys.executable], script=script)
+    env = {**os.environ, "DISK": str(disk), "OUT": str(out), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(["unshare", "-rm", "bash", "-c", DISK_FULL, "disk_full", *cmd], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr + (out / "first.txt").read_text()[-3000:]
+    err = (out / "full.err").read_text().strip().splitlines()
+    assert (out / "full.rc").read_text().strip() == "1" and len(err) == 1, err
+    assert err[0].startswith(f"{script}: no space left at {disk}/r/checkpoints while saving step 2 (")
+    assert "MiB free, a checkpoint takes " in err[0] and "the earlier checkpoints are intact (newest: step_000001)" in err[0]
+    assert err[0].endswith("then add --resume") and "Traceback" not in (out / "full.out").read_text()
+    assert (out / "after.sum").read_text() == (out / "before.sum").read_text()  # step 1's files untouched
+    assert (out / "after.ls").read_text().split() == ["step_000001"]  # no step_000002.tmp left
+    resumed = (out / "resumed.txt").read_text()
+    assert (out / "resumed.rc").read_text().strip() == "0" and "step_000001: step 1" in resumed, resumed[-3000:]
+    assert steps_logged(out) == [1, 2, 3] and (out / "resumed.ls").read_text().split() == ["step_000002", "step_000003"]
+
+
+def test_out_of_space_sees_the_errno_through_wrappers_or_a_full_disk(tmp_path):
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from checkpoint import out_of_space
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        try:
+            raise full
+        except OSError as e:
+            raise RuntimeError("unexpected pos 704 vs 598") from e
+    except RuntimeError as e:
+        wrapped = e
+    assert out_of_space(full, str(tmp_path)) and out_of_space(wrapped, str(tmp_path))
+    assert out_of_space(CheckpointException("", {0: (OSError(errno.EDQUOT, "Disk quota exceeded"), None)}), str(tmp_path))
+    assert not out_of_space(RuntimeError("unexpected pos 704 vs 598"), str(tmp_path))  # this disk has room
+    assert not out_of_space(OSError(errno.EACCES, "Permission denied"), str(tmp_path))
+
+
+def test_no_space_line_says_where_what_is_free_what_a_checkpoint_takes(tmp_path):
+    from checkpoint import gib, no_space_line
+
+    line = no_space_line(str(tmp_path), 3)
+    assert line.startswith(f"no space left at {tmp_path}/checkpoints while saving step 3 (") and " free); no earlier" in line
+    step = tmp_path / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "trainer.pt").write_bytes(b"x" * 3 * 2**20)
+    assert no_space_line(str(tmp_path), 3).endswith(
+        " free, a checkpoint takes 3.0 MiB); the earlier checkpoints are intact (newest: step_000002): free some space "
+        "or lower --keep-checkpoints, then add --resume")
+    assert (gib(3 * 2**30), gib(2**19)) == ("3.0 GiB", "0.5 MiB")
+
+
+# ----------------------------------------------------------------------------------------------
+# An --output-dir that can't be written
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("output_dir, near, why", [("README.md/runs", "README.md", "is a file"),
+                                                   ("/proc/runs", "/proc", "refuses a new folder")])
+def test_an_output_dir_that_cant_be_written_stops_before_anything_loads(tiny_model_dir, output_dir, near, why, script):
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    proc = run_grpo(tiny_model_dir, output_dir, "--steps", "1", script=script, expect_ok=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    assert err[0].startswith(f"{script}: --output-dir: the run's folder {output_dir}/r can't be ")
+    assert f"{near} {why}" in err[0] and "pass another --output-dir" in err[0]
+    assert "model " not in proc.stdout  # before the model is even looked at
+    assert open(os.path.join(ROOT, "README.md")).read() == readme and not os.path.exists("/proc/runs")
+
+
+def test_check_writable_makes_nothing_and_names_the_file_in_the_way(tmp_path):
+    from preflight import InputError, check_writable
+
+    check_writable(str(tmp_path / "runs" / "r"))  # to be made later: fine, and nothing is made now
+    check_writable(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "notes").write_text("x")
+    with pytest.raises(InputError, match=f"{tmp_path}/notes is a file: pass another --output-dir"):
+        check_writable(str(tmp_path / "notes" / "runs" / "r"))
+
+
+# ----------------------------------------------------------------------------------------------
+# A checkpoint damaged without a change of size
+
+
+def file_bytes(folder) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("script, nproc", [("grpo.py", 1), ("ppo.py", 1), ("grpo.py", 2)])
+def test_a_shard_overwritten_in_place_is_named_moved_aside_and_the_older_checkpoint_taken(trained_tiny_model_dir,
+                                                                                         tmp_path, script, nproc):
+    """200 kB of random bytes in the middle of step 2's shard (of the last rank, which checks it), its
+    size unchanged: --resume names the file, moves the checkpoint aside as it is and goes on from
+    step 1, with no traceback."""
+    from test_failures import overwrite
+
+    args, shard = ["--save-every", "1", "--keep-checkpoints", "0", *QUIET], f"state/__{nproc - 1}_0.distcp"
+    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", *args, script=script, nproc=nproc)
+    ckpts = tmp_path / "r" / "checkpoints"
+    overwrite(ckpts / "step_000002" / shard, 200_000)
+    step1, step2 = file_bytes(ckpts / "step_000001"), file_bytes(ckpts / "step_000002")
+    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--resume", *args, script=script, nproc=nproc)
+    lines = [x for x in proc.stdout.splitlines() if "damaged" in x]
+    assert lines == [f"checkpoint {ckpts / 'step_000002'} is damaged ({shard} changed since the save: bytes "
+                     f"0-{len(step2[shard])} fail their checksum in manifest.json): moved aside to "
+                     f"{ckpts / 'step_000002'}.damaged"], proc.stdout
+    assert f"resumed from {ckpts / 'step_000001'}: step 1" in proc.stdout and "Traceback" not in proc.stderr
+    assert sorted(os.listdir(ckpts)) == ["step_000001", "step_000002", "step_000002.damaged", "step_000003"]
+    assert file_bytes(ckpts / "step_000002.damaged") == step2 and file_bytes(ckpts / "step_000001") == step1
+    assert steps_logged(tmp_path / "r") == [1, 2, 3]
+
+
+# ----------------------------------------------------------------------------------------------
+# Stopped before the first checkpoint
+
+
+def run_printed(line: str, *extra: str) -> subprocess.CompletedProcess:
+    """Run the command a 'stopped by ...; continue from step N with: CMD' line names, as a person would."""
+    cmd = shlex.split(line.split(" with: ", 1)[1])
+    assert cmd[0] == "python"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, *cmd[1:], *extra], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_ctrl_c_saves_the_finished_steps_and_the_line_it_prints_goes_on(trained_tiny_model_dir, tmp_path, script):
+    """Ctrl-C long before the first checkpoint (--save-every 100) saves the finished steps, as SIGTERM
+    does; the last line's command continues from there."""
+    from test_failures import console_lines, start, stop_with, wait_for
+
+    proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--save-every", "100", *QUIET, script=script)
+    wait_for(tmp_path, "step 2 |", proc)
+    assert stop_with(proc, signal.SIGINT) < 30 and proc.returncode == 130
+    last = console_lines(tmp_path)[-1]
+    done = int(last.split("after step ")[1].split(";")[0])
+    assert last.startswith(f"stopped by SIGINT after step {done}; continue from step {done} with: python {script} ")
+    assert last.endswith(" --resume") and os.listdir(tmp_path / "r" / "checkpoints") == [f"step_{done:06d}"]
+    resumed = run_printed(last, "--steps", str(done + 1))
+    assert resumed.returncode == 0 and f"step_{done:06d}: step {done}" in resumed.stdout, resumed.stderr[-3000:]
+    assert steps_logged(tmp_path / "r") == list(range(1, done + 2))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_run_stopped_before_its_first_checkpoint_has_one_way_on(trained_tiny_model_dir, tmp_path, script):
+    """Stopped with nothing saved (--no-save-on-signal): the last line, the plain rerun's refusal and
+    --resume all name the same way on, --resume, which starts the run again from step 0 in its folder."""
+    from test_failures import console_lines, start, stop_with, wait_for
+
+    proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--no-save-on-signal", *QUIET, script=script)
+    wait_for(tmp_path, "step 2 |", proc)
+    assert stop_with(proc, signal.SIGINT) < 30 and proc.returncode == 130
+    last, run_dir = console_lines(tmp_path)[-1], tmp_path / "r"
+    assert " after step " in last and "; continue from step 0 with: " in last and last.endswith(" --resume")
+    assert not (run_dir / "checkpoints").exists()
+    logged = (run_dir / "metrics.jsonl").read_text()
+    plain = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", *QUIET, script=script, expect_ok=False)
+    err = plain.stderr.strip().splitlines()
+    assert plain.returncode == 2 and err == [f"{script}: {run_dir} holds an earlier run: pass --resume to start it again "
+                                             f"from step 0 in this folder (it has no checkpoint), or a new --run-name"]
+    assert (run_dir / "metrics.jsonl").read_text() == logged
+    resumed = run_printed(last, "--steps", "2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (f"--resume: {run_dir} has no checkpoint (its run stopped before the first save): starting it again from "
+            f"step 0") in resumed.stdout
+    assert steps_logged(run_dir) == [1, 2]
