@@ -76,6 +76,10 @@ def checkpoint_to_resume(run_dir: str, resume: bool) -> str | None:
     while (path := latest_checkpoint(run_dir)) is not None:
         problem = damage(path)
         if problem is None:
+            saved = torch.load(os.path.join(path, "trainer.pt"), weights_only=False).get("world_size", 1)
+            if saved != dist.get_world_size():  # optimizer shards and RNG are per rank: said before anything loads
+                raise InputError(f"--resume: {path} was saved by {saved} rank(s) and this run has {dist.get_world_size()}: resume it "
+                                 f"with {'plain python' if saved == 1 else f'torchrun --nproc_per_node {saved} (on one node)'}")
             return path
         dist.barrier()  # every rank has read it before rank 0 moves it
         if dist.get_rank() == 0:
@@ -150,9 +154,8 @@ def load_checkpoint(path: str, stateful: dict) -> dict:
     if not os.path.isfile(os.path.join(path, "trainer.pt")):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no trainer.pt)")
     state = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
-    if state["world_size"] != dist.get_world_size():
-        raise ValueError(f"{path} was saved by {state['world_size']} ranks and this run has "
-                         f"{dist.get_world_size()}; resume with the same --nproc_per_node")
+    if state["world_size"] != dist.get_world_size():  # the scripts meet this earlier, in checkpoint_to_resume
+        raise ValueError(f"{path} was saved by {state['world_size']} ranks and this run has {dist.get_world_size()}")
     sharded = {}
     for name, (model, optimizer) in stateful.items():
         model_sd, optim_sd = get_state_dict(model, optimizer)

@@ -12,6 +12,7 @@ code 2. RL_DEBUG=1 shows the traceback as well.
 
 import dataclasses
 import gc
+import json
 import os
 import signal
 import sys
@@ -70,9 +71,8 @@ def friendly_errors(script: str, oom_hint: str = OOM_HINT):
 
 def leave_process_group():
     """Destroy the process group if there is one: else NCCL's warning that nobody did is the last line."""
-    import torch.distributed as dist  # lazy: nothing here needs torch before a process group exists
-
-    if dist.is_available() and dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # not imported: no group (plot.py never imports torch)
+    if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -167,6 +167,8 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True):
         if missing:
             raise InputError(f"{flag} {name!r} has no {' and no '.join(missing)}: a model folder needs them "
                              f"(a checkpoint's is runs/<run>/checkpoints/step_N/model); copy the missing files in")
+        if problem := weights_problem(path):
+            raise InputError(f"{flag} {name!r}: {problem}: a copy or download cut short? copy the file again")
     else:
         hub_reachable(name, flag)
     try:
@@ -186,25 +188,56 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True):
     return tokenizer, context
 
 
+def weights_problem(folder: str) -> str | None:
+    """Without reading the weights: a *.safetensors file shorter than its header says or without one, or a shard
+    that the index names and the folder lacks (a copy or download cut short); None if none."""
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    for name in files:
+        size = os.path.getsize(os.path.join(folder, name))
+        with open(os.path.join(folder, name), "rb") as f:
+            n = int.from_bytes(f.read(8), "little")  # the format: 8 bytes of header length, the JSON header, the data
+            try:
+                ends = [t["data_offsets"][1] for k, t in json.loads(f.read(min(n, size))).items() if k != "__metadata__"]
+            except (ValueError, TypeError, KeyError):  # not JSON, not UTF-8 (cut short), not a header
+                return f"{name} ({size:,} bytes) has no readable safetensors header"
+        if 8 + n + max(ends, default=0) > size:
+            return f"{name} is {size:,} bytes, less than its header says ({8 + n + max(ends, default=0):,})"
+    if os.path.isfile(index := os.path.join(folder, "model.safetensors.index.json")):
+        with open(index) as f:
+            lost = sorted(set(json.load(f).get("weight_map", {}).values()) - set(files))
+        if lost:
+            return f"model.safetensors.index.json names {', '.join(lost)}, not in the folder"
+    return None
+
+
 def hub_reachable(name: str, flag: str):
     """A hub id must be in the local cache or reachable: one quick request, not a minute of retries."""
-    from huggingface_hub import HfApi, try_to_load_from_cache
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub import try_to_load_from_cache
 
     if os.environ.get("HF_HUB_OFFLINE") == "1" or isinstance(try_to_load_from_cache(name, "config.json"), str):
         return  # cached: transformers reads it without the network
+    if why := hub_unreachable(name, flag):
+        raise InputError(f"{flag} {name!r} is not a local folder, not in the Hugging Face cache, and the hub "
+                         f"can't be reached ({why});\n  pass a local folder, or {TINY_MODEL_HINT}")
+
+
+def hub_unreachable(name: str, flag: str, repo_type: str = "model") -> str | None:
+    """One request of at most 10 s about a hub id: None if the hub answers, else why it can't be reached (no
+    network, DNS, a proxy: the caller decides whether a cache will do). Gated or missing: an InputError."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
     try:
-        HfApi().model_info(name, timeout=10)
+        HfApi().repo_info(name, repo_type=repo_type, timeout=10)
     except GatedRepoError:
         raise InputError(f"{flag} {name!r} is gated on the hub: accept its licence on its page and log in "
-                         f"(hf auth login), or pass a local folder") from None
+                         f"(hf auth login), or pass a local {'folder' if repo_type == 'model' else 'file'}") from None
     except RepositoryNotFoundError:
-        raise InputError(f"{flag} {name!r}: no such model on the hub (check the spelling; private models need "
-                         f"hf auth login), and no such local folder") from None
+        raise InputError(f"{flag} {name!r}: no such {repo_type} on the hub (check the spelling; private ones need "
+                         f"hf auth login), and no such local {'folder' if repo_type == 'model' else 'file or folder'}") from None
     except Exception as e:  # no network, DNS, proxy, timeout: all mean the same here
-        raise InputError(f"{flag} {name!r} is not a local folder, not in the Hugging Face cache, and the hub "
-                         f"can't be reached ({type(e).__name__}: {e});\n  pass a local folder, or "
-                         f"{TINY_MODEL_HINT}") from None
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def check_context(context: int | None, max_prompt_len: int, max_new_tokens: int, flag: str = "--max-prompt-len", *,
