@@ -7,7 +7,8 @@
     tokenizer, context = check_model("Qwen/Qwen2.5-0.5B-Instruct")      # before SGLang starts
 
 An InputError is bad input a person can fix: it prints its message, no traceback, and exits with
-code 2. RL_DEBUG=1 shows the traceback as well.
+code 2. A RunFailed is a failure that is not bad input (an engine that could not start, a rollout
+server that died): the same, with code 1. RL_DEBUG=1 shows the traceback as well.
 """
 
 import dataclasses
@@ -26,6 +27,11 @@ class InputError(ValueError):
     names the input and the fix."""
 
 
+class RunFailed(Exception):
+    """Not bad input: something the run needs failed (the rollout engine could not start, a rollout server
+    died mid-run). The message says what, when, and what to try; exit code 1, no traceback."""
+
+
 class Interrupted(BaseException):
     """A signal cut a wait short (start-up or generation); args[0] is the signal number (stop.py).
     A BaseException, like KeyboardInterrupt: library code that catches Exception (an optional import
@@ -38,8 +44,8 @@ OOM_HINT = ("lower --micro-batch-size (one micro-batch's log-probs take micro-ba
 
 @contextmanager
 def friendly_errors(script: str, oom_hint: str = OOM_HINT):
-    """Run a script's main: an InputError prints '<script>: <message>' on each node's first rank and exits 2;
-    a CUDA out-of-memory error keeps its traceback and adds a line on which flags lower the memory."""
+    """Run a script's main: an InputError prints '<script>: <message>' on each node's first rank and exits 2, a
+    RunFailed exits 1; a CUDA out-of-memory error keeps its traceback and adds a line on which flags lower the memory."""
     try:
         yield
         # main's reference cycles freed now, not at interpreter exit, where a gloo process group's work held by
@@ -50,7 +56,7 @@ def friendly_errors(script: str, oom_hint: str = OOM_HINT):
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"{script}: stopped by {signal.Signals(e.args[0]).name} during start-up", file=sys.stderr, flush=True)
         raise SystemExit(128 + e.args[0]) from None
-    except InputError as e:
+    except (InputError, RunFailed) as e:
         if os.environ.get("RL_DEBUG"):
             raise
         leave_process_group()
@@ -58,7 +64,7 @@ def friendly_errors(script: str, oom_hint: str = OOM_HINT):
             print(f"{script}: {e}", file=sys.stderr, flush=True)
         else:  # torchrun stops all ranks when the first exits: let the node's first rank print first
             time.sleep(5)
-        raise SystemExit(2) from None
+        raise SystemExit(2 if isinstance(e, InputError) else 1) from None
     except Exception as e:
         if type(e).__name__ != "OutOfMemoryError":  # torch's, not imported here
             raise
