@@ -32,6 +32,10 @@ class RunFailed(Exception):
     died mid-run). The message says what, when, and what to try; exit code 1, no traceback."""
 
 
+class EngineStartFailed(RunFailed):
+    """SGLang failed while starting: friendly_errors adds which of the script's flags sets its memory."""
+
+
 class Interrupted(BaseException):
     """A signal cut a wait short (start-up or generation); args[0] is the signal number (stop.py).
     A BaseException, like KeyboardInterrupt: library code that catches Exception (an optional import
@@ -40,12 +44,15 @@ class Interrupted(BaseException):
 
 OOM_HINT = ("lower --micro-batch-size (one micro-batch's log-probs take micro-batch x tokens x vocabulary x 4 "
             "bytes) or the engine's share, --sglang-mem-fraction")
+ENGINE_HINT = ("SGLang's --mem-fraction-static is --sglang-mem-fraction here: change it as that error says, "
+               "or free the GPU of other processes (nvidia-smi)")
 
 
 @contextmanager
-def friendly_errors(script: str, oom_hint: str = OOM_HINT):
+def friendly_errors(script: str, oom_hint: str = OOM_HINT, engine_hint: str = ENGINE_HINT):
     """Run a script's main: an InputError prints '<script>: <message>' on each node's first rank and exits 2, a
-    RunFailed exits 1; a CUDA out-of-memory error keeps its traceback and adds a line on which flags lower the memory."""
+    RunFailed exits 1 (followed by `engine_hint` where SGLang failed to start); a CUDA out-of-memory error keeps
+    its traceback and adds a line on which flags lower the memory."""
     try:
         yield
         # main's reference cycles freed now, not at interpreter exit, where a gloo process group's work held by
@@ -61,7 +68,7 @@ def friendly_errors(script: str, oom_hint: str = OOM_HINT):
             raise
         leave_process_group()
         if os.environ.get("LOCAL_RANK", "0") == "0":  # each node's first rank: all fail alike, or one node alone
-            print(f"{script}: {e}", file=sys.stderr, flush=True)
+            print(f"{script}: {e}" + f"\n  {engine_hint}" * isinstance(e, EngineStartFailed), file=sys.stderr, flush=True)
         else:  # torchrun stops all ranks when the first exits: let the node's first rank print first
             time.sleep(5)
         raise SystemExit(2 if isinstance(e, InputError) else 1) from None

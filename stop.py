@@ -89,6 +89,15 @@ def agreed_signal() -> int:
 # A dead engine
 
 
+def quit_while_starting(signum, frame):
+    """SGLang's `custom_sigquit_handler` (rollout.start_sglang). A scheduler that fails while starting prints its
+    traceback and sends us SIGQUIT; SGLang's own handler would SIGKILL the whole process tree (exit 137, its
+    traceback last). This one cuts the start short, once (each TP rank sends one): the start stops what it began
+    and says what failed (rollout.start_sglang reads the SIG_IGN left here). Not a lambda: SGLang pickles it."""
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
 class EngineWatch:
     """Ends the run when the engine fails, which the trainer would otherwise wait on forever: one of
     its processes dies (killed, out of memory, a crash), or its scheduler reports an error (SGLang's

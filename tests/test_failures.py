@@ -262,6 +262,50 @@ def test_a_dead_engine_process_ends_the_run_naming_it(trained_tiny_model_dir, tm
     assert f"the rollout engine's process scheduler-stand-in (pid {pid}) died with exit code -9 during " in lines[-1]
 
 
+@pytest.mark.parametrize("how", ["sglang's handler", "ours", "killed"])
+def test_an_engine_that_fails_to_start_ends_with_our_line(tiny_model_dir, tmp_path, how):
+    """SGLang's scheduler fails while starting (three runs on one GPU: its KV cache does not fit): it prints its
+    traceback and sends the trainer SIGQUIT, and SGLang's own handler SIGKILLs the whole process tree (exit 137,
+    its traceback last, no word of ours). With ours: our line last, naming the phase and our flag, exit 1, nothing
+    written. A scheduler killed before it could say anything (the OOM killer) is named too."""
+    env = {"sglang's handler": {"PATCH_SGLANG_HANDLER": "sglang"}, "killed": {"PATCH_SGLANG_FAIL": "killed"}, "ours": {}}[how]
+    t0 = time.time()
+    proc = patched("sglang_start_fails", tiny_model_dir, tmp_path, "--sglang-mem-fraction", "0.9", env=env,
+                   expect_ok=False)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert not (tmp_path / "r").exists() and time.time() - t0 < 60
+    if how == "sglang's handler":  # what a failed start did before
+        assert proc.returncode == -signal.SIGKILL and not any(x.startswith("grpo.py: the rollout engine") for x in lines)  # 137
+        return
+    assert proc.returncode == 1, lines[-10:]
+    assert lines[-2].startswith("grpo.py: the rollout engine (SGLang) failed while starting, on GPU 0 with mem_fraction 0.9 (")
+    assert lines[-2].endswith("); nothing was trained or written")
+    assert lines[-1] == ("  SGLang's --mem-fraction-static is --sglang-mem-fraction here: change it as that error says, "
+                         "or free the GPU of other processes (nvidia-smi)")
+    if how == "ours":
+        assert "(its error is above)" in lines[-2] and "Not enough memory" in lines[-4]  # SGLang's traceback, then ours
+        assert not any("Using custom SIGQUIT handler" in x for x in lines)  # SGLang's log line of the handler it got
+    else:
+        assert "(RuntimeError: Rank 0 scheduler died during initialization (exit code: -9).)" in lines[-2]
+
+
+def test_quit_while_starting_cuts_the_start_short_once():
+    """Each TP rank's scheduler sends its own SIGQUIT: the first cuts the start short, the others find it ignored."""
+    from preflight import Interrupted
+    from stop import quit_while_starting
+
+    old = signal.signal(signal.SIGQUIT, quit_while_starting)
+    try:
+        with pytest.raises(Interrupted) as info:
+            os.kill(os.getpid(), signal.SIGQUIT)
+            time.sleep(5)
+        assert info.value.args[0] == signal.SIGQUIT and signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGQUIT)  # the second rank's: nothing happens
+        time.sleep(0.1)
+    finally:
+        signal.signal(signal.SIGQUIT, old)
+
+
 def ignored_signals(pid: int) -> int:
     """The mask of signals process `pid` ignores (bit n-1 for signal n)."""
     with open(f"/proc/{pid}/status") as f:
