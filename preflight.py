@@ -8,7 +8,9 @@
 
 An InputError is bad input a person can fix: it prints its message, no traceback, and exits with
 code 2. A RunFailed is a failure that is not bad input (an engine that could not start, a rollout
-server that died): the same, with code 1. RL_DEBUG=1 shows the traceback as well.
+server that died): the same, with code 1. RL_DEBUG=1 shows the traceback as well. Under torchrun the
+message also goes where torchrun looks for a rank's error (`tell_torchrun`): its summary, the last
+thing it prints, shows it.
 """
 
 import dataclasses
@@ -50,9 +52,9 @@ ENGINE_HINT = ("SGLang's --mem-fraction-static is --sglang-mem-fraction here: ch
 
 @contextmanager
 def friendly_errors(script: str, oom_hint: str = OOM_HINT, engine_hint: str = ENGINE_HINT):
-    """Run a script's main: an InputError prints '<script>: <message>' on each node's first rank and exits 2, a
-    RunFailed exits 1 (followed by `engine_hint` where SGLang failed to start); a CUDA out-of-memory error keeps
-    its traceback and adds a line on which flags lower the memory."""
+    """Run a script's main: an InputError prints '<script>: <message>' and exits 2, a RunFailed exits 1 (followed
+    by `engine_hint` where SGLang failed to start); a CUDA out-of-memory error keeps its traceback and adds a line
+    on which flags lower the memory. Under torchrun each node's first rank prints (see `report`)."""
     try:
         yield
         # main's reference cycles freed now, not at interpreter exit, where a gloo process group's work held by
@@ -60,26 +62,50 @@ def friendly_errors(script: str, oom_hint: str = OOM_HINT, engine_hint: str = EN
         gc.collect()
     except Interrupted as e:  # a signal during start-up: nothing was trained, nothing to save
         leave_process_group()
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"{script}: stopped by {signal.Signals(e.args[0]).name} during start-up", file=sys.stderr, flush=True)
+        report(f"{script}: stopped by {signal.Signals(e.args[0]).name} during start-up", wait=False)
         raise SystemExit(128 + e.args[0]) from None
     except (InputError, RunFailed) as e:
         if os.environ.get("RL_DEBUG"):
             raise
         leave_process_group()
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # each node's first rank: all fail alike, or one node alone
-            print(f"{script}: {e}" + f"\n  {engine_hint}" * isinstance(e, EngineStartFailed), file=sys.stderr, flush=True)
-        else:  # torchrun stops all ranks when the first exits: let the node's first rank print first
-            time.sleep(5)
+        report(f"{script}: {e}" + f"\n  {engine_hint}" * isinstance(e, EngineStartFailed))
         raise SystemExit(2 if isinstance(e, InputError) else 1) from None
     except Exception as e:
         if type(e).__name__ != "OutOfMemoryError":  # torch's, not imported here
             raise
         traceback.print_exc()
         leave_process_group()
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"{script}: the GPU ran out of memory: {oom_hint}", file=sys.stderr, flush=True)
+        report(f"{script}: the GPU ran out of memory: {oom_hint}", wait=False)
         raise SystemExit(1) from None
+
+
+def report(message: str, wait: bool = True):
+    """Print `message`, the run's last line, on each node's first rank (ranks fail alike). Under torchrun every rank
+    first hands it to torchrun; with `wait`, another rank waits up to 10 s for the SIGTERM that torchrun sends all
+    ranks once one exits, and prints only if none comes (it failed alone)."""
+    tell_torchrun(message)
+    first, stopped, deadline = os.environ.get("LOCAL_RANK", "0") == "0", [], time.time() + 10
+    if not first and wait:
+        signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))
+        while not stopped and time.time() < deadline:
+            time.sleep(0.05)
+    if first or (wait and not stopped):
+        print(message, file=sys.stderr, flush=True)
+
+
+def tell_torchrun(message: str):
+    """Under torchrun, write `message` where its agent reads a failed rank's error: the file TORCHELASTIC_ERROR_FILE
+    names, in the JSON that torch's own @record writes (errors/error_handler.py). torchrun's summary of the
+    failed ranks then shows it as the rank's "traceback" instead of a link to its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    error = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": error}, f)
+    except OSError:  # torchrun's temporary folder gone: its summary links its docs instead
+        pass
 
 
 def leave_process_group():

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from fsdp import all_reduce
-from preflight import InputError, Interrupted
+from preflight import InputError, Interrupted, tell_torchrun
 
 _state = {"signum": 0, "interruptible": False, "first_at": 0.0}
 
@@ -150,8 +150,10 @@ class EngineWatch:
         if self._done.is_set():  # stopping the engine on purpose
             return
         self._done.set()
-        os.write(2, f"\n{what} during {self.phase()}: stopping (out of GPU or host memory? "
-                    f"killed?); --resume continues from the last checkpoint\n".encode())
+        message = (f"{what} during {self.phase()}: stopping (out of GPU or host memory? killed?); "
+                   f"--resume continues from the last checkpoint")
+        tell_torchrun(message)
+        os.write(2, f"\n{message}\n".encode())
         kill(self.processes)
         os._exit(1)
 

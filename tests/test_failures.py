@@ -415,6 +415,31 @@ def test_an_error_or_a_start_cut_short_leaves_the_process_group(monkeypatch, cap
     assert capsys.readouterr().err.splitlines() == ["grpo.py: stopped by SIGINT during start-up", "grpo.py: --lr 0 must be > 0"]
 
 
+def test_torchrun_reads_our_message_as_the_ranks_error(tmp_path, monkeypatch, capsys):
+    """Under torchrun a rank hands its message to torchrun's agent, in the JSON of torch's own @record: torchrun's
+    summary (ChildFailedError) shows it as the rank's traceback. A rank other than its node's first waits for the
+    SIGTERM torchrun sends once a rank has exited, and then leaves the console to that rank."""
+    import threading
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from preflight import report
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    old = signal.getsignal(signal.SIGTERM)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()  # torchrun, once rank 0 has exited
+    t0 = time.time()
+    try:
+        report("grpo.py: bad arguments:\n  --lr -1.0 must be > 0")
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert time.time() - t0 < 5 and capsys.readouterr().err == ""
+    failure = ProcessFailure(local_rank=1, pid=123, exitcode=2, error_file=str(tmp_path / "error.json"))
+    summary = str(ChildFailedError("grpo.py", {1: failure})).splitlines()
+    assert summary[-3:-1] == ["  traceback : grpo.py: bad arguments:", "    --lr -1.0 must be > 0"], summary
+
+
 def test_out_of_memory_keeps_its_traceback_and_says_which_flags_help(capsys):
     import torch
 

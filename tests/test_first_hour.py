@@ -182,6 +182,23 @@ def test_bad_flag_fails_before_anything_loads(tmp_path, script, flag, value, mes
     assert not (tmp_path / "runs").exists()
 
 
+def test_bad_input_under_torchrun_is_the_root_cause_in_its_summary(tiny_model_dir, tmp_path):
+    """torchrun prints its own traceback and a summary of the failed ranks after ours: our line is the summary's root
+    cause (its 'traceback' entry, the last line before the closing rule) instead of a link to torchrun's docs. The rank
+    that waits for the first to print stops as soon as torchrun stops it (it slept 5 s before)."""
+    message = ("grpo.py: --rollout-tp 3 must be a divisor of the 2 ranks of each node (one engine's GPUs are on one node: "
+               "torchrun --nproc_per_node a multiple of it)")
+    code, out, seconds = run("grpo.py", "--model", tiny_model_dir, "--rollout-tp", "3", "--output-dir", tmp_path / "runs",
+                             launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
+    lines = out.strip().splitlines()
+    print(f"{len(lines)} lines, {seconds:.1f} s")
+    assert code == 1 and lines.count(message) == 1, out  # torchrun's own exit code; ours printed once, by local rank 0
+    root = lines.index("Root Cause (first observed failure):")
+    assert lines[-2:] == [f"  traceback : {message}", "=" * 60] and root > len(lines) - 10, out
+    assert out.count(f"traceback : {message}") == 2  # rank 1's entry above it: the same error
+    assert "To enable traceback" not in out and len(lines) <= 45 and not (tmp_path / "runs").exists()
+
+
 def test_several_bad_flags_are_listed_together(tmp_path):
     code, out, _ = run("grpo.py", "--lr", "-1", "--micro-batch-size", "0", "--output-dir", tmp_path / "runs")
     assert code == 2 and "Traceback" not in out
