@@ -91,6 +91,10 @@ def checkpoint_to_resume(run_dir: str, resume: bool) -> str | None:
         dist.all_gather_object(problems, damage(path, dist.get_rank(), dist.get_world_size()))
         problem = next((p for p in problems if p), None)
         if problem is None:
+            saved = torch.load(os.path.join(path, "trainer.pt"), weights_only=False).get("world_size", 1)
+            if saved != dist.get_world_size():  # optimizer shards and RNG are per rank: said before anything loads
+                raise InputError(f"--resume: {path} was saved by {saved} rank(s) and this run has {dist.get_world_size()}: resume it "
+                                 f"with {'plain python' if saved == 1 else f'torchrun --nproc_per_node {saved} (on one node)'}")
             return path
         if dist.get_rank() == 0:
             os.rename(path, path + ".damaged")
@@ -283,9 +287,8 @@ def load_checkpoint(path: str, stateful: dict) -> dict:
     if not os.path.isfile(os.path.join(path, "trainer.pt")):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no trainer.pt)")
     state = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
-    if state["world_size"] != dist.get_world_size():
-        raise ValueError(f"{path} was saved by {state['world_size']} ranks and this run has "
-                         f"{dist.get_world_size()}; resume with the same --nproc_per_node")
+    if state["world_size"] != dist.get_world_size():  # the scripts meet this earlier, in checkpoint_to_resume
+        raise ValueError(f"{path} was saved by {state['world_size']} ranks and this run has {dist.get_world_size()}")
     sharded = {}
     for name, (model, optimizer) in stateful.items():
         model_sd, optim_sd = get_state_dict(model, optimizer)

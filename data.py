@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from preflight import InputError, looks_like_path
+from preflight import InputError, hub_unreachable, looks_like_path
 from reward import last_boxed, math_verify, normalize_number
 
 # The default prompt templates ({prompt}, or {question}, is the row's question), by answer kind: int (the
@@ -111,8 +111,13 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
     if not path.endswith(".jsonl"):
         raise InputError(f"data file {path!r}: expected a .jsonl or .parquet file")
     rows = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is named by its number
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # -sig: a BOM some editors write
+            except UnicodeDecodeError as e:
+                raise InputError(f"{path}, line {line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                 f"save it as UTF-8 (from Latin-1: iconv -f latin1 -t utf-8 {path} > utf8.jsonl)") from None
             if not line.strip():
                 continue
             try:
@@ -197,10 +202,18 @@ def load_examples(dataset: str, split: str, template: str | None = None, *, syst
         raise InputError(f"dataset {dataset!r}: no such file or folder ({os.path.abspath(dataset)}); "
                          f"a hub dataset is named like 'openai/gsm8k'")
     try:
-        from datasets import load_dataset  # lazy: only for hub datasets
+        import datasets  # lazy: only for hub datasets
     except ImportError:
         raise InputError(f"dataset {dataset!r} is a hub id: pip install datasets, or pass a local .jsonl file") from None
-    rows = load_dataset(dataset, "main" if dataset.endswith("gsm8k") else None, split=split)
+    # PLUMBING: without the hub, `datasets` retries for half a minute before it reads its cache: ask once, quickly
+    why = None if datasets.config.HF_HUB_OFFLINE else hub_unreachable(dataset, "dataset", repo_type="dataset")
+    if why:
+        datasets.config.HF_HUB_OFFLINE = True  # its cache now, or a ConnectionError now
+    try:
+        rows = datasets.load_dataset(dataset, "main" if dataset.endswith("gsm8k") else None, split=split)
+    except ConnectionError as e:  # offline, and not in its cache
+        raise InputError(f"dataset {dataset!r} is not in the datasets cache and the hub can't be reached ({why or e}); "
+                         f"pass a local .jsonl file or folder of its rows, or load it once where the hub is reachable") from None
     return examples_from_rows(list(enumerate(rows, start=1)), f"{dataset}[{split}]", source_name(dataset), **fmt)
 
 

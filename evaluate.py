@@ -17,7 +17,7 @@ import torch
 import tyro
 
 from data import BUILTIN_TASKS, load_examples, tokenize_prompts
-from preflight import InputError, check_context, check_engine, check_flags, check_model, friendly_errors
+from preflight import ENGINE_HINT, InputError, check_context, check_engine, check_flags, check_model, friendly_errors
 from reward import judge
 from rollout import HFEngine, SGLangOptions, Sampling, generate, start_sglang, stop_token_ids
 from stop import stop_engine
@@ -108,5 +108,6 @@ def main(args: Args):
 
 
 if __name__ == "__main__":  # SGLang spawns its scheduler: keep this guard
-    with friendly_errors("evaluate.py", oom_hint="lower --mem-fraction or --num-prompts"):
+    with friendly_errors("evaluate.py", oom_hint="lower --mem-fraction or --num-prompts",
+                         engine_hint=ENGINE_HINT.replace("--sglang-mem-fraction", "--mem-fraction")):
         main(tyro.cli(Args))

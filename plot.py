@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import tyro
 
+from preflight import InputError, friendly_errors
+
 
 @dataclass
 class Args:
@@ -156,13 +158,16 @@ def write_curves(run_dir: str):
 
 
 def main(a: Args):
+    if not a.run_dirs:
+        raise InputError("which runs? give one or more run folders: python plot.py runs/A [runs/B ...] [--out ab.png]")
     for d in a.run_dirs:
         if not os.path.isfile(os.path.join(d, "metrics.jsonl")):
-            raise SystemExit(f"plot.py: {d}: no metrics.jsonl there (expected the run folder grpo.py / ppo.py wrote)")
+            raise InputError(f"{d}: no metrics.jsonl there (expected the run folder grpo.py / ppo.py wrote)")
     out = a.out or (os.path.join(a.run_dirs[0], "curves.png") if len(a.run_dirs) == 1 else "curves.png")
     draw(a.run_dirs, out)
     print(f"plot.py: wrote {out} ({len(a.run_dirs)} run{'s' * (len(a.run_dirs) > 1)})")
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with friendly_errors("plot.py"):
+        main(tyro.cli(Args))

@@ -7,11 +7,15 @@
     tokenizer, context = check_model("Qwen/Qwen2.5-0.5B-Instruct")      # before SGLang starts
 
 An InputError is bad input a person can fix: it prints its message, no traceback, and exits with
-code 2; a RunFailed (a full disk) does the same with code 1. RL_DEBUG=1 shows the traceback as well.
+code 2. A RunFailed is a failure that is not bad input (an engine that could not start, a rollout
+server that died, a full disk): the same, with code 1. RL_DEBUG=1 shows the traceback as well. Under torchrun the
+message also goes where torchrun looks for a rank's error (`tell_torchrun`): its summary, the last
+thing it prints, shows it.
 """
 
 import dataclasses
 import gc
+import json
 import os
 import signal
 import sys
@@ -26,8 +30,13 @@ class InputError(ValueError):
     names the input and the fix."""
 
 
-class RunFailed(RuntimeError):
-    """The run can't go on, and not for bad input (a full disk): the message says what happened and what to do."""
+class RunFailed(Exception):
+    """Not bad input: something the run needs failed (the rollout engine could not start, a rollout server
+    died mid-run). The message says what, when, and what to try; exit code 1, no traceback."""
+
+
+class EngineStartFailed(RunFailed):
+    """SGLang failed while starting: friendly_errors adds which of the script's flags sets its memory."""
 
 
 class Interrupted(BaseException):
@@ -38,12 +47,15 @@ class Interrupted(BaseException):
 
 OOM_HINT = ("lower --micro-batch-size (one micro-batch's log-probs take micro-batch x tokens x vocabulary x 4 "
             "bytes) or the engine's share, --sglang-mem-fraction")
+ENGINE_HINT = ("SGLang's --mem-fraction-static is --sglang-mem-fraction here: change it as that error says, "
+               "or free the GPU of other processes (nvidia-smi)")
 
 
 @contextmanager
-def friendly_errors(script: str, oom_hint: str = OOM_HINT):
-    """Run a script's main: an InputError prints '<script>: <message>' on each node's first rank and exits 2
-    (a RunFailed: 1); a CUDA out-of-memory error keeps its traceback and adds a line on which flags lower the memory."""
+def friendly_errors(script: str, oom_hint: str = OOM_HINT, engine_hint: str = ENGINE_HINT):
+    """Run a script's main: an InputError prints '<script>: <message>' and exits 2, a RunFailed exits 1 (followed
+    by `engine_hint` where SGLang failed to start); a CUDA out-of-memory error keeps its traceback and adds a line
+    on which flags lower the memory. Under torchrun each node's first rank prints (see `report`)."""
     try:
         yield
         # main's reference cycles freed now, not at interpreter exit, where a gloo process group's work held by
@@ -51,33 +63,56 @@ def friendly_errors(script: str, oom_hint: str = OOM_HINT):
         gc.collect()
     except Interrupted as e:  # a signal during start-up: nothing was trained, nothing to save
         leave_process_group()
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"{script}: stopped by {signal.Signals(e.args[0]).name} during start-up", file=sys.stderr, flush=True)
+        report(f"{script}: stopped by {signal.Signals(e.args[0]).name} during start-up", wait=False)
         raise SystemExit(128 + e.args[0]) from None
     except (InputError, RunFailed) as e:
         if os.environ.get("RL_DEBUG"):
             raise
         leave_process_group()
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # each node's first rank: all fail alike, or one node alone
-            print(f"{script}: {e}", file=sys.stderr, flush=True)
-        else:  # torchrun stops all ranks when the first exits: let the node's first rank print first
-            time.sleep(5)
+        report(f"{script}: {e}" + f"\n  {engine_hint}" * isinstance(e, EngineStartFailed))
         raise SystemExit(2 if isinstance(e, InputError) else 1) from None
     except Exception as e:
         if type(e).__name__ != "OutOfMemoryError":  # torch's, not imported here
             raise
         traceback.print_exc()
         leave_process_group()
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"{script}: the GPU ran out of memory: {oom_hint}", file=sys.stderr, flush=True)
+        report(f"{script}: the GPU ran out of memory: {oom_hint}", wait=False)
         raise SystemExit(1) from None
+
+
+def report(message: str, wait: bool = True):
+    """Print `message`, the run's last line, on each node's first rank (ranks fail alike). Under torchrun every rank
+    first hands it to torchrun; with `wait`, another rank waits up to 10 s for the SIGTERM that torchrun sends all
+    ranks once one exits, and prints only if none comes (it failed alone)."""
+    tell_torchrun(message)
+    first, stopped, deadline = os.environ.get("LOCAL_RANK", "0") == "0", [], time.time() + 10
+    if not first and wait:
+        signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))
+        while not stopped and time.time() < deadline:
+            time.sleep(0.05)
+    if first or (wait and not stopped):
+        print(message, file=sys.stderr, flush=True)
+
+
+def tell_torchrun(message: str):
+    """Under torchrun, write `message` where its agent reads a failed rank's error: the file TORCHELASTIC_ERROR_FILE
+    names, in the JSON that torch's own @record writes (errors/error_handler.py). torchrun's summary of the
+    failed ranks then shows it as the rank's "traceback" instead of a link to its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    error = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": error}, f)
+    except OSError:  # torchrun's temporary folder gone: its summary links its docs instead
+        pass
 
 
 def leave_process_group():
     """Destroy the process group if there is one: else NCCL's warning that nobody did is the last line."""
-    import torch.distributed as dist  # lazy: nothing here needs torch before a process group exists
-
-    if dist.is_available() and dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # not imported: no group (plot.py never imports torch)
+    if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -188,6 +223,8 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True):
         if missing:
             raise InputError(f"{flag} {name!r} has no {' and no '.join(missing)}: a model folder needs them "
                              f"(a checkpoint's is runs/<run>/checkpoints/step_N/model); copy the missing files in")
+        if problem := weights_problem(path):
+            raise InputError(f"{flag} {name!r}: {problem}: a copy or download cut short? copy the file again")
     else:
         hub_reachable(name, flag)
     try:
@@ -207,25 +244,56 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True):
     return tokenizer, context
 
 
+def weights_problem(folder: str) -> str | None:
+    """Without reading the weights: a *.safetensors file shorter than its header says or without one, or a shard
+    that the index names and the folder lacks (a copy or download cut short); None if none."""
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    for name in files:
+        size = os.path.getsize(os.path.join(folder, name))
+        with open(os.path.join(folder, name), "rb") as f:
+            n = int.from_bytes(f.read(8), "little")  # the format: 8 bytes of header length, the JSON header, the data
+            try:
+                ends = [t["data_offsets"][1] for k, t in json.loads(f.read(min(n, size))).items() if k != "__metadata__"]
+            except (ValueError, TypeError, KeyError):  # not JSON, not UTF-8 (cut short), not a header
+                return f"{name} ({size:,} bytes) has no readable safetensors header"
+        if 8 + n + max(ends, default=0) > size:
+            return f"{name} is {size:,} bytes, less than its header says ({8 + n + max(ends, default=0):,})"
+    if os.path.isfile(index := os.path.join(folder, "model.safetensors.index.json")):
+        with open(index) as f:
+            lost = sorted(set(json.load(f).get("weight_map", {}).values()) - set(files))
+        if lost:
+            return f"model.safetensors.index.json names {', '.join(lost)}, not in the folder"
+    return None
+
+
 def hub_reachable(name: str, flag: str):
     """A hub id must be in the local cache or reachable: one quick request, not a minute of retries."""
-    from huggingface_hub import HfApi, try_to_load_from_cache
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub import try_to_load_from_cache
 
     if os.environ.get("HF_HUB_OFFLINE") == "1" or isinstance(try_to_load_from_cache(name, "config.json"), str):
         return  # cached: transformers reads it without the network
+    if why := hub_unreachable(name, flag):
+        raise InputError(f"{flag} {name!r} is not a local folder, not in the Hugging Face cache, and the hub "
+                         f"can't be reached ({why});\n  pass a local folder, or {TINY_MODEL_HINT}")
+
+
+def hub_unreachable(name: str, flag: str, repo_type: str = "model") -> str | None:
+    """One request of at most 10 s about a hub id: None if the hub answers, else why it can't be reached (no
+    network, DNS, a proxy: the caller decides whether a cache will do). Gated or missing: an InputError."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
     try:
-        HfApi().model_info(name, timeout=10)
+        HfApi().repo_info(name, repo_type=repo_type, timeout=10)
     except GatedRepoError:
         raise InputError(f"{flag} {name!r} is gated on the hub: accept its licence on its page and log in "
-                         f"(hf auth login), or pass a local folder") from None
+                         f"(hf auth login), or pass a local {'folder' if repo_type == 'model' else 'file'}") from None
     except RepositoryNotFoundError:
-        raise InputError(f"{flag} {name!r}: no such model on the hub (check the spelling; private models need "
-                         f"hf auth login), and no such local folder") from None
+        raise InputError(f"{flag} {name!r}: no such {repo_type} on the hub (check the spelling; private ones need "
+                         f"hf auth login), and no such local {'folder' if repo_type == 'model' else 'file or folder'}") from None
     except Exception as e:  # no network, DNS, proxy, timeout: all mean the same here
-        raise InputError(f"{flag} {name!r} is not a local folder, not in the Hugging Face cache, and the hub "
-                         f"can't be reached ({type(e).__name__}: {e});\n  pass a local folder, or "
-                         f"{TINY_MODEL_HINT}") from None
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def check_context(context: int | None, max_prompt_len: int, max_new_tokens: int, flag: str = "--max-prompt-len", *,

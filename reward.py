@@ -30,6 +30,7 @@ import re
 import sys
 import threading
 import time
+import traceback
 from decimal import Decimal, InvalidOperation
 
 import torch
@@ -308,6 +309,13 @@ def load_reward(spec: str):
         module_spec.loader.exec_module(module)
     except SyntaxError as e:
         raise InputError(f"--reward {spec!r}: syntax error at {e.filename}:{e.lineno}: {e.msg}; fix the file") from None
+    except ImportError as e:  # ModuleNotFoundError too: a package this environment lacks, a misspelt name
+        raise InputError(f"--reward {spec!r}: an import in {path} fails ({e}); pip install it into {sys.prefix}, "
+                         f"or fix or drop the import") from None
+    except Exception as e:  # its top level raised: the error and its line, in one line
+        where = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == module_spec.origin]
+        raise InputError(f"--reward {spec!r}: {path}, line {where[-1] if where else '?'}, raised {type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}; fix the file") from e
     if not hasattr(module, name):
         functions = [k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
         raise InputError(f"--reward {spec!r}: {path} has no {name!r}; its functions: {functions or 'none'}")

@@ -17,6 +17,7 @@ spanning the group's k GPUs, the others have `engine=None` and send their prompt
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import multiprocessing
 import re
 import signal
@@ -29,8 +30,8 @@ import torch.distributed as dist
 
 from data import Sample, seed_for
 from fsdp import all_reduce, without_agent_store
-from preflight import Interrupted
-from stop import interruptible, stop_engine
+from preflight import EngineStartFailed, Interrupted
+from stop import interruptible, quit_while_starting, stop_engine
 from tools import parse_tool_calls, timed_call
 
 # ----------------------------------------------------------------------------------------------
@@ -75,6 +76,7 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
     engine.run_detokenizer_process_func = functools.partial(run_without_signals, Engine.run_detokenizer_process_func)
     before = set(multiprocessing.active_children())
     o = options or SGLangOptions()
+    logging.getLogger("sglang.srt.entrypoints.engine").addFilter(not_the_handler_line)
     with without_agent_store():  # SGLang's schedulers inherit our environment and host their own group's store
         try:
             engine.__init__(
@@ -82,13 +84,25 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
                 enable_memory_saver=True, mem_fraction_static=o.mem_fraction, base_gpu_id=gpu_id, tp_size=o.tp_size,
                 random_seed=seed, attention_backend=o.attention_backend, sampling_backend=o.sampling_backend,
                 cuda_graph_max_bs_decode=o.cuda_graph_max_bs, disable_cuda_graph=o.disable_cuda_graph,
-                log_level=o.log_level, cuda_graph_backend_prefill=None if o.prefill_cuda_graph else "disabled")
-        except BaseException:  # Ctrl-C during start-up, or a failed start: stop what was started
+                log_level=o.log_level, cuda_graph_backend_prefill=None if o.prefill_cuda_graph else "disabled",
+                custom_sigquit_handler=quit_while_starting)  # a failed scheduler's SIGQUIT ends the start, not the process
+        except BaseException as e:  # Ctrl-C during start-up, or a failed start: stop what was started
             engine.processes = [p for p in multiprocessing.active_children() if p not in before]
             stop_engine(engine, None)
-            raise
+            # a scheduler failed: stop.quit_while_starting ran (and left SIGQUIT ignored) whether its Interrupted is e
+            # or was swallowed where Python ignores exceptions (a callback after a fork: then e is SGLang's own error)
+            quit = signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
+            if not (quit or isinstance(e, Exception)):  # Ctrl-C, SIGTERM: friendly_errors says so
+                raise
+            what = "its error is above" if quit else f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            raise EngineStartFailed(f"the rollout engine (SGLang) failed while starting, on GPU {gpu_id} with mem_fraction "
+                                    f"{o.mem_fraction} ({what}); nothing was trained or written") from e
     engine.processes = [p for p in multiprocessing.active_children() if p not in before]  # scheduler(s), detokenizer
     return engine
+
+
+def not_the_handler_line(record) -> bool:  # SGLang logs the SIGQUIT handler it is given as an error, every start
+    return not record.getMessage().startswith("Using custom SIGQUIT handler")
 
 
 def run_without_signals(target, *args, **kwargs):

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp import without_agent_store
-from preflight import InputError
+from preflight import InputError, RunFailed
 from rollout import SGLangOptions
 from stop import kill
 
@@ -51,9 +51,13 @@ SHAPES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_va
 LAUNCH_HINT = "start it with: python -m sglang.launch_server --model-path <the policy's model> --port <port>"
 
 
-class ServerError(InputError):
-    """A rollout server failed, stalled, could not be reached or serves another model; the message
-    names the URL (an InputError: the run ends with the message, no traceback)."""
+class ServerError(RunFailed):
+    """A rollout server failed, stalled, could not be reached or serves another model; the message names the
+    URL. The run ends with it, no traceback, exit code 1 (a RunFailed), or 2 if it is a ServerInputError."""
+
+
+class ServerInputError(ServerError, InputError):
+    """The user's own servers can't serve from the start (their URLs, their model, the sync address): bad input."""
 
 
 def post(url: str, path: str, payload: dict, timeout_s: float):
@@ -130,8 +134,10 @@ class ServerEngine:
         self._next, self.group = 0, None  # round-robin over the URLs for single requests
         try:
             self.start(model, start_timeout_s, sync_backend, sync_address)
-        except BaseException:  # a failed start, or Ctrl-C: nothing of ours left running
+        except BaseException as e:  # a failed start, or Ctrl-C: nothing of ours left running
             kill(self.processes)
+            if isinstance(e, ServerError) and not self.processes:  # the user's servers: --rollout-url and the like
+                raise ServerInputError(*e.args) from None
             raise
 
     def start(self, model: str | None, start_timeout_s: float | None, sync_backend: str | None, sync_address: str | None):
@@ -212,7 +218,8 @@ class ServerEngine:
         try:
             dist.broadcast(flat, src=0, group=self.group)
         except RuntimeError as e:  # a member gone mid-broadcast (gloo says so; NCCL's watchdog ends the process)
-            raise ServerError(f"sending the weights to the rollout servers {', '.join(self.urls)} failed ({e}); "
+            raise ServerError(f"sending the weights to the rollout servers {', '.join(self.urls)} failed "
+                              f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
                               f"is every server still running?") from None
         for r in requests:
             r.result()  # each server has loaded the bucket (or its error is raised here)

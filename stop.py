@@ -26,7 +26,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from fsdp import all_reduce
-from preflight import InputError, Interrupted
+from preflight import InputError, Interrupted, tell_torchrun
 
 _state = {"signum": 0, "interruptible": False, "first_at": 0.0}
 
@@ -89,6 +89,15 @@ def agreed_signal() -> int:
 # A dead engine
 
 
+def quit_while_starting(signum, frame):
+    """SGLang's `custom_sigquit_handler` (rollout.start_sglang). A scheduler that fails while starting prints its
+    traceback and sends us SIGQUIT; SGLang's own handler would SIGKILL the whole process tree (exit 137, its
+    traceback last). This one cuts the start short, once (each TP rank sends one): the start stops what it began
+    and says what failed (rollout.start_sglang reads the SIG_IGN left here). Not a lambda: SGLang pickles it."""
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
 class EngineWatch:
     """Ends the run when the engine fails, which the trainer would otherwise wait on forever: one of
     its processes dies (killed, out of memory, a crash), or its scheduler reports an error (SGLang's
@@ -141,8 +150,10 @@ class EngineWatch:
         if self._done.is_set():  # stopping the engine on purpose
             return
         self._done.set()
-        os.write(2, f"\n{what} during {self.phase()}: stopping (out of GPU or host memory? "
-                    f"killed?); --resume continues from the last checkpoint\n".encode())
+        message = (f"{what} during {self.phase()}: stopping (out of GPU or host memory? killed?); "
+                   f"--resume continues from the last checkpoint")
+        tell_torchrun(message)
+        os.write(2, f"\n{message}\n".encode())
         kill(self.processes)
         os._exit(1)
 

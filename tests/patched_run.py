@@ -13,6 +13,10 @@ MODE: engine_child  the HF engine owns a child process (a stand-in for SGLang's 
       tool_caller   the HF engine's first turn of every episode is a calculator call (its tokens
                     forced, their log-probs the model's own; PATCH_TOOL_CALL: another call); later turns are sampled
       engine_owner  every engine start prints the rank, node (torchrun's GROUP_RANK), local rank and GPUs that own it
+      sglang_start_fails  the engine is rollout.start_sglang's, with a stand-in for SGLang's Engine that fails while
+                    starting as SGLang 0.5.16 does when its memory does not fit (PATCH_SGLANG_HANDLER=sglang: with
+                    SGLang's own SIGQUIT handler, whatever handler it is given; PATCH_SGLANG_FAIL=killed: its scheduler
+                    is killed instead)
 """
 
 import multiprocessing
@@ -23,6 +27,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 mode, script = sys.argv[1], sys.argv[2]
 
 if mode == "engine_child":
@@ -115,6 +120,67 @@ elif mode == "engine_owner":
         return real_start(kind, *args, **kwargs)
 
     rollout.start_engine = start_engine
+elif mode == "sglang_start_fails":
+    import logging
+    import pickle
+    import signal
+    import traceback
+
+    import pytest
+
+    import rollout
+    from conftest import install_fake_sglang
+
+    def failing_scheduler(writer, mem_fraction):
+        """SGLang's run_scheduler_process when the KV cache does not fit: its traceback, SIGQUIT to its parent, exit;
+        PATCH_SGLANG_FAIL=killed: killed before it could say anything (the kernel's OOM killer)."""
+        time.sleep(0.5)  # SGLang's loads the model and measures memory first (seconds): not within the fork's callbacks
+        if os.environ.get("PATCH_SGLANG_FAIL") == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            raise RuntimeError(f"Not enough memory. Please try to increase --mem-fraction-static. "
+                               f"Current value: mem_fraction_static={mem_fraction}")
+        except RuntimeError:
+            print(f"[stand-in SGLang] Scheduler hit an exception: {traceback.format_exc()}", file=sys.stderr, flush=True)
+            os.kill(os.getppid(), signal.SIGQUIT)
+
+    def launch_phase_sigquit_handler(signum, frame):  # SGLang's: the whole process tree, this process included
+        print("[stand-in SGLang] Received sigquit from a child process. It usually means the child failed.", file=sys.stderr,
+              flush=True)
+        for p in multiprocessing.active_children():
+            p.kill()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    class FailingEngine:
+        """SGLang 0.5.16's Engine.__init__ up to the failure (entrypoints/engine.py): the SIGQUIT handler of its
+        launch phase (custom_sigquit_handler, or its own), its settings pickled for the scheduler process (spawn),
+        the scheduler started through run_scheduler_process_func, its pipe polled as _wait_for_scheduler_ready does."""
+        run_scheduler_process_func = staticmethod(failing_scheduler)
+        run_detokenizer_process_func = staticmethod(time.sleep)
+
+        def __init__(self, **kwargs):
+            pickle.loads(pickle.dumps(kwargs))  # what spawn does to ServerArgs: the handler must pickle
+            handler = kwargs.get("custom_sigquit_handler")
+            if handler is None or os.environ.get("PATCH_SGLANG_HANDLER") == "sglang":
+                handler = launch_phase_sigquit_handler
+            else:
+                logging.getLogger("sglang.srt.entrypoints.engine").error(f"Using custom SIGQUIT handler: {handler}")
+            signal.signal(signal.SIGQUIT, handler)
+            reader, writer = multiprocessing.Pipe(duplex=False)
+            proc = multiprocessing.get_context("fork").Process(target=self.run_scheduler_process_func,
+                                                               args=(writer, kwargs["mem_fraction_static"]))
+            proc.start()
+            while not reader.poll(timeout=1.0):  # SGLang polls every 5 s
+                if not proc.is_alive():
+                    raise RuntimeError(f"Rank 0 scheduler died during initialization (exit code: {proc.exitcode}).")
+
+        def shutdown(self):
+            pass
+
+    logging.basicConfig(format="[%(asctime)s] %(message)s", level=logging.ERROR)  # SGLang's configure_logger
+    install_fake_sglang(pytest.MonkeyPatch(), FailingEngine)
+    rollout.start_engine = lambda kind, model, *, seed, sglang=None: rollout.start_sglang(model, gpu_id=0, seed=seed,
+                                                                                          options=sglang)
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 

@@ -151,6 +151,27 @@ def test_too_small_file_or_own_eval_file(tmp_path):
     assert (len(train), len(held)) == (9, 3) and own in note
 
 
+def test_a_hub_dataset_without_the_hub_is_read_from_the_cache_at_once(monkeypatch):
+    """The hub can't be reached: datasets is told it is offline before it is asked (it reads its cache at once,
+    instead of after half a minute of retries); with the hub, it is asked as it is."""
+    import types
+
+    import data
+
+    seen = []
+
+    def load_dataset(path, name=None, split=None):
+        seen.append((path, name, split, fake.config.HF_HUB_OFFLINE))
+        return [{"question": "How many?", "answer": "2 + 2 = 4\n#### 4"}]
+
+    fake = types.SimpleNamespace(config=types.SimpleNamespace(HF_HUB_OFFLINE=False), load_dataset=load_dataset)
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    monkeypatch.setattr(data, "hub_unreachable", lambda name, flag, repo_type: None)
+    assert load_examples("openai/gsm8k", "train")[0].answer == "4" and seen[-1] == ("openai/gsm8k", "main", "train", False)
+    monkeypatch.setattr(data, "hub_unreachable", lambda name, flag, repo_type: "ConnectError: no route")
+    assert load_examples("openai/gsm8k", "test")[0].answer == "4" and seen[-1][-1] is True
+
+
 @pytest.mark.skipif(not os.path.isdir(GSM8K_DIR), reason=f"no local GSM8K copy at {GSM8K_DIR}")
 def test_real_gsm8k_copy_loads():
     train = load_examples(GSM8K_DIR, "train")

@@ -336,6 +336,50 @@ def test_a_dead_engine_process_ends_the_run_naming_it(trained_tiny_model_dir, tm
     assert f"the rollout engine's process scheduler-stand-in (pid {pid}) died with exit code -9 during " in lines[-1]
 
 
+@pytest.mark.parametrize("how", ["sglang's handler", "ours", "killed"])
+def test_an_engine_that_fails_to_start_ends_with_our_line(tiny_model_dir, tmp_path, how):
+    """SGLang's scheduler fails while starting (three runs on one GPU: its KV cache does not fit): it prints its
+    traceback and sends the trainer SIGQUIT, and SGLang's own handler SIGKILLs the whole process tree (exit 137,
+    its traceback last, no word of ours). With ours: our line last, naming the phase and our flag, exit 1, nothing
+    written. A scheduler killed before it could say anything (the OOM killer) is named too."""
+    env = {"sglang's handler": {"PATCH_SGLANG_HANDLER": "sglang"}, "killed": {"PATCH_SGLANG_FAIL": "killed"}, "ours": {}}[how]
+    t0 = time.time()
+    proc = patched("sglang_start_fails", tiny_model_dir, tmp_path, "--sglang-mem-fraction", "0.9", env=env,
+                   expect_ok=False)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert not (tmp_path / "r").exists() and time.time() - t0 < 60
+    if how == "sglang's handler":  # what a failed start did before
+        assert proc.returncode == -signal.SIGKILL and not any(x.startswith("grpo.py: the rollout engine") for x in lines)  # 137
+        return
+    assert proc.returncode == 1, lines[-10:]
+    assert lines[-2].startswith("grpo.py: the rollout engine (SGLang) failed while starting, on GPU 0 with mem_fraction 0.9 (")
+    assert lines[-2].endswith("); nothing was trained or written")
+    assert lines[-1] == ("  SGLang's --mem-fraction-static is --sglang-mem-fraction here: change it as that error says, "
+                         "or free the GPU of other processes (nvidia-smi)")
+    if how == "ours":
+        assert "(its error is above)" in lines[-2] and "Not enough memory" in lines[-4]  # SGLang's traceback, then ours
+        assert not any("Using custom SIGQUIT handler" in x for x in lines)  # SGLang's log line of the handler it got
+    else:
+        assert "(RuntimeError: Rank 0 scheduler died during initialization (exit code: -9).)" in lines[-2]
+
+
+def test_quit_while_starting_cuts_the_start_short_once():
+    """Each TP rank's scheduler sends its own SIGQUIT: the first cuts the start short, the others find it ignored."""
+    from preflight import Interrupted
+    from stop import quit_while_starting
+
+    old = signal.signal(signal.SIGQUIT, quit_while_starting)
+    try:
+        with pytest.raises(Interrupted) as info:
+            os.kill(os.getpid(), signal.SIGQUIT)
+            time.sleep(5)
+        assert info.value.args[0] == signal.SIGQUIT and signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGQUIT)  # the second rank's: nothing happens
+        time.sleep(0.1)
+    finally:
+        signal.signal(signal.SIGQUIT, old)
+
+
 def ignored_signals(pid: int) -> int:
     """The mask of signals process `pid` ignores (bit n-1 for signal n)."""
     with open(f"/proc/{pid}/status") as f:
@@ -443,6 +487,31 @@ def test_an_error_or_a_start_cut_short_leaves_the_process_group(monkeypatch, cap
                 raise error
         assert exit_info.value.code == code and not dist.is_initialized()
     assert capsys.readouterr().err.splitlines() == ["grpo.py: stopped by SIGINT during start-up", "grpo.py: --lr 0 must be > 0"]
+
+
+def test_torchrun_reads_our_message_as_the_ranks_error(tmp_path, monkeypatch, capsys):
+    """Under torchrun a rank hands its message to torchrun's agent, in the JSON of torch's own @record: torchrun's
+    summary (ChildFailedError) shows it as the rank's traceback. A rank other than its node's first waits for the
+    SIGTERM torchrun sends once a rank has exited, and then leaves the console to that rank."""
+    import threading
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from preflight import report
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    old = signal.getsignal(signal.SIGTERM)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()  # torchrun, once rank 0 has exited
+    t0 = time.time()
+    try:
+        report("grpo.py: bad arguments:\n  --lr -1.0 must be > 0")
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert time.time() - t0 < 5 and capsys.readouterr().err == ""
+    failure = ProcessFailure(local_rank=1, pid=123, exitcode=2, error_file=str(tmp_path / "error.json"))
+    summary = str(ChildFailedError("grpo.py", {1: failure})).splitlines()
+    assert summary[-3:-1] == ["  traceback : grpo.py: bad arguments:", "    --lr -1.0 must be > 0"], summary
 
 
 def test_out_of_memory_keeps_its_traceback_and_says_which_flags_help(capsys):

@@ -14,19 +14,20 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(script: str, *args, cwd=ROOT, tmp=None, timeout=300):
+def run(script: str, *args, cwd=ROOT, tmp=None, timeout=300, env=None, launcher=()):
     """Run `python <script> args` like a person would; returns (exit code, stdout + stderr, seconds)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
-           "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": str(tmp / "hf-cache") if tmp else "/nonexistent"}
+           "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": str(tmp / "hf-cache") if tmp else "/nonexistent", **(env or {})}
     env.pop("RL_DEBUG", None)
     t0 = time.time()
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=cwd, env=env,
+    proc = subprocess.run([sys.executable, *launcher, os.path.join(ROOT, script), *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr, time.time() - t0
 
@@ -42,6 +43,19 @@ def assert_clean_failure(code: int, output: str, *expected: str):
     tail = last_lines(output)
     for piece in expected:
         assert piece in tail, f"{piece!r} not in the last lines:\n{tail}"
+
+
+def ours_last(code: int, output: str, script: str, *expected: str, exit_code: int = 2) -> list[str]:
+    """`exit_code`, no traceback, and the output ends with our message: '<script>: ...' and at most one more
+    (indented) line, holding every expected piece. Returns the message's lines."""
+    assert code == exit_code and "Traceback" not in output, output[-3000:]
+    lines = output.strip().splitlines()
+    start = max(i for i, x in enumerate(lines) if x.startswith(f"{script}: "))
+    message = lines[start:]
+    assert len(message) <= 2 and all(x.startswith("  ") for x in message[1:]), output[-3000:]
+    for piece in expected:
+        assert piece in "\n".join(message), f"{piece!r} not in our last lines:\n" + "\n".join(message)
+    return message
 
 
 def write_rows(path, rows: list[dict]) -> str:
@@ -168,6 +182,23 @@ def test_bad_flag_fails_before_anything_loads(tmp_path, script, flag, value, mes
     assert not (tmp_path / "runs").exists()
 
 
+def test_bad_input_under_torchrun_is_the_root_cause_in_its_summary(tiny_model_dir, tmp_path):
+    """torchrun prints its own traceback and a summary of the failed ranks after ours: our line is the summary's root
+    cause (its 'traceback' entry, the last line before the closing rule) instead of a link to torchrun's docs. The rank
+    that waits for the first to print stops as soon as torchrun stops it (it slept 5 s before)."""
+    message = ("grpo.py: --rollout-tp 3 must be a divisor of the 2 ranks of each node (one engine's GPUs are on one node: "
+               "torchrun --nproc_per_node a multiple of it)")
+    code, out, seconds = run("grpo.py", "--model", tiny_model_dir, "--rollout-tp", "3", "--output-dir", tmp_path / "runs",
+                             launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
+    lines = out.strip().splitlines()
+    print(f"{len(lines)} lines, {seconds:.1f} s")
+    assert code == 1 and lines.count(message) == 1, out  # torchrun's own exit code; ours printed once, by local rank 0
+    root = lines.index("Root Cause (first observed failure):")
+    assert lines[-2:] == [f"  traceback : {message}", "=" * 60] and root > len(lines) - 10, out
+    assert out.count(f"traceback : {message}") == 2  # rank 1's entry above it: the same error
+    assert "To enable traceback" not in out and len(lines) <= 45 and not (tmp_path / "runs").exists()
+
+
 def test_several_bad_flags_are_listed_together(tmp_path):
     code, out, _ = run("grpo.py", "--lr", "-1", "--micro-batch-size", "0", "--output-dir", tmp_path / "runs")
     assert code == 2 and "Traceback" not in out
@@ -230,6 +261,100 @@ def test_dataset_errors_name_the_file(tiny_model_dir, tmp_path, dataset, rows, m
                              cwd=tmp_path)
     assert_clean_failure(code, out, message)
     assert seconds < 60 and not (tmp_path / "runs").exists()
+
+
+def test_a_data_file_that_is_not_utf8_names_its_line(tiny_model_dir, tmp_path):
+    """A Latin-1 file (an export from a spreadsheet, say) was a UnicodeDecodeError traceback."""
+    (tmp_path / "latin.jsonl").write_bytes(b'{"prompt": "2 + 2?", "answer": "4"}\n{"prompt": "Caf\xe9?", "answer": "1"}\n')
+    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--dataset", "latin.jsonl", "--output-dir", "runs", cwd=tmp_path)
+    ours_last(code, out, "grpo.py", "latin.jsonl, line 2: not UTF-8 text (byte 0xe9 at column 16)", "save it as UTF-8",
+              "iconv -f latin1 -t utf-8 latin.jsonl")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_hub_dataset_without_the_hub_fails_at_once(tiny_model_dir, tmp_path):
+    """openai/gsm8k with `datasets` installed and no network: datasets retried for 31-37 s, then a ConnectionError
+    traceback. One quick request now; unreachable, datasets reads its cache at once (here empty). Without
+    `datasets` installed (CI) a stand-in of it stands in: it waits a minute unless told it is offline, as datasets 5.2."""
+    env = {"HF_HOME": str(tmp_path / "hf-home")}  # datasets' own cache: empty
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        (tmp_path / "lib" / "datasets").mkdir(parents=True)
+        (tmp_path / "lib" / "datasets" / "__init__.py").write_text(
+            "import time, types\nconfig = types.SimpleNamespace(HF_HUB_OFFLINE=False)\n"
+            "def load_dataset(path, name=None, split=None):\n"
+            "    if not config.HF_HUB_OFFLINE:\n        time.sleep(60)  # its retries\n"
+            "    raise ConnectionError(f\"Couldn't reach the Hugging Face Hub for dataset '{path}'\")\n")
+        env["PYTHONPATH"] = str(tmp_path / "lib")
+    code, out, seconds = run("grpo.py", "--model", tiny_model_dir, "--dataset", "openai/gsm8k", "--output-dir", tmp_path / "runs",
+                             tmp=tmp_path, env=env)
+    ours_last(code, out, "grpo.py", "dataset 'openai/gsm8k' is not in the datasets cache and the hub can't be reached",
+              "pass a local .jsonl file or folder")
+    assert seconds < 25 and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import sympyx\n", ["an import in r.py fails (No module named 'sympyx')", "pip install it", "drop the import"]),
+    ("TABLE = {}\nSCALE = TABLE['scale']\n", ["r.py, line 2, raised KeyError: 'scale'; fix the file"]),
+])
+def test_a_reward_file_that_fails_to_import(tiny_model_dir, tmp_path, source, expected):
+    (tmp_path / "r.py").write_text(source + "def reward(completion, answer):\n    return 1.0\n")
+    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--reward", "r.py:reward", "--output-dir", "runs", cwd=tmp_path)
+    ours_last(code, out, "grpo.py", "--reward 'r.py:reward'", *expected)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_resuming_with_another_number_of_ranks_says_how_many(tiny_model_dir, tmp_path):
+    """A checkpoint of 2 ranks resumed by plain python: the right message was a ValueError traceback after the
+    model had loaded; now it comes before anything loads."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = tmp_path / "runs" / "r" / "checkpoints" / "step_000003"
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(ckpt / "state"))  # what damage() reads: intact
+    torch.save({"step": 3, "world_size": 2}, ckpt / "trainer.pt")
+    for r in range(2):
+        torch.save({}, ckpt / f"rng_rank{r}.pt")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--resume", "--output-dir", tmp_path / "runs", "--run-name", "r")
+    ours_last(code, out, "grpo.py", f"--resume: {ckpt} was saved by 2 rank(s) and this run has 1",
+              "resume it with torchrun --nproc_per_node 2")
+    assert "model " not in out  # before the model, even its tokenizer, loaded
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_evaluate_a_model_file_cut_short(tiny_model_dir, tmp_path):
+    """A truncated model.safetensors (a copy cut short) was safetensors' 'incomplete metadata' traceback."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    weights = folder / "model.safetensors"
+    size = weights.stat().st_size
+    os.truncate(weights, size // 2)
+    code, out, _ = run("evaluate.py", "--model", folder, "--out", tmp_path / "e.json")
+    ours_last(code, out, "evaluate.py", f"--model '{folder}': model.safetensors is {size // 2:,} bytes, less than its "
+              f"header says ({size:,})", "copy the file again")
+    assert not (tmp_path / "e.json").exists()
+
+
+def test_plot_without_a_run_folder(tmp_path):
+    """`python plot.py` alone was a StopIteration traceback (and a folder without metrics exit code 1)."""
+    code, out, _ = run("plot.py", cwd=tmp_path)
+    assert ours_last(code, out, "plot.py", "give one or more run folders: python plot.py runs/A") and out.count("\n") == 1
+    code, out, _ = run("plot.py", tmp_path, cwd=tmp_path)
+    ours_last(code, out, "plot.py", f"{tmp_path}: no metrics.jsonl there")
+    assert os.listdir(tmp_path) == []
+
+
+def test_tiny_model_help_builds_nothing(tmp_path):
+    """`python tests/tiny_model.py --help` built a model in a folder named '--help'."""
+    code, out, seconds = run(os.path.join("tests", "tiny_model.py"), "--help", cwd=tmp_path)
+    assert code == 0 and out.startswith("usage: tiny_model.py [-h] [--sft-steps SFT_STEPS] FOLDER") and seconds < 10
+    code, out, _ = run(os.path.join("tests", "tiny_model.py"), cwd=tmp_path)
+    assert code == 2 and out.strip().splitlines()[-1] == "tiny_model.py: error: the following arguments are required: FOLDER"
+    assert os.listdir(tmp_path) == []
 
 
 def test_existing_checkpoints_refuse_before_loading(tmp_path):

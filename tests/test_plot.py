@@ -71,7 +71,7 @@ def test_cli_names_a_folder_without_metrics(tmp_path):
     a, empty = fake_run(tmp_path / "a", gpu=True, evals=True), tmp_path / "not_a_run"
     empty.mkdir()
     proc = subprocess.run([sys.executable, "plot.py", a, str(empty)], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # bad input
     assert proc.stderr.strip().count("\n") == 0, proc.stderr  # one line, no traceback
     assert str(empty) in proc.stderr and "metrics.jsonl" in proc.stderr
 

@@ -281,6 +281,35 @@ def test_grpo_trains_against_a_server(server_process, trained_tiny_model_dir, tm
     assert [e for e in events(url) if e[0] == "generate"] == [["generate", 16, 1], ["generate", 16, 2], ["generate", 16, 3]]
 
 
+def test_a_server_killed_mid_run_ends_it_with_exit_code_1(server_process, tiny_model_dir, tmp_path):
+    """The server dies between steps: the run ends within seconds, its last line naming the server, with exit
+    code 1 (it was 2, which the README keeps for bad input); what the finished steps wrote stays."""
+    from test_failures import console_lines, start, wait_for
+
+    url, server = server_process
+    proc = start(tiny_model_dir, tmp_path, "--rollout-mode", "server", "--rollout-url", url, "--steps", "200",
+                 "--eval-every", "0", "--save-every", "1", "--keep-checkpoints", "0")
+    wait_for(tmp_path, "step 2 |", proc, timeout=240)
+    server.kill()
+    t0 = time.time()
+    proc.wait(timeout=120)
+    lines = console_lines(tmp_path)
+    assert proc.returncode == 1 and time.time() - t0 < 30, lines[-5:]
+    assert not any("Traceback" in x for x in lines)
+    # its next request, or the weight sync under way, meets the dead server
+    assert lines[-1].startswith("grpo.py: ") and url in lines[-1] and "still running?" in lines[-1], lines[-3:]
+    assert os.path.isdir(tmp_path / "r" / "checkpoints" / "step_000002") and len(metrics(tmp_path)[0]) >= 2
+
+
+def test_the_users_server_that_is_not_there_is_bad_input(tiny_model_dir, tmp_path):
+    """At start-up a URL of the user's that nobody answers is bad input: exit code 2, one line."""
+    proc = run_grpo(tiny_model_dir, tmp_path, "--rollout-mode", "server", "--rollout-url", "http://127.0.0.1:9",
+                    "--rollout-timeout", "1", expect_ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("grpo.py: no rollout server ready at http://127.0.0.1:9 after 1 s")
+    assert not os.path.exists(tmp_path / "r")
+
+
 def test_grpo_async_under_torchrun_is_one_step_off_policy(server_process, trained_tiny_model_dir, tmp_path):
     url, _ = server_process
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--rollout-mode", "server", "--rollout-url", url, "--steps", "4",

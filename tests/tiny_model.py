@@ -3,7 +3,8 @@
     python tests/tiny_model.py /tmp/tiny-llama      # for notebooks and manual CPU runs
 """
 
-import sys
+import argparse
+import os
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -61,4 +62,12 @@ def build_tiny_model(path: str, seed: int = 0, vocab_size: int = 512, hidden: in
 
 
 if __name__ == "__main__":
-    print(build_tiny_model(sys.argv[1]))
+    parser = argparse.ArgumentParser(description="Build a tiny Llama (2 layers, BPE tokenizer, chat template) offline, "
+                                     "trained a few seconds on addition answers, into FOLDER.")
+    parser.add_argument("folder", metavar="FOLDER",
+                        help="where to write it, e.g. ./tiny-model (created; a model already there is replaced)")
+    parser.add_argument("--sft-steps", type=int, default=150, help="steps of supervised warm-up (0: untrained, seconds)")
+    args = parser.parse_args()
+    if os.path.isfile(args.folder):
+        parser.error(f"{args.folder!r} is a file: name a folder, e.g. ./tiny-model")
+    print(build_tiny_model(args.folder, sft_steps=args.sft_steps))
