@@ -12,7 +12,7 @@ Each case starts `grpo.py` in a session of its own, waits for the step line it n
   killed_scheduler   SIGKILL to SGLang's scheduler process
   crashed_scheduler  nothing: the scheduler raises an exception mid-generation (SGLang's own crash test,
                      SGLANG_TEST_CRASH_AFTER_STREAM_OUTPUTS), prints it and sends the trainer SIGQUIT
-  engine_no_memory   nothing: another process holds all but 3 GiB of the GPU, so SGLang's engine fails to start
+  engine_no_memory   nothing: another process holds all but 1.4 GiB of the GPU: the trainer starts, SGLang fails to (with 3 GiB left SGLang started and the first weight sync ran out; with 0.6 GiB NCCL did)
   killed_server      SIGKILL to an SGLang server the run samples from (`--rollout-url`, started by the bench beside
                      the trainer on the one GPU, weights over gloo)
 and records the seconds to exit, the exit code, the session's processes still alive 5 s later,
@@ -32,7 +32,7 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ("normal_end", "sigint_startup", "sigint_group", "sigterm_parent", "sigterm_group", "sigkill_parent",
          "killed_scheduler", "crashed_scheduler", "engine_no_memory", "killed_server")
-HOG = ("import time, torch; free = torch.cuda.mem_get_info()[0]; x = torch.empty(free - (3 << 30), dtype=torch.uint8, "
+HOG = ("import time, torch; free = torch.cuda.mem_get_info()[0]; x = torch.empty(free - (1400 << 20), dtype=torch.uint8, "
        "device='cuda'); print('holding', flush=True); time.sleep(900)")
 SERVER_PORT = 30556
 
