@@ -95,6 +95,8 @@ def size_for_cpu(args, sizes: dict, script: str):
     for every field not given on the command line, and say so in one line."""
     import torch
 
+    from fsdp import compute_dtype  # lazy, as torch
+
     if torch.cuda.is_available():
         return args
     changed = {k: v for k, v in sizes.items() if k not in given_flags(sys.argv[1:])}
@@ -102,7 +104,9 @@ def size_for_cpu(args, sizes: dict, script: str):
     if os.environ.get("RANK", "0") == "0":
         where = ("training on the CPU" if getattr(args, "rollout_mode", "colocate") == "server" else
                  "generating with plain transformers (--rollout-engine hf) on the CPU")
-        print(f"{script}: no GPU found (torch.cuda.is_available() is False): {where}"
+        dtype = ("bfloat16" if compute_dtype(torch.device("cpu")) == torch.bfloat16 else
+                 "float32 (this CPU has no bf16 instructions)")  # fsdp.compute_dtype says why
+        print(f"{script}: no GPU found (torch.cuda.is_available() is False): {where}, computing in {dtype}"
               + (f", CPU-sized defaults: {flags}" if flags else ""), flush=True)
     return dataclasses.replace(args, **changed)
 

@@ -103,13 +103,18 @@ def test_prompt_plus_new_tokens_longer_than_the_context(tiny_model_dir, tmp_path
 
 
 def test_cpu_machine_says_so_and_sizes_the_run_for_it(tiny_model_dir, tmp_path):
-    """No GPU: one line says so, names the engine and the CPU-sized flags it chose; flags given win."""
+    """No GPU: one line says so, names the engine, the compute dtype and the CPU-sized flags it chose; flags given win."""
+    import torch
+
+    from fsdp import compute_dtype
+
     code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--steps", "1", "--eval-every", "0", "--group-size", "2",
                        "--output-dir", tmp_path / "runs", "--run-name", "r")
     assert code == 0, out[-3000:]
     line = next(x for x in out.splitlines() if "no GPU found" in x)
     assert "--rollout-engine hf" in line and "--prompts-per-step 4" in line and "--max-new-tokens 64" in line
     assert "--group-size" not in line  # given on the command line
+    assert f"computing in {str(compute_dtype(torch.device('cpu'))).removeprefix('torch.')}" in line  # fsdp.compute_dtype's
     args = json.loads((tmp_path / "runs" / "r" / "args.json").read_text())
     assert (args["prompts_per_step"], args["group_size"], args["max_new_tokens"]) == (4, 2, 64)
     assert "step 1 |" in out
