@@ -37,10 +37,10 @@ class Args:
     """model folder (bench/make_random_model.py --shape smollm2)"""
     before_rev: str
     """the commit to compare with (its tree, from `git archive`)"""
-    after_rev: str = "HEAD"
-    """the commit to measure (also from `git archive`: edits made while it runs don't count)"""
     out: str
     """JSON to write (rewritten after every run)"""
+    after_rev: str = "HEAD"
+    """the commit to measure (also from `git archive`: edits made while it runs don't count)"""
     isas: tuple[str, ...] = ("native", "avx2")
     """which CPUs to run as: native, avx512_core, avx2 (see the module docstring)"""
     steps: int = 3
