@@ -137,9 +137,8 @@ def check_engine(kind: str, flag: str = "--rollout-engine") -> str:
 # Models
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-TINY_MODEL_HINT = (f"for a CPU try-out build a tiny one: python "
-                   f"{os.path.relpath(os.path.join(os.path.dirname(__file__), 'tests', 'tiny_model.py'))} ./tiny-model, "
-                   f"then --model ./tiny-model")
+TINY_MODEL = os.path.relpath(os.path.join(os.path.dirname(__file__), "tests", "tiny_model.py"))
+TINY_MODEL_HINT = f"for a CPU try-out build a tiny one: python {TINY_MODEL} ./tiny-model, then --model ./tiny-model"
 
 
 def looks_like_path(name: str) -> bool:
@@ -213,10 +212,18 @@ def hub_reachable(name: str, flag: str):
 
 def check_context(context: int | None, max_prompt_len: int, max_new_tokens: int, flag: str = "--max-prompt-len", *,
                   tools_prompt: int = 0):
-    """A prompt of max_prompt_len tokens (after the tools' prompt, if any) plus max_new_tokens must
-    fit the model's context."""
+    """A prompt of max_prompt_len tokens (after the tools' prompt, if any) plus max_new_tokens must fit the model's
+    context. The error offers only fixes that fit: flags lowered to at least 1 token, or a model with a longer context."""
     total = max_prompt_len + tools_prompt + max_new_tokens
     if context is not None and total > context:
         tools = f" + the tools' prompt {tools_prompt}" if tools_prompt else ""
+        new, prompt = context - tools_prompt - max_prompt_len, context - tools_prompt - max_new_tokens  # what would fit
+        lower = [f"--max-new-tokens to {new}"] * (new >= 1) + [f"{flag} to {prompt} (longer prompts are dropped)"] * (prompt >= 1)
+        both = context - tools_prompt  # neither alone, both together: a prompt and a response of a token each at least
+        lower = lower or [f"{flag} and --max-new-tokens so that they add up to {both} or less"] * (both >= 2)
+        model = (f"a model with a context of {total} or more (a tiny one for a CPU try-out: python {TINY_MODEL} ./tiny-model "
+                 f"--context {1 << (total - 1).bit_length()})")
+        room = "the tools' prompt alone leaves no room: " if tools_prompt else ""
+        fix = f"lower {' or '.join(lower)}, or use {model}" if lower else f"{room}use {model}"
         raise InputError(f"{flag} {max_prompt_len}{tools} + --max-new-tokens {max_new_tokens} = {total} tokens, "
-                         f"more than the model's context of {context} (max_position_embeddings): lower one of them")
+                         f"more than the model's context of {context} (max_position_embeddings): {fix}")

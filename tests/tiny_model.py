@@ -1,9 +1,10 @@
 """Build a tiny Llama model and a real BPE tokenizer with a chat template, entirely offline.
 
-    python tests/tiny_model.py /tmp/tiny-llama      # for notebooks and manual CPU runs
+    python tests/tiny_model.py /tmp/tiny-llama                  # for notebooks and manual CPU runs
+    python tests/tiny_model.py /tmp/tiny-llama --context 2048   # room for the tools' prompt (--tools: ~800 tokens)
 """
 
-import sys
+import argparse
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -61,4 +62,8 @@ def build_tiny_model(path: str, seed: int = 0, vocab_size: int = 512, hidden: in
 
 
 if __name__ == "__main__":
-    print(build_tiny_model(sys.argv[1]))
+    parser = argparse.ArgumentParser(description="Build the tiny model and its tokenizer into a folder, offline.")
+    parser.add_argument("path", help="the folder to write")
+    parser.add_argument("--context", type=int, default=512, help="max_position_embeddings, in tokens (default 512)")
+    args = parser.parse_args()
+    print(build_tiny_model(args.path, context=args.context))
