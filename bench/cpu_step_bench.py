@@ -5,7 +5,8 @@ CPUs without bf16 instructions would be, the runs alternated (other jobs on the 
     python bench/cpu_step_bench.py --model /tmp/smollm2-random --before-rev 2da0215 --out bench/results/cpu_step_smollm2_shape.json
 
 Each run is the README's CPU command (`python grpo.py --model M --lr 1e-5 --micro-batch-size 128`, the CPU-sized
-defaults) for `--steps` steps, no evaluation, no checkpoint. What a CPU "without bf16" is here (`--isas`):
+defaults) for `--steps` steps, no evaluation, no checkpoint, of one tree ('before' or 'after') as one CPU (`--runs`:
+tree/isa, run in that order, `--reps` times over). What a CPU "without bf16" is here:
   native       the machine as it is
   avx512_core  ONEDNN_MAX_CPU_ISA=AVX512_CORE: oneDNN without its bf16 instructions (an AVX-512 CPU such as
                Cascade Lake); fp32 kernels unchanged, and fsdp.compute_dtype then picks fp32
@@ -41,12 +42,12 @@ class Args:
     """JSON to write (rewritten after every run)"""
     after_rev: str = "HEAD"
     """the commit to measure (also from `git archive`: edits made while it runs don't count)"""
-    isas: tuple[str, ...] = ("native", "avx2")
-    """which CPUs to run as: native, avx512_core, avx2 (see the module docstring)"""
-    steps: int = 3
-    """GRPO steps per run; the first is reported but left out of the medians (first-call allocations)"""
+    runs: tuple[str, ...] = ("before/native", "after/native", "before/avx2", "after/avx2")
+    """tree/isa pairs, in order: tree before or after, isa native, avx512_core or avx2 (see the module docstring)"""
+    steps: int = 2
+    """GRPO steps per run (all of them count: the first step was no slower than the others)"""
     reps: int = 2
-    """runs of each (tree, isa) pair, alternated"""
+    """times over the list of runs"""
 
 
 def run_once(tree: str, args: Args, isa: str, run_dir: str) -> dict:
@@ -65,10 +66,10 @@ def run_once(tree: str, args: Args, isa: str, run_dir: str) -> dict:
 
 
 def summarize(runs: list[dict]) -> dict:
-    """Per (tree, isa): medians and ranges of each phase over the steps after the first, all reps."""
+    """Per (tree, isa): medians and ranges of each phase over all steps of all reps."""
     out = {}
     for key in sorted({(r["tree"], r["isa"]) for r in runs}):
-        steps = [s for r in runs if (r["tree"], r["isa"]) == key for s in r["steps"][1:]]
+        steps = [s for r in runs if (r["tree"], r["isa"]) == key for s in r["steps"]]
         out[f"{key[0]}/{key[1]}"] = {k.split("/")[1]: {"median": round(statistics.median(s[k] for s in steps), 1),
                                                       "min": round(min(s[k] for s in steps), 1),
                                                       "max": round(max(s[k] for s in steps), 1)} for k in PHASES}
@@ -102,15 +103,14 @@ def main(args: Args):
               "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
               **revs, "runs": []}
     for rep in range(args.reps):
-        for isa in args.isas:
-            for tree in trees:
-                run = run_once(os.path.join(work, tree), args, isa, os.path.join(work, f"{tree}-{isa}-{rep}"))
-                result["runs"].append({"tree": tree, "rep": rep, **run})
-                result["summary"] = summarize(result["runs"])
-                with open(args.out, "w") as f:
-                    json.dump(result, f, indent=1)
-                print(f"{tree} {isa} rep {rep}: step s {[s['perf/step_s'] for s in run['steps']]}, "
-                      f"load {run['load_1min_before']:.1f}", flush=True)
+        for tree, isa in (r.split("/") for r in args.runs):
+            run = run_once(os.path.join(work, tree), args, isa, os.path.join(work, f"{tree}-{isa}-{rep}"))
+            result["runs"].append({"tree": tree, "rep": rep, **run})
+            result["summary"] = summarize(result["runs"])
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+            print(f"{tree} {isa} rep {rep}: step s {[s['perf/step_s'] for s in run['steps']]}, "
+                  f"load {run['load_1min_before']:.1f}", flush=True)
     shutil.rmtree(work)
 
 
