@@ -1,8 +1,9 @@
 """Training on N GPUs: the process group, FSDP2 models, their forward passes.
 
     rank, world_size, device = init_distributed()         # torchrun, or plain `python` (world 1)
+    dtype = compute_dtype(device)                         # bf16, or fp32 on a CPU without bf16 instructions
     model = load_model(path, device, dtype=torch.float32, gradient_checkpointing=True)
-    shard_model(model, param_dtype=torch.bfloat16)        # FSDP2: each decoder layer, then the root
+    shard_model(model, param_dtype=dtype)                 # FSDP2: each decoder layer, then the root
     logp, entropy = token_logprobs(model, ids, mask, temperature=1.0, with_entropy=True)   # [B, T-1]
     logp, _ = token_logprobs(model, ids, mask, temperature=1.0, packed=True)  # the same: real tokens in one row
     old_logp = batch_logprobs(model, batch, micro_batch_size=8, temperature=1.0, device=device)
@@ -111,14 +112,43 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, gradient_che
     return model
 
 
+# A CPU multiplies bf16 fast only with instructions of its own, AVX512_BF16 (Zen 4, Cooper Lake on) or AMX; without them
+# a bf16 matmul is slower than fp32 (6.6x on an AVX2 machine; with AVX512_BF16 3.7x faster). Read from /proc/cpuinfo's flags,
+# as oneDNN's bf16 kernels key on them; not torch.backends.cpu.get_cpu_capability(), "AVX512" also on AVX-512 CPUs without
+# bf16 (Skylake: ATen's vector kernels, not the matmul's); not timed at start, where other jobs on 2 cores swung one fp32
+# matmul 5x between runs. Arm's bf16 is not measured: fp32. ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 caps oneDNN too.
+BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16"}
+ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
+def compute_dtype(device: torch.device, flags: set[str] | None = None, max_isa: str | None = None) -> torch.dtype:
+    """What forward and backward passes compute in, the HF engine's generation too (parameters and optimizer state stay
+    fp32): bf16 on a GPU and on a CPU whose `flags` (/proc/cpuinfo's) name bf16 instructions that `max_isa`
+    (ONEDNN_MAX_CPU_ISA) leaves to oneDNN; fp32 on other CPUs."""
+    if device.type != "cpu":
+        return torch.bfloat16
+    flags = cpu_flags() if flags is None else flags
+    max_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "") if max_isa is None else max_isa
+    return torch.bfloat16 if flags & BF16_CPU_FLAGS and max_isa.upper() not in ISAS_WITHOUT_BF16 else torch.float32
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags as Linux lists them; none without the file (macOS, Windows: fp32)."""
+    try:
+        with open(path) as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16, compile: bool = False):
     """FSDP2: shard each decoder layer, then the root (embeddings, final norm, head). compile: each layer
     through torch.compile first (as torchtitan does; names and state dicts unchanged), which fuses its
     elementwise ops into a few kernels, and logits_to_logprobs: the first forwards and backwards compile.
 
     With param_dtype=bf16 the fp32 master shards are all-gathered as bf16 for compute and
-    gradients are reduce-scattered in fp32 (reduce_dtype), as in torchtitan. param_dtype=None
-    computes in the stored dtype (the frozen bf16 reference model). Parameters land on the GPU.
+    gradients are reduce-scattered in fp32 (reduce_dtype), as in torchtitan (param_dtype: compute_dtype's).
+    param_dtype=None computes in the stored dtype (the frozen reference model). Parameters land on the GPU.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])

@@ -34,8 +34,8 @@ import tyro
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, source_name,
                   task_prompts)
-from fsdp import (all_reduce, all_reduce_dict, balance, batch_logprobs, clip_and_step, init_distributed, load_model, lr_lambda,
-                  matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
+from fsdp import (all_reduce, all_reduce_dict, balance, batch_logprobs, clip_and_step, compute_dtype, init_distributed, load_model,
+                  lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
@@ -406,6 +406,7 @@ def main(args: Args):
     handle_signals()  # Ctrl-C and SIGTERM stop the run between phases (stop.py)
     args = size_for_cpu(args, CPU_SIZES, "grpo.py")
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
+    dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
     tools = select_tools(args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s)  # its sandbox checked
     run_name = args.run_name or f"grpo-{os.path.basename(args.model.rstrip('/'))}-{'+'.join(map(source_name, args.dataset))}-s{args.seed}"
@@ -471,19 +472,19 @@ def main(args: Args):
                               sync_backend=args.rollout_sync_backend, sync_address=args.rollout_sync_address) if rank == 0 else None
     else:
         tp = tp_group(args.rollout_tp)
-        engine = start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang) if rank == tp.owner else None
+        engine = start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang, dtype=dtype) if rank == tp.owner else None
     release(engine, ALL_TAGS)  # until the first weight sync
     watch = EngineWatch(engine, phase=lambda: mem.current)  # a dead engine ends the run
     dist.barrier()  # no rank loads its model before every engine has measured free memory
     startup["engine_s"] = time.time() - t0
 
-    # ---- models: policy (fp32 masters, bf16 compute) and, only if beta > 0, the reference ---------
+    # ---- models: policy (fp32 masters, `dtype` compute) and, only if beta > 0, the reference ------
     t0 = time.time()
     policy = load_model(args.model, device, torch.float32, args.gradient_checkpointing, args.attn_implementation)
-    shard_model(policy, param_dtype=torch.bfloat16, compile=args.compile)
+    shard_model(policy, param_dtype=dtype, compile=args.compile)
     ref = None
     if args.beta > 0:
-        ref = load_model(args.model, device, torch.bfloat16, attn_implementation=args.attn_implementation).eval()
+        ref = load_model(args.model, device, dtype, attn_implementation=args.attn_implementation).eval()
         shard_model(ref, param_dtype=None, compile=args.compile)
     # fused: no temporaries (foreach allocates sqrt(v) for every parameter at once: +4 B/param, 28 GiB at 7B)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True)
@@ -491,7 +492,8 @@ def main(args: Args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
     # PLUMBING: what the memory phases move around the engine, and the weight sync's buckets and TP group (memory.py)
     phases = dict(models=[m for m in (policy, ref) if m is not None], optimizers=[optimizer], offload=args.offload, mem=mem)
-    sync = dict(bucket_bytes=args.sync_bucket_mb * 2**20, tp_group=tp.process_group if engine_kind == "sglang" else None)
+    sync = dict(bucket_bytes=args.sync_bucket_mb * 2**20, tp_group=tp.process_group if engine_kind == "sglang" else None,
+                dtype=dtype if engine_kind == "hf" else torch.bfloat16)  # the engine's dtype: SGLang computes in bf16
     # for MFU (fsdp.mfu): the GPU's peak FLOP/s (None on a CPU or a GPU not in fsdp's table), the policy's size
     peak, n_params = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else ""), matmul_params(policy)
     startup["model_s"] = time.time() - t0

@@ -6,7 +6,7 @@ A step, as the GPU memory sees it ("multi-stage awake"):
     wake_up(engine, policy=..., models=..., optimizers=..., offload=..., mem=...)
       1. free_grads        grads -> None; optimizer state -> CPU (offload)
       2. resume_weights    empty the cache; SGLang gets its weight memory back
-      3. sync_weights      FSDP2 shards -> full bf16 tensors (one bucket at a time) -> SGLang
+      3. sync_weights      FSDP2 shards -> full bf16 tensors (one bucket at a time) -> SGLang (HF engine: its dtype)
       4. offload_model     the gathered copies are gone; training params -> CPU (offload)
       5. resume_kv_cache   empty the cache; SGLang gets its KV cache (and CUDA graphs) back
     [generate]             SGLang: weights + KV cache          training: params unless offloaded
@@ -39,10 +39,10 @@ GiB = 1024**3
 
 
 def wake_up(engine, *, policy, models: list, optimizers: list, offload: bool, mem: "MemoryLog",
-            bucket_bytes: int = 512 * 2**20, tp_group=None):
+            bucket_bytes: int = 512 * 2**20, tp_group=None, dtype: torch.dtype = torch.bfloat16):
     """Training state -> rollout. `models` are all training-side FSDP2 models (policy, reference,
     critic); `optimizers` their optimizers. `engine` is None on non-owner ranks of a TP group;
-    `tp_group`: that group, when it shares an in-process SGLang engine (see sync_weights)."""
+    `tp_group`: that group, when it shares an in-process SGLang engine (see sync_weights); `dtype`: the engine's."""
     with mem.phase("free_grads"):
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
@@ -52,7 +52,7 @@ def wake_up(engine, *, policy, models: list, optimizers: list, offload: bool, me
     with mem.phase("resume_weights"):
         resume(engine, ["weights"])
     with mem.phase("sync_weights"):
-        sync_weights(policy, engine, bucket_bytes, tp_group=tp_group)
+        sync_weights(policy, engine, bucket_bytes, tp_group=tp_group, dtype=dtype)
     with mem.phase("offload_model"):
         if offload:
             for model in models:
@@ -79,12 +79,12 @@ def sleep(engine, *, models: list, optimizers: list, offload: bool, mem: "Memory
 
 
 @torch.no_grad()
-def sync_weights(model, engine, bucket_bytes: int = 512 * 2**20, tp_group=None):
+def sync_weights(model, engine, bucket_bytes: int = 512 * 2**20, tp_group=None, dtype: torch.dtype = torch.bfloat16):
     """Push the FSDP2 model's weights into the engine, in buckets of about `bucket_bytes`.
 
     Every rank all-gathers every parameter (`full_tensor()` is a collective: all ranks, same order); ranks that own an
-    engine hand the full bf16 tensors to it, by CUDA IPC for SGLang, no copy through the CPU. Buckets bound the extra
-    memory to one bucket of gathered weights. The prefix cache holds KV of the old weights: flushed once, at the end.
+    engine hand it the full tensors in `dtype` (SGLang: bf16) by CUDA IPC, no copy through the CPU. Buckets bound the
+    extra memory to one bucket of gathered weights. The prefix cache holds KV of the old weights: flushed at the end.
 
     `tp_group` (--rollout-tp k, one SGLang engine over the group's GPUs): SGLang's TP worker i opens the copy
     rank i gathered, on its own GPU. Given only the owner's, every worker opened GPU 0's memory: 1.05 s
@@ -92,7 +92,7 @@ def sync_weights(model, engine, bucket_bytes: int = 512 * 2**20, tp_group=None):
     """
     bucket, size = [], 0
     for name, param in model.named_parameters():
-        full = param.detach().to(torch.bfloat16)  # cast the shard first: half the bytes to gather
+        full = param.detach().to(dtype)  # cast the shard first: bf16 gathers half the bytes
         full = full.full_tensor() if hasattr(full, "full_tensor") else full
         if engine is None and tp_group is None:
             continue  # it only helps gather

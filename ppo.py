@@ -37,8 +37,8 @@ import tyro
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, source_name,
                   task_prompts)
-from fsdp import (all_reduce, all_reduce_dict, balance, batch_forward, batch_logprobs, clip_and_step, forward_tokens, init_distributed,
-                  load_model, lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
+from fsdp import (all_reduce, all_reduce_dict, balance, batch_forward, batch_logprobs, clip_and_step, compute_dtype, forward_tokens,
+                  init_distributed, load_model, lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
@@ -459,6 +459,7 @@ def main(args: Args):
     handle_signals()  # Ctrl-C and SIGTERM stop the run between phases (stop.py)
     args = size_for_cpu(args, CPU_SIZES, "ppo.py")
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
+    dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
     tools = select_tools(args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s)  # its sandbox checked
     run_name = args.run_name or f"ppo-{os.path.basename(args.model.rstrip('/'))}-{'+'.join(map(source_name, args.dataset))}-s{args.seed}"
@@ -526,21 +527,21 @@ def main(args: Args):
                               sync_backend=args.rollout_sync_backend, sync_address=args.rollout_sync_address) if rank == 0 else None
     else:
         tp = tp_group(args.rollout_tp)
-        engine = start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang) if rank == tp.owner else None
+        engine = start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang, dtype=dtype) if rank == tp.owner else None
     release(engine, ALL_TAGS)  # until the first weight sync
     watch = EngineWatch(engine, phase=lambda: mem.current)  # a dead engine ends the run
     dist.barrier()  # no rank loads its model before every engine has measured free memory
     startup["engine_s"] = time.time() - t0
 
-    # ---- models: actor and critic (fp32 masters, bf16 compute), the reference only if KL is on ----
+    # ---- models: actor and critic (fp32 masters, `dtype` compute), the reference only if KL is on -
     t0 = time.time()
     from transformers import AutoModelForTokenClassification  # lazy: keeps `import ppo` fast
 
     policy = load_model(args.model, device, torch.float32, args.gradient_checkpointing, args.attn_implementation)
-    shard_model(policy, param_dtype=torch.bfloat16, compile=args.compile)
+    shard_model(policy, param_dtype=dtype, compile=args.compile)
     ref = None
     if args.kl_coef > 0 or args.adaptive_kl:
-        ref = load_model(args.model, device, torch.bfloat16, attn_implementation=args.attn_implementation).eval()
+        ref = load_model(args.model, device, dtype, attn_implementation=args.attn_implementation).eval()
         shard_model(ref, param_dtype=None, compile=args.compile)
     # The critic: the LM's body with a one-output token-classification head, value per position.
     # (transformers reports that head as MISSING from the checkpoint, in a table: new by design, so not shown.)
@@ -552,7 +553,7 @@ def main(args: Args):
     logging.getLogger("transformers.modeling_utils").removeFilter(no_load_report)
     for p in critic.score.parameters():  # ALGO: values start at 0 rather than at noise
         torch.nn.init.zeros_(p)
-    shard_model(critic, param_dtype=torch.bfloat16, compile=args.compile)
+    shard_model(critic, param_dtype=dtype, compile=args.compile)
     # fused: no temporaries (foreach allocates sqrt(v) for every parameter at once: +4 B/param)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay,
@@ -564,7 +565,8 @@ def main(args: Args):
     # weight sync's buckets and TP group (memory.py)
     phases = dict(models=[m for m in (policy, ref, critic) if m is not None], optimizers=[optimizer, critic_optimizer],
                   offload=args.offload, mem=mem)
-    sync = dict(bucket_bytes=args.sync_bucket_mb * 2**20, tp_group=tp.process_group if engine_kind == "sglang" else None)
+    sync = dict(bucket_bytes=args.sync_bucket_mb * 2**20, tp_group=tp.process_group if engine_kind == "sglang" else None,
+                dtype=dtype if engine_kind == "hf" else torch.bfloat16)  # the engine's dtype: SGLang computes in bf16
     kl_coef = args.kl_coef
     # for MFU (fsdp.mfu): the GPU's peak FLOP/s (None on a CPU or a GPU not in fsdp's table), the models' sizes
     peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "")

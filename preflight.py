@@ -151,6 +151,8 @@ def size_for_cpu(args, sizes: dict, script: str):
     for every field not given on the command line, and say so in one line."""
     import torch
 
+    from fsdp import compute_dtype  # lazy, as torch
+
     if torch.cuda.is_available():
         return args
     changed = {k: v for k, v in sizes.items() if k not in given_flags(sys.argv[1:])}
@@ -158,7 +160,9 @@ def size_for_cpu(args, sizes: dict, script: str):
     if os.environ.get("RANK", "0") == "0":
         where = ("training on the CPU" if getattr(args, "rollout_mode", "colocate") == "server" else
                  "generating with plain transformers (--rollout-engine hf) on the CPU")
-        print(f"{script}: no GPU found (torch.cuda.is_available() is False): {where}"
+        dtype = ("bfloat16" if compute_dtype(torch.device("cpu")) == torch.bfloat16 else
+                 "float32 (this CPU has no bf16 instructions)")  # fsdp.compute_dtype says why
+        print(f"{script}: no GPU found (torch.cuda.is_available() is False): {where}, computing in {dtype}"
               + (f", CPU-sized defaults: {flags}" if flags else ""), flush=True)
     return dataclasses.replace(args, **changed)
 
@@ -189,9 +193,8 @@ def check_engine(kind: str, flag: str = "--rollout-engine") -> str:
 # Models
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-TINY_MODEL_HINT = (f"for a CPU try-out build a tiny one: python "
-                   f"{os.path.relpath(os.path.join(os.path.dirname(__file__), 'tests', 'tiny_model.py'))} ./tiny-model, "
-                   f"then --model ./tiny-model")
+TINY_MODEL = os.path.relpath(os.path.join(os.path.dirname(__file__), "tests", "tiny_model.py"))
+TINY_MODEL_HINT = f"for a CPU try-out build a tiny one: python {TINY_MODEL} ./tiny-model, then --model ./tiny-model"
 
 
 def looks_like_path(name: str) -> bool:
@@ -298,10 +301,18 @@ def hub_unreachable(name: str, flag: str, repo_type: str = "model") -> str | Non
 
 def check_context(context: int | None, max_prompt_len: int, max_new_tokens: int, flag: str = "--max-prompt-len", *,
                   tools_prompt: int = 0):
-    """A prompt of max_prompt_len tokens (after the tools' prompt, if any) plus max_new_tokens must
-    fit the model's context."""
+    """A prompt of max_prompt_len tokens (after the tools' prompt, if any) plus max_new_tokens must fit the model's
+    context. The error offers only fixes that fit: flags lowered to at least 1 token, or a model with a longer context."""
     total = max_prompt_len + tools_prompt + max_new_tokens
     if context is not None and total > context:
         tools = f" + the tools' prompt {tools_prompt}" if tools_prompt else ""
+        new, prompt = context - tools_prompt - max_prompt_len, context - tools_prompt - max_new_tokens  # what would fit
+        lower = [f"--max-new-tokens to {new}"] * (new >= 1) + [f"{flag} to {prompt} (longer prompts are dropped)"] * (prompt >= 1)
+        both = context - tools_prompt  # neither alone, both together: a prompt and a response of a token each at least
+        lower = lower or [f"{flag} and --max-new-tokens so that they add up to {both} or less"] * (both >= 2)
+        model = (f"a model with a context of {total} or more (a tiny one for a CPU try-out: python {TINY_MODEL} ./tiny-model "
+                 f"--context {1 << (total - 1).bit_length()})")
+        room = "the tools' prompt alone leaves no room: " if tools_prompt else ""
+        fix = f"lower {' or '.join(lower)}, or use {model}" if lower else f"{room}use {model}"
         raise InputError(f"{flag} {max_prompt_len}{tools} + --max-new-tokens {max_new_tokens} = {total} tokens, "
-                         f"more than the model's context of {context} (max_position_embeddings): lower one of them")
+                         f"more than the model's context of {context} (max_position_embeddings): {fix}")

@@ -188,12 +188,14 @@ class HFEngine:
         pass
 
 
-def start_engine(kind: str, model_path: str, *, seed: int, sglang: SGLangOptions | None = None):
+def start_engine(kind: str, model_path: str, *, seed: int, sglang: SGLangOptions | None = None,
+                 dtype: torch.dtype = torch.float32):
     """'sglang' (on this rank's GPU) or 'hf' (CPU stand-in). `engine.processes` lists the child
-    processes it started (SGLang's scheduler and detokenizer), for stop.EngineWatch."""
+    processes it started (SGLang's scheduler and detokenizer), for stop.EngineWatch. `dtype`: the HF engine's
+    (the trainer's compute dtype, so log-probs match); SGLang's is bf16."""
     if kind == "sglang":
         return start_sglang(model_path, gpu_id=torch.cuda.current_device(), seed=seed, options=sglang)
-    return HFEngine(model_path, seed=seed)
+    return HFEngine(model_path, dtype=dtype, seed=seed)
 
 
 def stop_token_ids(tokenizer, model_path: str) -> list[int]:

@@ -108,8 +108,49 @@ def test_prompt_plus_new_tokens_longer_than_the_context(tiny_model_dir, tmp_path
     """The tiny model's context is 512: 256 + 300 tokens is refused with the numbers, before loading."""
     code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--max-new-tokens", 300, "--output-dir", tmp_path / "runs")
     assert_clean_failure(code, out, "--max-prompt-len 256 + --max-new-tokens 300 = 556 tokens",
-                         "the model's context of 512")
+                         "the model's context of 512", "lower --max-new-tokens to 256 or --max-prompt-len to 212")
     assert not (tmp_path / "runs").exists()
+
+
+def test_tools_prompt_longer_than_the_context_names_a_model_that_fits(tiny_model_dir, tmp_path):
+    """The README's tools example on the tiny model (context 512): no flag can make room for the tools' prompt, so the
+    error names a longer context only, and tiny_model.py's option that builds one."""
+    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--dataset", "multiplication", "--tools", "calculator",
+                       "--output-dir", tmp_path / "runs")
+    assert_clean_failure(code, out, "more than the model's context of 512", "the tools' prompt alone leaves no room",
+                         "tests/tiny_model.py ./tiny-model --context 2048")
+    assert "lower" not in out
+    code, out, _ = run("tests/tiny_model.py", "--help")
+    assert code == 0 and "--context" in out
+
+
+@pytest.mark.parametrize("context, prompt, tools, new, fixes", [
+    (512, 256, 0, 300, ["--max-new-tokens to 256", "--max-prompt-len to 212", "context of 556 or more", "--context 1024"]),
+    (512, 256, 400, 64, ["--max-prompt-len to 48", "context of 720 or more", "--context 1024"]),  # new tokens can't fit
+    (512, 256, 776, 64, ["the tools' prompt alone leaves no room", "context of 1096 or more", "--context 2048"]),
+    (512, 256, 256, 1, ["--max-prompt-len to 255", "context of 513 or more", "--context 1024"]),
+    (512, 500, 100, 500, ["so that they add up to 412 or less", "context of 1100 or more", "--context 2048"]),  # both
+])
+def test_context_error_offers_only_fixes_that_fit(context, prompt, tools, new, fixes):
+    """Hand-computed: tokens that fit = context - tools' prompt - the other flag; each fix offered, applied, fits."""
+    from preflight import InputError, check_context
+
+    check_context(context, context - tools - new, new, tools_prompt=tools)  # exactly full: fine
+    check_context(None, prompt, new, tools_prompt=tools)  # context unknown: nothing to check
+    with pytest.raises(InputError) as e:
+        check_context(context, prompt, new, tools_prompt=tools)
+    message = str(e.value)
+    assert all(fix in message for fix in fixes), message
+    lowered = {f: int(v) for f, v in re.findall(r"(--max-new-tokens|--max-prompt-len) to (\d+)", message)}
+    assert len(lowered) == sum(f.startswith("--max") for f in fixes) and all(v >= 1 for v in lowered.values())
+    for flag, value in lowered.items():  # each lowering alone makes it fit
+        check_context(context, value if flag == "--max-prompt-len" else prompt, value if flag == "--max-new-tokens" else new,
+                      tools_prompt=tools)
+    if together := re.search(r"add up to (\d+)", message):
+        total = int(together.group(1))
+        check_context(context, total // 2, total - total // 2, tools_prompt=tools)
+    bigger = int(re.search(r"--context (\d+)", message).group(1))
+    check_context(bigger, prompt, new, tools_prompt=tools)  # the model it names fits
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,13 +158,18 @@ def test_prompt_plus_new_tokens_longer_than_the_context(tiny_model_dir, tmp_path
 
 
 def test_cpu_machine_says_so_and_sizes_the_run_for_it(tiny_model_dir, tmp_path):
-    """No GPU: one line says so, names the engine and the CPU-sized flags it chose; flags given win."""
+    """No GPU: one line says so, names the engine, the compute dtype and the CPU-sized flags it chose; flags given win."""
+    import torch
+
+    from fsdp import compute_dtype
+
     code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--steps", "1", "--eval-every", "0", "--group-size", "2",
                        "--output-dir", tmp_path / "runs", "--run-name", "r")
     assert code == 0, out[-3000:]
     line = next(x for x in out.splitlines() if "no GPU found" in x)
     assert "--rollout-engine hf" in line and "--prompts-per-step 4" in line and "--max-new-tokens 64" in line
     assert "--group-size" not in line  # given on the command line
+    assert f"computing in {str(compute_dtype(torch.device('cpu'))).removeprefix('torch.')}" in line  # fsdp.compute_dtype's
     args = json.loads((tmp_path / "runs" / "r" / "args.json").read_text())
     assert (args["prompts_per_step"], args["group_size"], args["max_new_tokens"]) == (4, 2, 64)
     assert "step 1 |" in out
@@ -351,7 +397,7 @@ def test_plot_without_a_run_folder(tmp_path):
 def test_tiny_model_help_builds_nothing(tmp_path):
     """`python tests/tiny_model.py --help` built a model in a folder named '--help'."""
     code, out, seconds = run(os.path.join("tests", "tiny_model.py"), "--help", cwd=tmp_path)
-    assert code == 0 and out.startswith("usage: tiny_model.py [-h] [--sft-steps SFT_STEPS] FOLDER") and seconds < 10
+    assert code == 0 and out.startswith("usage: tiny_model.py [-h] [--sft-steps SFT_STEPS] [--context CONTEXT] FOLDER") and seconds < 10
     code, out, _ = run(os.path.join("tests", "tiny_model.py"), cwd=tmp_path)
     assert code == 2 and out.strip().splitlines()[-1] == "tiny_model.py: error: the following arguments are required: FOLDER"
     assert os.listdir(tmp_path) == []

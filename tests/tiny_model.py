@@ -1,6 +1,7 @@
 """Build a tiny Llama model and a real BPE tokenizer with a chat template, entirely offline.
 
-    python tests/tiny_model.py /tmp/tiny-llama      # for notebooks and manual CPU runs
+    python tests/tiny_model.py /tmp/tiny-llama                  # for notebooks and manual CPU runs
+    python tests/tiny_model.py /tmp/tiny-llama --context 2048   # room for the tools' prompt (--tools: ~800 tokens)
 """
 
 import argparse
@@ -67,7 +68,8 @@ if __name__ == "__main__":
     parser.add_argument("folder", metavar="FOLDER",
                         help="where to write it, e.g. ./tiny-model (created; a model already there is replaced)")
     parser.add_argument("--sft-steps", type=int, default=150, help="steps of supervised warm-up (0: untrained, seconds)")
+    parser.add_argument("--context", type=int, default=512, help="max_position_embeddings, in tokens (default 512)")
     args = parser.parse_args()
     if os.path.isfile(args.folder):
         parser.error(f"{args.folder!r} is a file: name a folder, e.g. ./tiny-model")
-    print(build_tiny_model(args.folder, sft_steps=args.sft_steps))
+    print(build_tiny_model(args.folder, sft_steps=args.sft_steps, context=args.context))
