@@ -404,6 +404,8 @@ class Sample:
     model_mask: list[int] | None = None  # per response token: 1 sampled by the model, 0 a tool's reply (None: all 1)
     turns: int = 1                 # model turns (multi-turn with tools)
     tool_calls: list = field(default_factory=list)  # (tool name, "ok" | "error" | "timeout", seconds) per call
+    prompt: str | list[dict] = ""  # the question as asked (Example.prompt): a reward model reads it (reward_model.py)
+    messages: list[dict] | None = None  # multi-turn: the model's turns and the tools' replies as chat messages
 
 
 @dataclass

@@ -41,6 +41,7 @@ from fsdp import (all_reduce, all_reduce_dict, balance, batch_forward, batch_log
                   init_distributed, load_model, lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
+from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_rewards
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
 from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, send, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
@@ -161,6 +162,18 @@ class Args:
     """reward calls that run at once, each in a thread (1: one at a time, for a reward that is not thread-safe)"""
     reward_timeout_s: float = 30.0
     """a reward call still running after this scores 0 (rollout/reward_timeouts) and runs on, abandoned (reward.score_all)"""
+    reward_model: str | None = None
+    """a reward model (hub id or folder: a *ForSequenceClassification with one label, e.g. train_rm.py's) scoring each
+    conversation with its own tokenizer and chat template; its score joins the rule reward (--reward-weights)"""
+    reward_weights: tuple[float, float] = (1.0, 1.0)
+    """with --reward-model: the rule reward's weight (answer correctness or --reward) and the reward model's; '0 1': the
+    reward model alone (accuracy is still judged by the rule)"""
+    reward_model_norm: bool = False
+    """with --reward-model: whiten its scores over the batch (mean 0, std 1) before they are weighted"""
+    reward_model_max_len: int = 2048
+    """with --reward-model: conversations cut to this many of its tokens (counted: rollout/rm_truncated)"""
+    reward_model_template: str | None = None
+    """with --reward-model: its chat template (a FILE.jinja or the text), for a tokenizer without one"""
     # --- tools (multi-turn rollouts)
     tools: str = ""
     """comma-separated tools a sample may call mid-answer: calculator, python (tools.py); '' for one turn"""
@@ -447,6 +460,7 @@ def check_args(args: Args, world_size: int):
         ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
         ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
         ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
+        ("--reward-model-max-len", a.reward_model_max_len, a.reward_model_max_len >= 2, ">= 2"),
         ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
     ])
 
@@ -467,6 +481,7 @@ def main(args: Args):
     resume_from = checkpoint_to_resume(run_dir, args.resume)
     engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
     tokenizer, context_len = check_model(args.model)  # before SGLang starts: a bad --model fails in one line
+    rm_tokenizer, rm_template = check_reward_model(args.reward_model, args.reward_model_template) if args.reward_model else (None, None)
     if args.critic_model:
         check_model(args.critic_model, "--critic-model", with_tokenizer=False)
     stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])
@@ -543,6 +558,9 @@ def main(args: Args):
     if args.kl_coef > 0 or args.adaptive_kl:
         ref = load_model(args.model, device, dtype, attn_implementation=args.attn_implementation).eval()
         shard_model(ref, param_dtype=None, compile=args.compile)
+    rm = load_reward_model(args.reward_model, device, dtype, args.attn_implementation) if args.reward_model else None
+    rm_read = dict(tokenizer=rm_tokenizer, template=rm_template, max_len=args.reward_model_max_len,
+                   micro_batch_size=args.micro_batch_size, device=device)  # how it reads a conversation
     # The critic: the LM's body with a one-output token-classification head, value per position.
     # (transformers reports that head as MISSING from the checkpoint, in a table: new by design, so not shown.)
     def no_load_report(record):
@@ -563,7 +581,7 @@ def main(args: Args):
     critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
     # PLUMBING: what the memory phases move around the engine (all of it leaves the GPU with --offload), and the
     # weight sync's buckets and TP group (memory.py)
-    phases = dict(models=[m for m in (policy, ref, critic) if m is not None], optimizers=[optimizer, critic_optimizer],
+    phases = dict(models=[m for m in (policy, ref, critic, rm) if m is not None], optimizers=[optimizer, critic_optimizer],
                   offload=args.offload, mem=mem)
     sync = dict(bucket_bytes=args.sync_bucket_mb * 2**20, tp_group=tp.process_group if engine_kind == "sglang" else None,
                 dtype=dtype if engine_kind == "hf" else torch.bfloat16)  # the engine's dtype: SGLang computes in bf16
@@ -670,7 +688,7 @@ def main(args: Args):
             samples = pending.result()
             for s, i in zip(samples, pending.sample_idx):
                 ex = train_prompts.examples[i]
-                s.answer, s.kind, s.source = ex.answer, ex.kind, ex.source
+                s.answer, s.kind, s.source, s.prompt = ex.answer, ex.kind, ex.source, ex.prompt
             scored = score_all(reward_fn, [(s.text, s.answer, s.kind) for s in samples], workers=args.reward_workers,
                                timeout_s=args.reward_timeout_s)  # in threads, each call within the limit (reward.py)
             for s, (reward, error) in zip(samples, scored):  # raised, NaN/inf or timed out: 0.0, and why
@@ -682,6 +700,9 @@ def main(args: Args):
 
         # -- 3. SGLang sleeps, training state comes back
         sleep(engine, device=device, **phases)
+        if rm is not None:  # ALGO: each reward becomes w_rule * rule + w_rm * the RM's score (reward_model.py)
+            with mem.phase("reward_model"):
+                metrics.update(rm_rewards(rm, samples, weights=args.reward_weights, whiten=args.reward_model_norm, **rm_read))
         metrics.update(rollout_stats(samples, seconds=pending.seconds if pending.ahead else mem.seconds["generate"]))
         metrics["rollout/staleness"] = float(pending.ahead)  # updates between the sampling weights and the trained ones
         if tools:
@@ -797,7 +818,7 @@ def main(args: Args):
             metrics["time/startup_to_first_step_s"] = time.time() - t_launch
             metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
         errors = [c for c in REWARD_LINE if metrics[c[1]]]  # samples scored 0: raised, NaN/inf, timed out
-        print0(log_line(f"step {step}", metrics, CONSOLE + TOOLS_CONSOLE * bool(tools) + errors))
+        print0(log_line(f"step {step}", metrics, CONSOLE + TOOLS_CONSOLE * bool(tools) + RM_LINE * bool(rm) + errors))
         log.log(metrics)
         n_updates = args.epochs * args.num_minibatches * (2 if update_actor else 1)
         if warning := nonfinite.after_step(step, int(metrics["train/nonfinite_skips"]), n_updates):

@@ -396,7 +396,7 @@ async def episode(engine, prompt: list[int], seed: int, *, sampling: Sampling, t
     out: a turn cut by it, or a tool reply that does not fit, leaves the sample truncated.
     """
     tok, loop = tool_use.tokenizer, asyncio.get_running_loop()
-    sample = Sample(prompt_ids=prompt, response_ids=[], rollout_logprobs=[], truncated=False, model_mask=[])
+    sample = Sample(prompt_ids=prompt, response_ids=[], rollout_logprobs=[], truncated=False, model_mask=[], messages=[])
     texts = []
     for turn in range(tool_use.max_turns):
         params = {**sampling.params(seed_for(seed, "turn", turn) if turn else seed),
@@ -407,6 +407,7 @@ async def episode(engine, prompt: list[int], seed: int, *, sampling: Sampling, t
         sample.rollout_logprobs += turn_out.rollout_logprobs
         sample.model_mask += [1] * len(turn_out.response_ids)
         texts.append(turn_out.text)
+        sample.messages.append({"role": "assistant", "content": turn_out.text})
         calls, malformed = parse_tool_calls(turn_out.text)
         if turn_out.truncated or not (calls or malformed) or turn == tool_use.max_turns - 1:
             sample.truncated = turn_out.truncated
@@ -421,6 +422,7 @@ async def episode(engine, prompt: list[int], seed: int, *, sampling: Sampling, t
             sample.truncated = True
             break
         sample.response_ids += reply_ids
+        sample.messages += [{"role": "tool", "content": r} for r in replies]
         sample.rollout_logprobs += [0.0] * len(reply_ids)
         sample.model_mask += [0] * len(reply_ids)
     sample.turns, sample.text = len(texts), "\n".join(texts)

@@ -1,0 +1,148 @@
+"""Reward models (reward_model.py): scores as the model gives them by hand, the rewards combined by hand,
+bad reward-model folders in one line, and grpo.py / ppo.py trained against one (--reward-model)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import torchrun_check
+from test_smoke import metrics, run_grpo
+
+from preflight import InputError
+from reward_model import check_reward_model, combine_rewards, conversation, load_reward_model, rm_stats, score_conversations
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build_reward_model(base: str, path: str, num_labels: int = 1, chat_template: bool = True) -> str:
+    """`base` (a causal LM folder) with a fresh sequence-classification head, std 1 so scores differ."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=num_labels)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if not chat_template:
+        tokenizer.chat_template = None
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    if not chat_template and os.path.exists(os.path.join(path, "chat_template.jinja")):
+        os.remove(os.path.join(path, "chat_template.jinja"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tiny_model_dir, tmp_path_factory) -> str:
+    return build_reward_model(tiny_model_dir, str(tmp_path_factory.mktemp("tiny-rm")))
+
+
+CONVERSATIONS = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in [
+    ("What is 1 + 1?", "2"), ("What is 12 + 30?", "12 + 30 = 42\n#### 42"), ("Hi", "a much longer answer " * 6),
+    ("What is 3 + 4?", "#### 7")]]
+
+
+def test_scores_are_the_models_own_with_padding_and_truncation(rm_dir, gloo):
+    """Batched (2 at a time, right-padded, longest first) under FSDP2: each conversation's score is the one the
+    unsharded model gives it alone, HF's own pooling at its last token; one conversation is cut to max_len 40."""
+    from transformers import AutoModelForSequenceClassification
+
+    tokenizer, template = check_reward_model(rm_dir)
+    rm = load_reward_model(rm_dir, torch.device("cpu"), torch.float32)
+    scores, cut = score_conversations(rm, CONVERSATIONS, tokenizer=tokenizer, template=template, max_len=40,
+                                      micro_batch_size=2, device=torch.device("cpu"))
+    whole = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
+    lengths = []
+    for c, got in zip(CONVERSATIONS, scores.tolist()):
+        ids = tokenizer.apply_chat_template(c, tokenize=True, return_dict=False)
+        lengths.append(len(ids))
+        with torch.no_grad():
+            want = float(whole(input_ids=torch.tensor([ids[:40]])).logits[0, 0])
+        assert got == pytest.approx(want, abs=1e-5)
+    assert cut == sum(n > 40 for n in lengths) == 1 and len(set(lengths)) > 2  # padding was needed too
+    assert len(set(scores.tolist())) == 4
+
+
+def test_scores_under_torchrun_two_ranks(rm_dir):
+    proc = torchrun_check("tests/rm_score_check.py", rm_dir)
+    assert proc.returncode == 0 and "scores match" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_conversation_is_the_prompt_then_the_response_or_the_episode():
+    class Sample:
+        text, messages = "#### 5", None
+    assert conversation("What is 2 + 3?", Sample()) == [{"role": "user", "content": "What is 2 + 3?"},
+                                                        {"role": "assistant", "content": "#### 5"}]
+    episode = Sample()
+    episode.messages = [{"role": "assistant", "content": "<tool_call>2+3</tool_call>"}, {"role": "tool", "content": "5"},
+                        {"role": "assistant", "content": "#### 5"}]
+    asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+    assert conversation(asked, episode) == asked + episode.messages
+
+
+def test_combine_rewards_by_hand(gloo):
+    """rule [1, 0, 0.25, 1], rm [2, 0, -2, 4]. Weights (1, 1): [3, 0, -1.75, 5]; (0.5, 2): [4.5, 0, -3.875, 8.5].
+    Whitened: rm's mean 1, deviations [1, -1, -3, 3], variance (1 + 1 + 9 + 9) / 4 = 5, so rm becomes
+    [1, -1, -3, 3] / sqrt(5) = [0.4472, -0.4472, -1.3416, 1.3416]; with weights (0, 1) that is the reward."""
+    rule, rm = torch.tensor([1.0, 0.0, 0.25, 1.0]), torch.tensor([2.0, 0.0, -2.0, 4.0])
+    assert combine_rewards(rule, rm, weights=(1.0, 1.0), whiten=False).tolist() == [3.0, 0.0, -1.75, 5.0]
+    assert combine_rewards(rule, rm, weights=(0.5, 2.0), whiten=False).tolist() == [4.5, 0.0, -3.875, 8.5]
+    torch.testing.assert_close(combine_rewards(rule, rm, weights=(0.0, 1.0), whiten=True),
+                               torch.tensor([0.4472, -0.4472, -1.3416, 1.3416]), atol=1e-4, rtol=0)
+    # one equal score for all: whitened to 0, not NaN
+    assert combine_rewards(rule, torch.full((4,), 3.0), weights=(1.0, 1.0), whiten=True).tolist() == rule.tolist()
+
+
+def test_rm_stats_by_hand(gloo):
+    """rule [1, 0, 1, 0], rm [3, 1, 2, 0]: rm mean 1.5, std sqrt((2.25 + 0.25 + 0.25 + 2.25) / 4) = 1.1180; rule
+    mean 0.5, std 0.5; covariance (3 + 2) / 4 - 1.5 * 0.5 = 0.5, correlation 0.5 / (1.1180 * 0.5) = 0.8944."""
+    out = rm_stats(torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([3.0, 1.0, 2.0, 0.0]), cut=2)
+    assert out["rollout/rm_score"] == 1.5 and out["rollout/rule_reward"] == 0.5 and out["rollout/rm_truncated"] == 2
+    assert out["rollout/rm_score_std"] == pytest.approx(1.1180, abs=1e-4)
+    assert out["rollout/rm_rule_corr"] == pytest.approx(0.8944, abs=1e-4)
+    assert math.isnan(rm_stats(torch.ones(3), torch.tensor([1.0, 2.0, 3.0]), 0)["rollout/rm_rule_corr"])  # no variance
+
+
+def test_bad_reward_models_fail_in_one_line(tiny_model_dir, tmp_path):
+    """A causal LM (no head), a two-label classifier, a tokenizer without a chat template: each names the folder
+    and the fix. A template given as a file is read; as neither a file nor Jinja, refused."""
+    with pytest.raises(InputError, match="is not a reward model: its config.json names no .*ForSequenceClassification"):
+        check_reward_model(tiny_model_dir)
+    two = build_reward_model(tiny_model_dir, str(tmp_path / "two"), num_labels=2)
+    with pytest.raises(InputError, match="has 2 labels"):
+        check_reward_model(two)
+    bare = build_reward_model(tiny_model_dir, str(tmp_path / "bare"), chat_template=False)
+    with pytest.raises(InputError, match="no chat template .* --reward-model-template FILE.jinja"):
+        check_reward_model(bare)
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    tokenizer, template = check_reward_model(bare, str(tmp_path / "t.jinja"))
+    assert template.startswith("{% for m") and tokenizer.apply_chat_template(CONVERSATIONS[0], chat_template=template,
+                                                                             tokenize=False) == "user: What is 1 + 1?\nassistant: 2\n"
+    with pytest.raises(InputError, match="neither a file nor a Jinja template"):
+        check_reward_model(bare, "chatml")
+
+
+def test_grpo_with_a_causal_lm_as_reward_model_stops_before_loading(trained_tiny_model_dir, tmp_path):
+    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--reward-model", trained_tiny_model_dir, expect_ok=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "--reward-model" in lines[0] and "train_rm.py" in lines[0]
+    assert not os.path.exists(tmp_path / "r")
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+def test_train_against_the_reward_model_alone(script, trained_tiny_model_dir, rm_dir, tmp_path):
+    """--reward-weights 0 1: the reward is the RM's score alone (whitened), the rule reward still measured;
+    the RM is a tenant of the memory phases and its seconds are logged."""
+    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--eval-every", "0", "--reward-model", rm_dir,
+                    "--reward-weights", "0", "1", "--reward-model-norm", "--reward-model-max-len", "40", "--offload",
+                    script=script)
+    train, _ = metrics(tmp_path)
+    assert len(train) == 2 and "| rm " in proc.stdout
+    for r in train:
+        assert r["time/reward_model"] > 0 and r["rollout/rm_truncated"] >= 0 and "rollout/rm_rule_corr" in r
+        assert abs(r["rollout/reward_mean"]) < 1e-5  # whitened scores, weight 1, rule weight 0: mean 0
+        assert r["rollout/rm_score_std"] > 0 and 0 <= r["rollout/rule_reward"] <= 1.5
