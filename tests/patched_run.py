@@ -179,7 +179,7 @@ elif mode == "sglang_start_fails":
 
     logging.basicConfig(format="[%(asctime)s] %(message)s", level=logging.ERROR)  # SGLang's configure_logger
     install_fake_sglang(pytest.MonkeyPatch(), FailingEngine)
-    rollout.start_engine = lambda kind, model, *, seed, sglang=None: rollout.start_sglang(model, gpu_id=0, seed=seed,
+    rollout.start_engine = lambda kind, model, *, seed, sglang=None, dtype=None: rollout.start_sglang(model, gpu_id=0, seed=seed,
                                                                                           options=sglang)
 else:
     raise SystemExit(f"unknown mode {mode!r}")

@@ -146,3 +146,21 @@ def test_train_against_the_reward_model_alone(script, trained_tiny_model_dir, rm
         assert r["time/reward_model"] > 0 and r["rollout/rm_truncated"] >= 0 and "rollout/rm_rule_corr" in r
         assert abs(r["rollout/reward_mean"]) < 1e-5  # whitened scores, weight 1, rule weight 0: mean 0
         assert r["rollout/rm_score_std"] > 0 and 0 <= r["rollout/rule_reward"] <= 1.5
+
+
+def test_rm_pairs_by_hand():
+    """bench/rm_pairs.py: a prompt with a right completion c = '12 + 30 = 42' gives a 'format' pair (c + '\\n#### 42'
+    over c), a 'number' pair (the same over c + '\\n#### M', M a wrong number within 10 of 42) and, with a wrong
+    completion, a 'wrong' pair (c over it); a prompt with no right completion gives none."""
+    import random
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from rm_pairs import pairs_of
+
+    rows = pairs_of("What is 12 + 30?", "42", "int", ["12 + 30 = 42 ", "12 + 30 = 43", "I don't know"], random.Random(0))
+    assert [r["group"] for r in rows] == ["format", "number", "wrong"]
+    assert rows[0]["chosen"] == rows[1]["chosen"] == "12 + 30 = 42\n#### 42" and rows[0]["rejected"] == "12 + 30 = 42"
+    wrong_number = int(rows[1]["rejected"].rsplit("#### ", 1)[1])
+    assert rows[1]["rejected"].startswith("12 + 30 = 42\n#### ") and wrong_number != 42 and abs(wrong_number - 42) <= 10
+    assert rows[2]["chosen"] == "12 + 30 = 42" and rows[2]["rejected"] in ("12 + 30 = 43", "I don't know")
+    assert pairs_of("What is 1 + 1?", "2", "int", ["3", "#### 5"], random.Random(0)) == []

@@ -1,0 +1,119 @@
+"""Preference pairs for train_rm.py from a policy's own completions, labelled by the task's rule.
+
+    python bench/rm_pairs.py --model HuggingFaceTB/SmolLM2-135M-Instruct --dataset addition --out pairs.jsonl
+    python train_rm.py --model HuggingFaceTB/SmolLM2-135M-Instruct --dataset pairs.jsonl --eval-dataset pairs.eval.jsonl
+
+Samples `--samples-per-prompt` completions of each prompt (temperature 1), judges each by the rule grpo.py
+rewards with (reward.correct), and writes rows {"prompt", "chosen", "rejected", "group"}, the chosen side
+earning more under that rule. For each prompt with a completion that gets the answer right (any format), c:
+
+    group "wrong":  c vs a completion of the same prompt with a wrong answer      (both as sampled)
+    group "format": c + "\\n#### N" vs c                                           (only the format line differs)
+    group "number": c + "\\n#### N" vs c + "\\n#### M", M a wrong number near N      (only the number differs)
+
+"number" pairs can't be told apart by format or length: a reward model right on them checks the answer.
+The train split's prompts go to --out, the held-out split's to <out>.eval.jsonl (never trained on).
+"""
+
+import json
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+from data import BUILTIN_TASKS, load_examples, tokenize_prompts  # noqa: E402
+from preflight import InputError, check_engine, check_model, friendly_errors  # noqa: E402
+from reward import correct  # noqa: E402
+from rollout import HFEngine, SGLangOptions, Sampling, generate, start_sglang, stop_token_ids  # noqa: E402
+from stop import stop_engine  # noqa: E402
+
+
+@dataclass
+class Args:
+    model: str
+    """the policy whose completions are paired: hub id or local folder"""
+    out: str = "pairs.jsonl"
+    """train pairs; the held-out prompts' pairs go to <out without .jsonl>.eval.jsonl"""
+    dataset: str = "addition"
+    """a built-in task ('addition', 'multiplication') or a file of rows with answers, as grpo.py's"""
+    train_prompts: int = 2000
+    """prompts of the train split to sample"""
+    eval_prompts: int = 400
+    """prompts of the held-out split to sample"""
+    samples_per_prompt: int = 8
+    """completions of each prompt"""
+    max_new_tokens: int = 128
+    """response length limit"""
+    seed: int = 0
+    """the task's split (use the training runs' --seed) and the sampling"""
+    engine: Literal["auto", "sglang", "hf"] = "auto"
+    """'sglang' on a GPU, 'hf' on CPU"""
+    mem_fraction: float = 0.5
+    """SGLang memory fraction"""
+
+
+def pairs_of(prompt, answer: str, kind: str, completions: list[str], rng: random.Random) -> list[dict]:
+    """The rows one prompt gives (module docstring): none if no completion is right."""
+    right = [c for c in completions if correct(kind, c, answer, "flexible")]
+    wrong = [c for c in completions if not correct(kind, c, answer, "flexible")]
+    if not right:
+        return []
+    c = rng.choice(right).rstrip()
+    near = [m for m in range(int(answer) - 10, int(answer) + 11) if m != int(answer) and m >= 0]
+    formatted, misnumbered = f"{c}\n#### {answer}", f"{c}\n#### {rng.choice(near)}"
+    rows = [{"prompt": prompt, "chosen": formatted, "rejected": c, "group": "format"},
+            {"prompt": prompt, "chosen": formatted, "rejected": misnumbered, "group": "number"}]
+    if wrong:
+        rows.append({"prompt": prompt, "chosen": c, "rejected": rng.choice(wrong), "group": "wrong"})
+    assert correct(kind, formatted, answer, "strict") and not correct(kind, misnumbered, answer, "strict")
+    return rows
+
+
+def main(args: Args):
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise InputError(f"--out {args.out!r}: its folder does not exist; create it first")
+    kind = check_engine(args.engine, "--engine")
+    tokenizer, _ = check_model(args.model)
+    if args.dataset in BUILTIN_TASKS:
+        train, test = BUILTIN_TASKS[args.dataset](args.seed)
+    else:
+        train, test = load_examples(args.dataset, "train"), load_examples(args.dataset, "test")
+    if any(not re.fullmatch(r"-?\d+", e.answer) for e in train[:10] + test[:10]):
+        raise InputError(f"--dataset {args.dataset!r}: the 'number' pairs need whole-number answers")
+    engine = (start_sglang(args.model, gpu_id=0, seed=args.seed, options=SGLangOptions(mem_fraction=args.mem_fraction,
+                                                                                      load_format="auto"))
+              if kind == "sglang" else HFEngine(args.model))
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_token_ids(tokenizer, args.model), temperature=1.0)
+    rng, counts = random.Random(args.seed), {}
+    for split, examples, path in [("train", train[:args.train_prompts], args.out),
+                                  ("eval", test[:args.eval_prompts], args.out.removesuffix(".jsonl") + ".eval.jsonl")]:
+        ids, kept, _ = tokenize_prompts(tokenizer, examples, 1024, args.dataset)
+        n = args.samples_per_prompt
+        t0 = time.time()
+        samples = generate(engine, [p for p in ids for _ in range(n)], list(range(len(ids) * n)), sampling=sampling,
+                           tokenizer=tokenizer)
+        rows = [row for k, e in enumerate(kept) for row in
+                pairs_of(e.prompt, e.answer, e.kind, [s.text for s in samples[k * n:(k + 1) * n]], rng)]
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        right = sum(correct(e.kind, s.text, e.answer, "flexible") for k, e in enumerate(kept) for s in samples[k * n:(k + 1) * n])
+        counts[split] = {"prompts": len(kept), "completions": len(samples), "right_frac": right / len(samples),
+                         "pairs": {g: sum(r["group"] == g for r in rows) for g in ("wrong", "format", "number")},
+                         "seconds": round(time.time() - t0, 1), "file": path}
+        print(f"{split}: {json.dumps(counts[split])}", flush=True)
+    stop_engine(engine, None)
+    with open(args.out.removesuffix(".jsonl") + ".summary.json", "w") as f:
+        json.dump({"model": args.model, "dataset": args.dataset, "engine": kind, **counts,
+                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}, f, indent=2)
+
+
+if __name__ == "__main__":  # SGLang spawns its scheduler: keep this guard
+    with friendly_errors("bench/rm_pairs.py"):
+        main(tyro.cli(Args))

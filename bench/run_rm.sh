@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The whole reward-model loop on one GPU with nothing from outside (bench/results/rm_*): SmolLM2-135M-Instruct's
+# own addition completions -> pairs labelled by the rule (bench/rm_pairs.py) -> a reward model trained from
+# SmolLM2 (train_rm.py) -> GRPO with that reward model alone (--reward-weights 0 1; accuracy judged by the rule).
+# Each stage is skipped when its output exists and the runs continue from their checkpoints, so it can span
+# calls of the GPU machine: with DEADLINE (a Unix time) a run gets SIGTERM in time to save and exit.
+# On the GPU machine: source bench/gpu_env.sh && DEADLINE=$(( $(date +%s) + 540 )) bash bench/run_rm.sh [OUTDIR] [GRPO_STEPS]
+OUTDIR=${1:-runs}; STEPS=${2:-60}; RM_STEPS=${RM_STEPS:-300}; MEM=${MEM:-0.3}
+mkdir -p "$OUTDIR"
+limit() {  # the command, killed with SIGTERM before DEADLINE
+  if [ -n "$DEADLINE" ]; then
+    local left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 90 ] && return 124
+    timeout -s TERM -k 60 "$left" "$@"
+  else "$@"; fi
+}
+if [ ! -s "$OUTDIR/pairs.eval.jsonl" ]; then
+  limit python3 bench/rm_pairs.py --model "$SMOLLM2" --dataset addition --out "$OUTDIR/pairs.jsonl" --train-prompts 3000 \
+    --eval-prompts 500 --samples-per-prompt 8 --max-new-tokens 256 --mem-fraction "$MEM" > "$OUTDIR/pairs.log" 2>&1 || exit 1
+fi
+rm_final="$OUTDIR/rm/checkpoints/step_$(printf %06d "$RM_STEPS")/model"
+if [ ! -d "$rm_final" ]; then
+  resume=(); [ -d "$OUTDIR/rm" ] && resume=(--resume)
+  echo "=== $(date -u +%FT%TZ) rm ${resume[*]}" >> "$OUTDIR/rm.log"
+  limit python3 train_rm.py --model "$SMOLLM2" --dataset "$OUTDIR/pairs.jsonl" --eval-dataset "$OUTDIR/pairs.eval.jsonl" \
+    --steps "$RM_STEPS" --pairs-per-step 64 --micro-batch-size 64 --lr 1e-5 --eval-every 50 --save-every 100 \
+    --output-dir "$OUTDIR" --run-name rm "${resume[@]}" >> "$OUTDIR/rm.log" 2>&1
+  echo "=== exit $?" >> "$OUTDIR/rm.log"
+  [ -d "$rm_final" ] || exit 1
+fi
+if [ ! -d "$OUTDIR/grpo_rm/checkpoints/step_$(printf %06d "$STEPS")" ]; then
+  resume=(); [ -d "$OUTDIR/grpo_rm" ] && resume=(--resume)
+  echo "=== $(date -u +%FT%TZ) grpo_rm ${resume[*]}" >> "$OUTDIR/grpo_rm.log"
+  limit python3 grpo.py --model "$SMOLLM2" --reward-model "$rm_final" --reward-weights 0 1 --steps "$STEPS" \
+    --prompts-per-step 32 --group-size 16 --max-new-tokens 256 --lr 1e-5 --micro-batch-size 128 --eval-every 10 \
+    --eval-before-train --save-every 10 --keep-checkpoints 1 --sglang-mem-fraction "$MEM" --log-samples-every 10 \
+    --output-dir "$OUTDIR" --run-name grpo_rm "${resume[@]}" >> "$OUTDIR/grpo_rm.log" 2>&1
+  echo "=== exit $?" >> "$OUTDIR/grpo_rm.log"
+fi
+tail -n 3 "$OUTDIR"/*.log
