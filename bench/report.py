@@ -5,6 +5,7 @@
     python bench/report.py scaling runs/ --out bench/results/scaling_1p5b.json     # bench/run_scaling.sh's runs
     python bench/report.py tools runs/ --out bench/results/tools_multiplication_smollm2.json --png ...  # run_tools.sh's
     python bench/report.py server runs/ --out bench/results/server_smollm2_....json --png ...           # run_server.sh's
+    python bench/report.py rm runs/ --out bench/results/rm_addition_smollm2.json --png ...             # run_rm.sh's
     python bench/report.py arith runs/<ppo run> --out ... --compare bench/results/raw/grpo_arith_smollm2.metrics.jsonl \
         --compare-png bench/results/ppo_vs_grpo_arith_smollm2.png
 """
@@ -23,9 +24,10 @@ from plot import plot_metric, read_metrics, subplots  # noqa: E402  (the repo ro
 
 @dataclass
 class Args:
-    kind: tyro.conf.Positional[Literal["arith", "memory", "scaling", "tools", "server"]]
+    kind: tyro.conf.Positional[Literal["arith", "memory", "scaling", "tools", "server", "rm"]]
     """arith: accuracy summary + curve; memory: per-phase memory and time; scaling: tokens/s by GPU count;
-    tools: accuracy and tool use with and without tools; server: colocate vs server vs async (run_server.sh)"""
+    tools: accuracy and tool use with and without tools; server: colocate vs server vs async (run_server.sh);
+    rm: run_rm.sh's pairs, reward model and GRPO against it"""
     run_dir: tyro.conf.Positional[str]
     """the run folder grpo.py / ppo.py wrote (scaling, tools: the folder holding run_scaling.sh's or run_tools.sh's runs)"""
     out: str
@@ -220,7 +222,58 @@ def server(a: Args):
         fig.savefig(a.png, dpi=110)
 
 
+def rm(a: Args):
+    """run_rm.sh's stages: the pairs made, the reward model's held-out pairwise accuracy (all pairs and each group),
+    and GRPO with that reward model alone: held-out strict accuracy (judged by the rule) and the RM's score by step."""
+    pairs = json.load(open(os.path.join(a.run_dir, "pairs.summary.json")))
+    rm_rows = read_metrics(os.path.join(a.run_dir, "rm", "metrics.jsonl"))
+    rm_evals = [r for r in rm_rows if "eval/pair_acc" in r]
+    train, evals, info, args = load(os.path.join(a.run_dir, "grpo_rm"))
+    evals = sorted(evals, key=lambda r: r["step"])
+    last = rm_evals[-1]
+    out = {"gpu": info["gpu"], "date": info["date"], "command": a.command, "note": a.note,
+           "pairs": {k: pairs[k] for k in ("train", "eval")},
+           "rm_steps": last["step"], "rm_pair_acc": last["eval/pair_acc"], "rm_margin": last.get("eval/margin"),
+           "rm_pair_acc_by_group": {k.rsplit("/", 1)[1]: v for k, v in last.items() if k.startswith("eval/pair_acc/")},
+           "rm_eval_curve": [[r["step"], round(r["eval/pair_acc"], 4)] for r in rm_evals],
+           "grpo_steps": len(train), "grpo_command": info["command"],
+           "baseline_strict_acc": evals[0]["eval/strict_acc"], "final_strict_acc": evals[-1]["eval/strict_acc"],
+           "strict_acc_gain": evals[-1]["eval/strict_acc"] - evals[0]["eval/strict_acc"],
+           "eval_curve": [[r["step"], round(r["eval/strict_acc"], 4), round(r["eval/format_rate"], 4)] for r in evals],
+           "rm_score_curve": [[r["step"], round(r["rollout/rm_score"], 4), round(r["rollout/strict_acc"], 4),
+                               round(r["rollout/rm_rule_corr"], 4)] for r in train],
+           "rm_seconds_per_step": statistics.mean(r["time/reward_model"] for r in train),
+           "seconds_per_step": statistics.mean(r["perf/step_s"] for r in train),
+           "columns": {"eval_curve": ["updates", "held-out strict acc (greedy, by the rule)", "format rate"],
+                       "rm_score_curve": ["step", "RM score (sampled, mean)", "strict acc (sampled, by the rule)",
+                                          "correlation RM score / rule reward"]}}
+    out["rm_score_share_of_step"] = out["rm_seconds_per_step"] / out["seconds_per_step"]
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(json.dumps({k: v for k, v in out.items() if not k.endswith("curve")}, indent=2))
+    if a.png:
+        fig, ax = subplots(1, 2, figsize=(12, 4.2))
+        plot_metric(ax[0], rm_evals, "eval/pair_acc", "o-", color="k", label="all held-out pairs")
+        for i, group in enumerate(sorted(out["rm_pair_acc_by_group"])):
+            plot_metric(ax[0], rm_evals, f"eval/pair_acc/{group}", "--", color=f"C{i}", label=f"'{group}' pairs")
+        ax[0].set(xlabel="reward-model training step", ylabel="held-out pairwise accuracy", ylim=(0, 1.02),
+                  title="train_rm.py from SmolLM2 on its own labelled pairs"), ax[0].legend(fontsize=8)
+        plot_metric(ax[1], evals, "eval/strict_acc", "o-", color="C0", label="held-out strict acc (rule, greedy)")
+        plot_metric(ax[1], train, "rollout/strict_acc", "-", color="C0", alpha=0.35, label="strict acc (rule, sampled)")
+        ax[1].set(xlabel="GRPO step", ylabel="accuracy (judged by the rule)", ylim=(0, 1.02),
+                  title="GRPO with the reward model alone (--reward-weights 0 1)")
+        twin = ax[1].twinx()
+        plot_metric(twin, train, "rollout/rm_score", "-", color="C3", label="RM score (sampled, mean)")
+        twin.set_ylabel("reward-model score", color="C3")
+        ax[1].legend(handles=ax[1].get_lines() + twin.get_lines(), fontsize=8, loc="lower right")
+        fig.suptitle(f"The reward-model loop on addition, SmolLM2-135M-Instruct ({info['gpu']}, {info['date']})")
+        fig.tight_layout()
+        fig.savefig(a.png, dpi=110)
+
+
 def main(a: Args):
+    if a.kind == "rm":
+        return rm(a)
     if a.kind == "scaling":
         return scaling(a)
     if a.kind == "tools":
