@@ -54,7 +54,7 @@ def chat_template(tokenizer, name: str, template: str | None, *, flag: str, temp
                          f"FILE.jinja or the template's text")
     if (template or tokenizer.chat_template) is None:
         raise InputError(f"{flag} {name!r}: its tokenizer has no chat template to read a conversation with: pass "
-                         f"{template_flag} FILE.jinja (a reward model's: the template it was trained with)")
+                         f"{template_flag} FILE.jinja (for a trained reward model, the one it was trained with)")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     return template or tokenizer.chat_template

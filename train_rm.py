@@ -242,7 +242,8 @@ def main(args: Args):
         sums = {"pairs": len(share), **pairwise_loss(chosen, rejected, num_pairs=1.0)[1]}
         for g in groups:
             mask = torch.tensor([x == g for _, _, x in share], dtype=torch.bool)              # [n]
-            sums[f"{g}/pairs"], sums[f"{g}/correct"] = mask.sum(), pairwise_loss(chosen[mask], rejected[mask], num_pairs=1.0)[1]["correct"]
+            sums[f"{g}/pairs"] = mask.sum()
+            sums[f"{g}/correct"] = pairwise_loss(chosen[mask], rejected[mask], num_pairs=1.0)[1]["correct"]
         sums = all_reduce_dict({k: torch.as_tensor(v, dtype=torch.float64) for k, v in sums.items()})
         n = sums["pairs"]
         out = {"step": step, "eval/pair_acc": sums["correct"] / n, "eval/margin": sums["margin"] / n, "eval/loss": sums["loss"] / n,
@@ -263,6 +264,7 @@ def main(args: Args):
             rows = [train[i] for i in mine[k:k + args.micro_batch_size]]
             ids, mask = pad([c for c, _, _ in rows] + [r for _, r, _ in rows], pad_id)    # [2b, T]: chosen, then rejected
             scores = last_token_scores(model, ids.to(device), mask.to(device))             # [2b], gradients flow
+            # ALGO: -log sigmoid(r_chosen - r_rejected), summed over these pairs / the step's pairs on all ranks
             loss, stats = pairwise_loss(scores[:len(rows)], scores[len(rows):], num_pairs=args.pairs_per_step)
             loss.backward()
             for key, v in stats.items():
