@@ -11,11 +11,14 @@
     sampler = PromptSampler(len(prompts), seed=0)               # epoch shuffles; resumable position
     seed = seed_for(0, "update", step, epoch)                   # one seed per use of randomness
     batch = collate(samples, pad_id)                            # list[Sample] -> Batch of tensors
+    pairs, skipped = load_pairs("pairs.jsonl")                  # preference pairs (train_rm.py), bad rows counted
+    train, held, note = split_pairs(pairs, seed=0, num_eval=512, where="pairs.jsonl")  # whole prompts held out
 
 Rows: {"prompt": "..." or [chat messages], "answer": ...} (your own task), GSM8K's {"question", "answer":
 "...#### 72"}, MATH's {"problem", "solution": "...\\boxed{...}"} or {"problem", "answer"}. Each Example
 carries its answer `kind` (how reward.correct judges it) and its `source` (for per-source accuracy).
-`Sample` is the one record that travels from the rollout to the loss.
+`Sample` is the one record that travels from the rollout to the loss. Preference pairs (train_rm.py):
+{"prompt": text or chat messages, "chosen": text, "rejected": text, "group": optional text}.
 """
 
 import copy
@@ -23,6 +26,7 @@ import json
 import os
 import random
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -259,6 +263,64 @@ def load_task(dataset: str | list[str], eval_dataset: str | None, *, seed: int, 
     note = (f"held out {held} of {len(examples)} rows of {dataset} for evaluation (seed {seed}; "
             f"--eval-dataset FILE to choose them)")
     return [examples[i] for i in order[held:]], [examples[i] for i in order[:held]], note
+
+
+# ----------------------------------------------------------------------------------------------
+# Preference pairs (train_rm.py)
+
+
+@dataclass
+class Pair:
+    """One preference: `chosen` is a better response to `prompt` than `rejected`."""
+    prompt: str | list[dict]  # the user message, or chat messages
+    chosen: str
+    rejected: str
+    group: str = ""           # the row's "group", if any (e.g. "number": the sides differ only in the number): metrics per group
+
+
+def load_pairs(path: str) -> tuple[list[Pair], dict[str, int]]:
+    """The pairs of a .jsonl or .parquet file, and how many rows were skipped: {"empty": a side is empty, "identical":
+    the two sides are the same}. A row without the fields stops with an error naming the file and the line."""
+    if not os.path.isfile(path):
+        raise InputError(f"pairs file {path!r}: no such file ({os.path.abspath(path)})")
+    rows, pairs, skipped = read_rows(path), [], {"empty": 0, "identical": 0}
+    if not rows:
+        raise InputError(f"{path} has no rows; each line needs {{\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}}")
+    for line_no, row in rows:
+        prompt, chosen, rejected, group = (row.get(k) for k in ("prompt", "chosen", "rejected", "group"))
+        if not (isinstance(prompt, str) or is_chat(prompt)) or not all(isinstance(x, str) for x in (chosen, rejected, group or "")):
+            raise InputError(f"{path}, line {line_no}: needs a 'prompt' (text, or chat messages one of which has role 'user'), "
+                             f"'chosen' and 'rejected' texts and optionally a 'group' text; found "
+                             f"{({k: type(v).__name__ for k, v in row.items()})}")
+        if not chosen.strip() or not rejected.strip():
+            skipped["empty"] += 1
+        elif chosen.strip() == rejected.strip():
+            skipped["identical"] += 1
+        else:
+            pairs.append(Pair(prompt, chosen, rejected, group or ""))
+    if not pairs:
+        raise InputError(f"{path}: all {len(rows)} pairs were skipped ({skipped['empty']} with an empty side, "
+                         f"{skipped['identical']} with identical sides): nothing to train on")
+    return pairs, skipped
+
+
+def split_pairs(pairs: list[Pair], *, seed: int, num_eval: int, where: str) -> tuple[list[Pair], list[Pair], str]:
+    """(train, held out, a line saying so): whole prompts, in a seeded order, are held out until they hold 1 in 10 of
+    the pairs (at most num_eval): a prompt's pairs (several completions of it) are all on one side, so held-out
+    accuracy is measured on prompts never trained on."""
+    keys = [json.dumps(p.prompt if isinstance(p.prompt, list) else [{"role": "user", "content": p.prompt}]) for p in pairs]
+    count, want, held, taken = Counter(keys), min(num_eval, len(pairs) // 10), set(), 0
+    for key in random.Random(seed).sample(sorted(count), len(count)):
+        if taken >= want:
+            break
+        held.add(key)
+        taken += count[key]
+    train, out = [p for p, k in zip(pairs, keys) if k not in held], [p for p, k in zip(pairs, keys) if k in held]
+    if not want or not train:
+        raise InputError(f"{where} has {len(pairs)} pairs of {len(count)} prompts, too few to hold 1 in 10 out for "
+                         f"evaluation by prompt: pass --eval-dataset FILE")
+    return train, out, (f"held out {len(out)} pairs ({len(held)} prompts) of {where} for evaluation (seed {seed}; "
+                        f"--eval-dataset FILE to choose them)")
 
 
 @dataclass

@@ -15,6 +15,7 @@ PLUMBING: a reader of the algorithm can take these as given.
 """
 
 import datetime
+import logging
 import math
 import os
 from contextlib import contextmanager
@@ -84,8 +85,9 @@ def all_reduce_dict(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype, gradient_checkpointing: bool = False,
-               attn_implementation: str = "sdpa", model_class=None, **kwargs):
-    """A Hugging Face model from a hub id or local folder, on the CPU in `dtype`.
+               attn_implementation: str = "sdpa", model_class=None, new_head: bool = False, **kwargs):
+    """A Hugging Face model from a hub id or local folder, on the CPU in `dtype`. new_head: `model_class`'s head is
+    new, not in the checkpoint (a critic's, a reward model's): transformers' table of it as MISSING is not shown.
 
     PLUMBING: every rank reads the whole checkpoint into CPU memory, then `shard_model` moves its
     shard to the GPU. Simple and fine to ~14B on one node; beyond that, build on the meta device
@@ -94,11 +96,16 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, gradient_che
     from transformers import AutoModelForCausalLM  # lazy: keeps `import fsdp` light for notebooks
 
     model_class = model_class or AutoModelForCausalLM
+    loader_log, new_by_design = logging.getLogger("transformers.modeling_utils"), lambda r: "LOAD REPORT" not in r.getMessage()
+    if new_head:
+        loader_log.addFilter(new_by_design)
     try:
         model = model_class.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
     except OSError as e:
         raise OSError(f"could not load model {path!r}: {e}\nPass a hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) "
                       f"or a local folder with config.json and weights.") from None
+    finally:
+        loader_log.removeFilter(new_by_design)
     model.config.use_cache = False  # training forwards never use the KV cache
     for module in model.modules():
         # Dropout off: the old log-probs, the values and the update must see the same function

@@ -5,7 +5,7 @@
     write_curves(run_dir)                        # runlog.RunLog, rank 0: at each evaluation and at the end
 
 Reward, held-out accuracy, response length, KL and entropy by step; mean seconds and peak GPU memory of
-memory.py's phases. bench/report.py draws with the same helpers (read_metrics, subplots, plot_metric).
+memory.py's phases (train_rm.py's runs: loss, pairwise accuracy, margin). bench/report.py draws with the same helpers (read_metrics, subplots, plot_metric).
 PLUMBING: nothing here changes what is trained; matplotlib is imported only when a figure is drawn.
 """
 
@@ -22,7 +22,7 @@ from preflight import InputError, friendly_errors
 @dataclass
 class Args:
     run_dirs: tyro.conf.Positional[list[str]]
-    """run folders (each with the metrics.jsonl grpo.py / ppo.py wrote); several are drawn over each other"""
+    """run folders (each with the metrics.jsonl grpo.py / ppo.py / train_rm.py wrote); several are drawn over each other"""
     out: str | None = None
     """PNG to write; default: curves.png in the run folder, or ./curves.png for several runs"""
 
@@ -70,6 +70,12 @@ def per_phase(rows: list[dict], prefix: str, suffix: str, reduce) -> dict[str, f
     return {p: reduce(v) for p, v in values.items()}
 
 
+def first_logged(runs: dict, *choices: tuple[list, str]) -> tuple[list, str]:
+    """The first (series, title) of `choices` that some run logs, else the first: a panel of train_rm.py's runs (no
+    rollouts) shows its loss where grpo.py's shows the reward."""
+    return next((c for c in choices if any(k in r for rows in runs.values() for r in rows for k, _, _ in c[0])), choices[0])
+
+
 def nothing(ax, keys: str):
     ax.text(0.5, 0.5, f"no {keys}\nin metrics.jsonl (yet)", ha="center", transform=ax.transAxes, color="gray")
     ax.set(xticks=[], yticks=[], xlabel="")
@@ -111,14 +117,19 @@ def bars(ax, values: dict, title: str, xlabel: str, fmt: str, marks: dict | None
 def draw(run_dirs: list[str], out: str):
     runs = {os.path.basename(os.path.normpath(d)): read_metrics(os.path.join(d, "metrics.jsonl")) for d in run_dirs}
     fig, ax = subplots(2, 3, figsize=(16, 8.5), layout="constrained")
-    lines(ax[0, 0], runs, [("rollout/reward_mean", "", "-")], "reward (sampled, mean)")
-    sources = sorted({k.split("/")[1] for rows in runs.values() for r in rows for k in r
-                      if k.startswith("eval/") and k.endswith("/strict_acc") and k.count("/") == 2})
+    lines(ax[0, 0], runs, *first_logged(runs, ([("rollout/reward_mean", "", "-")], "reward (sampled, mean)"),
+                                        ([("train/loss", "train", "-"), ("eval/loss", "held out", "o-")], "Bradley-Terry loss")))
+    keys = {k for rows in runs.values() for r in rows for k in r if k.startswith("eval/") and k.count("/") == 2}
+    sources = sorted(k.split("/")[1] for k in keys if k.endswith("/strict_acc"))
+    groups = sorted(k.split("/")[2] for k in keys if k.startswith("eval/pair_acc/"))  # train_rm.py's rows' "group"
     lines(ax[0, 1], runs, [("eval/strict_acc", "strict", "o-"), ("eval/flexible_acc", "flexible", "^--")]
-          + [(f"eval/{s}/strict_acc", f"{s} strict", "sDvPX"[i % 5] + ":") for i, s in enumerate(sources)],
-          "held-out accuracy (greedy)")
+          + [(f"eval/{s}/strict_acc", f"{s} strict", "sDvPX"[i % 5] + ":") for i, s in enumerate(sources)]
+          + [("eval/pair_acc", "pairwise", "o-")] + [(f"eval/pair_acc/{g}", g, "sDvPX"[i % 5] + ":") for i, g in enumerate(groups)],
+          "held-out accuracy (greedy; a reward model's: pairwise)")
     ax[0, 1].set_ylim(-0.02, 1.02)
-    lines(ax[0, 2], runs, [("rollout/response_len_mean", "", "-")], "response length (tokens, sampled, mean)")
+    lines(ax[0, 2], runs, *first_logged(runs, ([("rollout/response_len_mean", "", "-")], "response length (tokens, sampled, mean)"),
+                                        ([("train/margin", "train", "-"), ("eval/margin", "held out", "o-")],
+                                         "margin r(chosen) - r(rejected), mean")))
     lines(ax[1, 0], runs, [("train/kl", "kl (in the loss)", "-"), ("train/entropy", "entropy", ":"),
                            ("train/kl_per_response", "kl per response", "-."), ("train/approx_kl", "approx kl", "--")],
           "KL and entropy (log scale above 1e-4)", log=True)
@@ -162,7 +173,7 @@ def main(a: Args):
         raise InputError("which runs? give one or more run folders: python plot.py runs/A [runs/B ...] [--out ab.png]")
     for d in a.run_dirs:
         if not os.path.isfile(os.path.join(d, "metrics.jsonl")):
-            raise InputError(f"{d}: no metrics.jsonl there (expected the run folder grpo.py / ppo.py wrote)")
+            raise InputError(f"{d}: no metrics.jsonl there (expected the run folder grpo.py, ppo.py or train_rm.py wrote)")
     out = a.out or (os.path.join(a.run_dirs[0], "curves.png") if len(a.run_dirs) == 1 else "curves.png")
     draw(a.run_dirs, out)
     print(f"plot.py: wrote {out} ({len(a.run_dirs)} run{'s' * (len(a.run_dirs) > 1)})")

@@ -17,7 +17,6 @@ What it simplifies: as grpo.py, plus token-mean loss aggregation only, and trunc
 are treated as ending (no bootstrap from the value of the cut-off state; see --overlong-filter).
 """
 
-import logging
 import math
 import os
 import random
@@ -562,13 +561,8 @@ def main(args: Args):
     rm_read = dict(tokenizer=rm_tokenizer, template=rm_template, max_len=args.reward_model_max_len,
                    micro_batch_size=args.micro_batch_size, device=device)  # how it reads a conversation
     # The critic: the LM's body with a one-output token-classification head, value per position.
-    # (transformers reports that head as MISSING from the checkpoint, in a table: new by design, so not shown.)
-    def no_load_report(record):
-        return "LOAD REPORT" not in record.getMessage()
-    logging.getLogger("transformers.modeling_utils").addFilter(no_load_report)
     critic = load_model(args.critic_model or args.model, device, torch.float32, args.gradient_checkpointing,
-                        args.attn_implementation, AutoModelForTokenClassification, num_labels=1)
-    logging.getLogger("transformers.modeling_utils").removeFilter(no_load_report)
+                        args.attn_implementation, AutoModelForTokenClassification, new_head=True, num_labels=1)
     for p in critic.score.parameters():  # ALGO: values start at 0 rather than at noise
         torch.nn.init.zeros_(p)
     shard_model(critic, param_dtype=dtype, compile=args.compile)

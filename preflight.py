@@ -158,8 +158,8 @@ def size_for_cpu(args, sizes: dict, script: str):
     changed = {k: v for k, v in sizes.items() if k not in given_flags(sys.argv[1:])}
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in changed.items())
     if os.environ.get("RANK", "0") == "0":
-        where = ("training on the CPU" if getattr(args, "rollout_mode", "colocate") == "server" else
-                 "generating with plain transformers (--rollout-engine hf) on the CPU")
+        where = ("generating with plain transformers (--rollout-engine hf) on the CPU"  # colocated rollout (grpo, ppo)
+                 if getattr(args, "rollout_mode", None) == "colocate" else "training on the CPU")
         dtype = ("bfloat16" if compute_dtype(torch.device("cpu")) == torch.bfloat16 else
                  "float32 (this CPU has no bf16 instructions)")  # fsdp.compute_dtype says why
         print(f"{script}: no GPU found (torch.cuda.is_available() is False): {where}, computing in {dtype}"

@@ -39,18 +39,25 @@ def check_reward_model(name: str, template: str | None = None, flag: str = "--re
     if config.num_labels != 1:
         raise InputError(f"{flag} {name!r} has {config.num_labels} labels ({heads[0]}); a reward model scores with "
                          f"one (num_labels 1): pass a reward model, not a classifier")
+    return tokenizer, chat_template(tokenizer, name, template, flag=flag, template_flag="--reward-model-template")
+
+
+def chat_template(tokenizer, name: str, template: str | None, *, flag: str, template_flag: str) -> str:
+    """The chat template conversations are read with: `template` (template_flag's: a FILE.jinja or the Jinja text
+    itself), else the tokenizer's own; neither is an error naming both flags. The tokenizer gets a pad id if it has
+    none (its eos): right padding needs one, and the head is read at the last real token anyway."""
     if template is not None and os.path.isfile(template):
         with open(template, encoding="utf-8") as f:
             template = f.read()
     elif template is not None and "{{" not in template and "{%" not in template:
-        raise InputError(f"--reward-model-template {template!r} is neither a file nor a Jinja template: pass a "
+        raise InputError(f"{template_flag} {template!r} is neither a file nor a Jinja template: pass a "
                          f"FILE.jinja or the template's text")
     if (template or tokenizer.chat_template) is None:
         raise InputError(f"{flag} {name!r}: its tokenizer has no chat template to read a conversation with: pass "
-                         f"--reward-model-template FILE.jinja (the template the model was trained with)")
-    if tokenizer.pad_token_id is None:  # right padding needs an id; the head is read at the last real token anyway
+                         f"{template_flag} FILE.jinja (for a trained reward model, the one it was trained with)")
+    if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    return tokenizer, template or tokenizer.chat_template
+    return template or tokenizer.chat_template
 
 
 def load_reward_model(name: str, device: torch.device, dtype: torch.dtype, attn_implementation: str = "sdpa"):
@@ -66,11 +73,11 @@ def load_reward_model(name: str, device: torch.device, dtype: torch.dtype, attn_
     return model
 
 
-def conversation(prompt: str | list[dict], sample) -> list[dict]:
+def conversation(prompt: str | list[dict], response: str | list[dict]) -> list[dict]:
     """What the reward model reads: the prompt's messages (as asked, after --prompt-template), then the response:
-    one assistant message, or a tool episode's turns and tool replies (rollout.episode's `messages`)."""
+    a text (one assistant message), or a tool episode's turns and tool replies (rollout.episode's `messages`)."""
     asked = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    return asked + (sample.messages or [{"role": "assistant", "content": sample.text}])
+    return asked + ([{"role": "assistant", "content": response}] if isinstance(response, str) else response)
 
 
 def rm_tokens(tokenizer, conversations: list[list[dict]], *, template: str, max_len: int) -> tuple[list[list[int]], int]:
@@ -144,7 +151,7 @@ def combine_rewards(rule: torch.Tensor, rm: torch.Tensor, *, weights: tuple[floa
 def rm_rewards(model, samples, *, weights: tuple[float, float], whiten: bool, **read) -> dict[str, float]:
     """Each sample's reward becomes combine_rewards(its rule reward, the reward model's score of its conversation);
     `read`: score_conversations' keywords. Returns the step's metrics (rm_stats)."""
-    scores, cut = score_conversations(model, [conversation(s.prompt, s) for s in samples], **read)     # [n]
+    scores, cut = score_conversations(model, [conversation(s.prompt, s.messages or s.text) for s in samples], **read)     # [n]
     rule = torch.tensor([s.reward for s in samples])                                                  # [n]
     for s, reward in zip(samples, combine_rewards(rule, scores, weights=weights, whiten=whiten).tolist()):
         s.reward = reward

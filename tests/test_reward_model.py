@@ -73,15 +73,12 @@ def test_scores_under_torchrun_two_ranks(rm_dir):
 
 
 def test_conversation_is_the_prompt_then_the_response_or_the_episode():
-    class Sample:
-        text, messages = "#### 5", None
-    assert conversation("What is 2 + 3?", Sample()) == [{"role": "user", "content": "What is 2 + 3?"},
-                                                        {"role": "assistant", "content": "#### 5"}]
-    episode = Sample()
-    episode.messages = [{"role": "assistant", "content": "<tool_call>2+3</tool_call>"}, {"role": "tool", "content": "5"},
-                        {"role": "assistant", "content": "#### 5"}]
+    assert conversation("What is 2 + 3?", "#### 5") == [{"role": "user", "content": "What is 2 + 3?"},
+                                                       {"role": "assistant", "content": "#### 5"}]
+    episode = [{"role": "assistant", "content": "<tool_call>2+3</tool_call>"}, {"role": "tool", "content": "5"},
+               {"role": "assistant", "content": "#### 5"}]
     asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
-    assert conversation(asked, episode) == asked + episode.messages
+    assert conversation(asked, episode) == asked + episode
 
 
 def test_combine_rewards_by_hand(gloo):
