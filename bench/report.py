@@ -255,7 +255,7 @@ def rm(a: Args):
         fig, ax = subplots(1, 2, figsize=(12, 4.2))
         plot_metric(ax[0], rm_evals, "eval/pair_acc", "o-", color="k", label="all held-out pairs")
         for i, group in enumerate(sorted(out["rm_pair_acc_by_group"])):
-            plot_metric(ax[0], rm_evals, f"eval/pair_acc/{group}", "--", color=f"C{i}", label=f"'{group}' pairs")
+            plot_metric(ax[0], rm_evals, f"eval/pair_acc/{group}", ".--", color=f"C{i}", label=f"'{group}' pairs")
         ax[0].set(xlabel="reward-model training step", ylabel="held-out pairwise accuracy", ylim=(0, 1.02),
                   title="train_rm.py from SmolLM2 on its own labelled pairs"), ax[0].legend(fontsize=8)
         plot_metric(ax[1], evals, "eval/strict_acc", "o-", color="C0", label="held-out strict acc (rule, greedy)")

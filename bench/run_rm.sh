@@ -22,7 +22,7 @@ if [ ! -d "$rm_final" ]; then
   resume=(); [ -d "$OUTDIR/rm" ] && resume=(--resume)
   echo "=== $(date -u +%FT%TZ) rm ${resume[*]}" >> "$OUTDIR/rm.log"
   limit python3 train_rm.py --model "$SMOLLM2" --dataset "$OUTDIR/pairs.jsonl" --eval-dataset "$OUTDIR/pairs.eval.jsonl" \
-    --steps "$RM_STEPS" --pairs-per-step 64 --micro-batch-size 64 --lr 1e-5 --eval-every 50 --save-every 100 \
+    --steps "$RM_STEPS" --pairs-per-step 64 --micro-batch-size 64 --lr 1e-5 --eval-every 25 --eval-before-train --save-every 100 \
     --output-dir "$OUTDIR" --run-name rm "${resume[@]}" >> "$OUTDIR/rm.log" 2>&1
   echo "=== exit $?" >> "$OUTDIR/rm.log"
   [ -d "$rm_final" ] || exit 1
