@@ -9,9 +9,11 @@ Each step: wake SGLang up and sync the weights (memory.py), sample `group_size` 
 prompt, score them (reward.py), sleep SGLang, recompute old (and reference) log-probs, normalize
 rewards within each group into advantages, and take PPO-clip steps on the policy.
 
-Variants, all flags: std scaling off + --loss-agg seq-mean-token-sum-norm (Dr.GRPO), --clip-high 0.28
-(clip-higher, DAPO), --dynamic-sampling, --overlong-filter, --beta > 0 with --kl-estimator k1/k2/k3
-in the loss or (--kl-in-reward) in the reward.
+Variants, all flags (README: GRPO variants): the advantage (--advantage grpo, rloo, reinforce++; --no-scale-rewards
++ --loss-agg seq-mean-token-sum-norm: Dr.GRPO), the policy loss (--policy-loss ppo-clip, gspo, cispo; --clip-high 0.28:
+DAPO's clip-higher), the sampler-trainer mismatch (--rollout-correction tis, mis, icepop, seq-mask; logged every step
+whatever the choice), --dynamic-sampling, --overlong-filter, --beta > 0 with --kl-estimator k1/k2/k3 in the loss or
+(--kl-in-reward) in the reward.
 What it simplifies: every rank loads the full checkpoint on CPU before sharding; sequences are
 right-padded per micro-batch unless --max-tokens-per-micro-batch packs them; one Adam for the whole model.
 """
