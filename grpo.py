@@ -131,11 +131,11 @@ class Args:
     """ratio clipped below at 1 - clip_low (1: no lower bound); not given: 3e-4 with gspo, 1 with cispo"""
     clip_high: float = 0.2
     """ratio clipped above at 1 + clip_high (0.28: clip-higher from DAPO); not given: 4e-4 with gspo, 4 with cispo"""
-    rollout_correction: Literal["none", "tis", "mis", "icepop", "seq-mask"] | None = None
+    rollout_correction: Literal["auto", "none", "tis", "mis", "icepop", "seq-mask"] = "auto"
     """for the sampler not being the trained policy (SGLang's bf16 kernels; one update older with --async-rollout),
     by r = p_old / p_sampler per token: tis weights each token's loss by min(r, --tis-cap); mis masks the tokens whose
     r leaves --correction-bounds out of the loss; icepop masks them too and weights the others by r; seq-mask drops a
-    sequence whose geometric-mean r leaves them. None: tis with --async-rollout, else none"""
+    sequence whose geometric-mean r leaves them. auto: tis with --async-rollout, else none"""
     tis_cap: float | None = None
     """the cap of --rollout-correction tis (None: 2.0); 0 with --async-rollout: no correction"""
     correction_bounds: tuple[float, float] | None = None
@@ -465,8 +465,8 @@ def check_args(args: Args, world_size: int):
          "with --advantage grpo (rloo and reinforce++ divide by no group's std)"),
         ("--clip-low", a.clip_low, 0 <= a.clip_low <= 1, "in [0, 1] (1: no lower bound)"),
         ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
-        ("--tis-cap", a.tis_cap, a.tis_cap is None or (a.tis_cap == 0 and a.rollout_correction in (None, "none")) or
-         (a.tis_cap > 0 and (a.rollout_correction == "tis" or (a.rollout_correction is None and a.async_rollout))),
+        ("--tis-cap", a.tis_cap, a.tis_cap is None or (a.tis_cap == 0 and a.rollout_correction in ("auto", "none")) or
+         (a.tis_cap > 0 and (a.rollout_correction == "tis" or (a.rollout_correction == "auto" and a.async_rollout))),
          ">= 0: the cap of --rollout-correction tis (> 0), which --async-rollout turns on (0: off)"),
         ("--correction-bounds", a.correction_bounds, a.correction_bounds is None or (0 <= a.correction_bounds[0] <= 1
          <= a.correction_bounds[1] and a.rollout_correction in ("mis", "icepop", "seq-mask")),
@@ -511,7 +511,9 @@ def check_args(args: Args, world_size: int):
 def variant_defaults(args: Args) -> Args:
     """The defaults that depend on other flags, for the flags not given on the command line: each policy loss's clip
     range and each correction's bounds (VARIANT_DEFAULTS), and tis with --async-rollout, as before --rollout-correction."""
-    correction = args.rollout_correction or ("tis" if args.async_rollout and args.tis_cap != 0 else "none")
+    correction = args.rollout_correction
+    if correction == "auto":
+        correction = "tis" if args.async_rollout and args.tis_cap != 0 else "none"
     defaults = {"tis_cap": 2.0, **VARIANT_DEFAULTS.get(args.policy_loss, {}), **VARIANT_DEFAULTS.get(correction, {})}
     given = given_flags(sys.argv[1:])
     return replace(args, rollout_correction=correction, **{k: v for k, v in defaults.items() if k not in given})
