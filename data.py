@@ -487,6 +487,7 @@ class Batch:
     old_logprobs: torch.Tensor | None = None   # [B, T-1] log-probs under the policy that sampled
     ref_logprobs: torch.Tensor | None = None   # [B, T-1] log-probs under the reference model
     advantages: torch.Tensor | None = None     # [B, T-1]
+    is_weight: torch.Tensor | None = None      # [B, T-1] a rollout correction's weight per token (None: 1)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -9,9 +9,11 @@ Each step: wake SGLang up and sync the weights (memory.py), sample `group_size` 
 prompt, score them (reward.py), sleep SGLang, recompute old (and reference) log-probs, normalize
 rewards within each group into advantages, and take PPO-clip steps on the policy.
 
-Variants, all flags: std scaling off + --loss-agg seq-mean-token-sum-norm (Dr.GRPO), --clip-high 0.28
-(clip-higher, DAPO), --dynamic-sampling, --overlong-filter, --beta > 0 with --kl-estimator k1/k2/k3
-in the loss or (--kl-in-reward) in the reward.
+Variants, all flags (README: GRPO variants): the advantage (--advantage grpo, rloo, reinforce++; --no-scale-rewards
++ --loss-agg seq-mean-token-sum-norm: Dr.GRPO), the policy loss (--policy-loss ppo-clip, gspo, cispo; --clip-high 0.28:
+DAPO's clip-higher), the sampler-trainer mismatch (--rollout-correction tis, mis, icepop, seq-mask; logged every step
+whatever the choice), --dynamic-sampling, --overlong-filter, --beta > 0 with --kl-estimator k1/k2/k3 in the loss or
+(--kl-in-reward) in the reward.
 What it simplifies: every rank loads the full checkpoint on CPU before sharding; sequences are
 right-padded per micro-batch unless --max-tokens-per-micro-batch packs them; one Adam for the whole model.
 """
@@ -23,7 +25,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -37,10 +39,10 @@ from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, c
 from fsdp import (all_reduce, all_reduce_dict, balance, batch_logprobs, clip_and_step, compute_dtype, init_distributed, load_model,
                   lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
-from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
+from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, given_flags, size_for_cpu
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_rewards
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
-from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, send, start_engine, stop_token_ids, tp_group
+from rollout import SGLangOptions, Sampling, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
 from server import ServerEngine, launch_servers
 from tools import TOOLS, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
@@ -113,16 +115,33 @@ class Args:
     """passes over each rollout batch"""
     seed: int = 0
     """seeds data order, sampling and initialization"""
-    # --- GRPO
+    # --- GRPO (README: GRPO variants)
+    advantage: Literal["grpo", "rloo", "reinforce++"] = "grpo"
+    """grpo: reward minus its group's mean, over the group's std (--scale-rewards); rloo: minus the mean of the other
+    G-1 samples of its group (leave-one-out); reinforce++: minus the group's mean, then whitened over the whole batch"""
     scale_rewards: bool = True
-    """divide group-centred rewards by the group's std (--no-scale-rewards: Dr.GRPO)"""
+    """with --advantage grpo: divide group-centred rewards by the group's std (--no-scale-rewards: Dr.GRPO)"""
+    policy_loss: Literal["ppo-clip", "gspo", "cispo"] = "ppo-clip"
+    """ppo-clip: a ratio per token, clipped (GRPO, DAPO); gspo: one ratio per sequence (the geometric mean of its
+    tokens'), clipped per sequence; cispo: the clipped ratio as a constant weight on -A log p: clipped tokens keep a
+    gradient. Each brings its paper's clip range (--clip-low/--clip-high not given): gspo 3e-4/4e-4, cispo 1/4"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """token-mean: over all tokens of the mini-batch; seq-mean-token-mean: mean per sequence, then over
-    sequences (original GRPO); seq-mean-token-sum-norm: token sum / (sequences * max_new_tokens) (Dr.GRPO)"""
+    sequences (original GRPO, and GSPO's); seq-mean-token-sum-norm: token sum / (sequences * max_new_tokens) (Dr.GRPO)"""
     clip_low: float = 0.2
-    """ratio clipped below at 1 - clip_low"""
+    """ratio clipped below at 1 - clip_low (1: no lower bound); not given: 3e-4 with gspo, 1 with cispo"""
     clip_high: float = 0.2
-    """ratio clipped above at 1 + clip_high (0.28: clip-higher from DAPO)"""
+    """ratio clipped above at 1 + clip_high (0.28: clip-higher from DAPO); not given: 4e-4 with gspo, 4 with cispo"""
+    rollout_correction: Literal["auto", "none", "tis", "mis", "icepop", "seq-mask"] = "auto"
+    """for the sampler not being the trained policy (SGLang's bf16 kernels; one update older with --async-rollout),
+    by r = p_old / p_sampler per token: tis weights each token's loss by min(r, --tis-cap); mis masks the tokens whose
+    r leaves --correction-bounds out of the loss; icepop masks them too and weights the others by r; seq-mask drops a
+    sequence whose geometric-mean r leaves them. auto: tis with --async-rollout, else none"""
+    tis_cap: float | None = None
+    """the cap of --rollout-correction tis (None: 2.0); 0 with --async-rollout: no correction"""
+    correction_bounds: tuple[float, float] | None = None
+    """[lo, hi] of r that mis, icepop and seq-mask keep (inclusive); None: mis 0.5 2 (verl's token rejection),
+    icepop 0.5 5 (IcePop's), seq-mask 0.999 1.001 (verl's geometric rejection: a mean over tokens moves little)"""
     beta: float = 0.0
     """KL coefficient to the reference model; 0 loads no reference model at all"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -208,10 +227,7 @@ class Args:
     from the route to the first server)"""
     async_rollout: bool = False
     """with --rollout-mode server: generate the next step's batch while this one trains; each batch is then
-    sampled by the weights from before the last update (one step off-policy; see --tis-cap)"""
-    tis_cap: float | None = None
-    """truncated importance sampling: each token's loss x min(exp(old_logprob - sampler_logprob), cap), for a
-    sampler that is not the trained policy; None: 2.0 with --async-rollout, else off; 0: off"""
+    sampled by the weights from before the last update (one step off-policy; see --rollout-correction)"""
     sglang_mem_fraction: float = 0.6
     """share of GPU memory for SGLang's weights + KV cache while it is awake"""
     sglang_attention_backend: str = "triton"
@@ -267,12 +283,19 @@ CONSOLE = [("reward", "rollout/reward_mean", ".3f"), ("acc", "rollout/strict_acc
 
 TOOLS_CONSOLE = [("turns", "tools/turns_mean", ".2f"), ("calls", "tools/calls_per_sample", ".2f"),
                  ("tool errors", "tools/errors", ".0f")]
+CORRECTION_CONSOLE = [("mismatch kl", "rollout/mismatch_kl", ".1e"), ("corrected", "rollout/correction_frac", ".3f")]
 
 # ----------------------------------------------------------------------------------------------
 # ALGO: the GRPO pieces, pure functions of tensors (tests/test_grpo_math.py checks them by hand)
 
 ADVANTAGE_EPS = 1e-6  # added to a group's reward std: a group of near-equal rewards stays finite
 KL_EXP_CLAMP = 20.0   # k3's exponent is clamped to +-this: one outlier token can't overflow the loss
+# each variant's own defaults, from its paper, for --clip-low/--clip-high/--correction-bounds not given (variant_defaults)
+VARIANT_DEFAULTS = {"gspo": {"clip_low": 3e-4, "clip_high": 4e-4},  # Zheng et al. 2025: the sequence ratio's range
+                    "cispo": {"clip_low": 1.0, "clip_high": 4.0},   # MiniMax-M1: no lower bound; upper 5 (SkyRL's)
+                    "mis": {"correction_bounds": (0.5, 2.0)},       # verl's token rejection: 2 and its reciprocal
+                    "icepop": {"correction_bounds": (0.5, 5.0)},    # IcePop's alpha, beta (OpenRLHF's default)
+                    "seq-mask": {"correction_bounds": (0.999, 1.001)}}  # verl's geometric rejection (geo_rs)
 
 
 def group_advantages(rewards: torch.Tensor, scale: bool) -> torch.Tensor:
@@ -281,6 +304,35 @@ def group_advantages(rewards: torch.Tensor, scale: bool) -> torch.Tensor:
     if scale:
         adv = adv / (rewards.std(dim=1, keepdim=True) + ADVANTAGE_EPS)  # unbiased std, as in the GRPO paper
     return adv
+
+
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024): each sample's baseline is the mean reward of the G-1 other
+    samples of its group, so it is independent of the sample itself. [num_groups, G] -> [num_groups, G]"""
+    others = (rewards.sum(dim=1, keepdim=True) - rewards) / (rewards.shape[1] - 1)
+    return rewards - others
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, world_sum=all_reduce) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262): the group's mean subtracted, then whitened over the
+    global batch, all ranks' samples (world_sum adds over them), instead of by each group's std. Per sample, as the
+    paper writes it (verl and OpenRLHF whiten over tokens: a long response weighs more). [num_groups, G]"""
+    adv = rewards - rewards.mean(dim=1, keepdim=True)
+    n, total, squares = world_sum(torch.stack([torch.tensor(float(adv.numel())), adv.sum(), (adv**2).sum()]).double())
+    mean = total / n  # 0 up to rounding: every group is centred already
+    std = ((squares - n * mean**2) / (n - 1).clamp(min=1)).clamp(min=0).sqrt()  # unbiased, as group_advantages
+    return ((adv - mean) / (std + ADVANTAGE_EPS)).to(rewards.dtype)
+
+
+def advantages(rewards: torch.Tensor, kind: str, scale: bool) -> torch.Tensor:
+    """--advantage: rewards [num_groups, G] -> advantages [num_groups, G]."""
+    if kind == "grpo":
+        return group_advantages(rewards, scale)
+    if kind == "rloo":
+        return rloo_advantages(rewards)
+    if kind == "reinforce++":
+        return reinforce_pp_advantages(rewards)
+    raise ValueError(f"--advantage {kind!r} is unknown; use grpo, rloo or reinforce++")
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -304,6 +356,54 @@ def clipped_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: 
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
+def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float):
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): one ratio per sequence, the geometric mean of its tokens' ratios,
+    s = exp(mean over its loss tokens of (logp - old_logp)), PPO-clipped per sequence; its paper clips at 3e-4 / 4e-4
+    (a mean over tokens moves far less than one token). The GSPO-token form: each token's ratio is
+    sg(s) * exp(logp - sg(logp)), worth s and with the gradient through its own log-prob: averaged over a sequence's
+    tokens (seq-mean-token-mean, as the paper) it is GSPO's gradient. That is PPO-clip with each token's old log-prob
+    moved to logp - log s. Returns (loss, clipped), [B, T]; whole sequences are clipped or not."""
+    log_s = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    return clipped_policy_loss(logp, logp.detach() - log_s.detach(), advantages, clip_low, clip_high)
+
+
+def cispo_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: float):
+    """CISPO (MiniMax-M1, arXiv 2506.13585): loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log p, r the
+    token's ratio. The clip bounds a constant weight instead of cutting the gradient: a token past the band still
+    gets -A * weight * d log p (PPO-clip gives it none). The paper sets no lower bound (clip_low 1). Returns (loss,
+    clipped), [B, T]: clipped marks the tokens whose weight the band cut."""
+    ratio = torch.exp(logp - old_logp).detach()
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high)
+    return -weight * advantages * logp, weight != ratio
+
+
+def rollout_correction(old_logp, sampler_logp, mask, kind: str, *, tis_cap: float, bounds: tuple[float, float] | None):
+    """The sampler is not the policy that computed old_logp: SGLang's bf16 kernels differ from the trainer's even with
+    the same weights, and with --async-rollout its weights are one update older. With r = p_old / p_sampler per token
+    of `mask` (the model's tokens), bounds = (lo, hi), inclusive:
+      tis       weight min(r, tis_cap)  (truncated IS: Yao et al. 2025, "Your efficient RL framework secretly brings
+                you off-policy RL training")
+      mis       tokens with r outside [lo, hi] out of the loss, no weight  (verl's token rejection, from Liu, Li et
+                al. 2025, "When speed kills stability", whose masked IS also weights the others by r: icepop's way)
+      icepop    those out, the others weighted by r  (IcePop: Ling team 2025, Ring-1T, arXiv 2510.18855)
+      seq-mask  a sequence out when its geometric-mean r leaves [lo, hi]  (verl's geometric rejection, Liu, Li et al.)
+    Returns (weight or None, keep, touched), [B, T]: weight multiplies each token's loss, keep the loss mask (a
+    masked token leaves the normalizer too), touched marks the tokens capped or masked. No gradient: both are constants."""
+    log_r = (old_logp - sampler_logp) * mask
+    r = torch.exp(log_r)                                                                          # [B, T]
+    if kind == "none":
+        return None, mask, torch.zeros_like(mask, dtype=torch.bool)
+    if kind == "tis":
+        return r.clamp(max=tis_cap), mask, (r > tis_cap) & (mask > 0)
+    if kind == "seq-mask":  # one ratio per sequence, on each of its tokens
+        r = torch.exp(log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(mask)
+    if kind not in ("mis", "icepop", "seq-mask"):
+        raise ValueError(f"--rollout-correction {kind!r} is unknown; use none, tis, mis, icepop or seq-mask")
+    keep = mask * ((r >= bounds[0]) & (r <= bounds[1]))
+    weight = torch.where(keep > 0, r, 0.0) if kind == "icepop" else None  # a masked token's r may be inf
+    return weight, keep, (mask - keep) > 0
+
+
 def aggregate(values, mask, mode: str, num_seqs: float, num_tokens: float, max_len: int) -> torch.Tensor:
     """Reduce per-token values [B, T] to this rank's share of the mini-batch loss.
 
@@ -323,21 +423,24 @@ def aggregate(values, mask, mode: str, num_seqs: float, num_tokens: float, max_l
 
 
 def grpo_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, kl_coef: float, kl_estimator: str,
-              loss_agg: str, num_seqs: float, num_tokens: float, max_len: int, tis_cap: float = 0.0):
-    """One micro-batch's loss: PPO-clip on the group advantages, plus kl_coef * KL to the reference
-    model (0: no KL in the loss), reduced by `aggregate`. logp, entropy [b, t]: the policy now.
-    tis_cap > 0: each token's loss is weighted by min(p_old / p_sampler, tis_cap), the truncated
-    importance weight of the policy that computed old_logprobs over the one that sampled (an older
-    one with --async-rollout), as slime and OpenRLHF offer.
-    Returns (this rank's share of the mini-batch loss, sums over loss tokens for the metrics)."""
+              loss_agg: str, num_seqs: float, num_tokens: float, max_len: int, policy_loss: str = "ppo-clip"):
+    """One micro-batch's loss: the policy loss (--policy-loss) on the advantages, each token weighted by the rollout
+    correction's weight where it has one (mb.is_weight: tis, icepop; its masks are in mb.loss_mask already), plus
+    kl_coef * KL to the reference model (0: no KL in the loss), reduced by `aggregate`. logp, entropy [b, t]: the
+    policy now. Returns (this rank's share of the mini-batch loss, sums over loss tokens for the metrics)."""
     m = mb.loss_mask                                                                             # [b, t]
-    token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, clip_low, clip_high)  # [b, t]
+    if policy_loss == "ppo-clip":
+        token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, clip_low, clip_high)  # [b, t]
+    elif policy_loss == "gspo":
+        token_loss, clipped = gspo_policy_loss(logp, mb.old_logprobs, mb.advantages, m, clip_low, clip_high)
+    elif policy_loss == "cispo":
+        token_loss, clipped = cispo_policy_loss(logp, mb.old_logprobs, mb.advantages, clip_low, clip_high)
+    else:
+        raise ValueError(f"--policy-loss {policy_loss!r} is unknown; use ppo-clip, gspo or cispo")
     stats = {"clip_frac": (clipped.float() * m).sum(), "entropy": (entropy * m).sum(), "tokens": m.sum(),
              "approx_kl": (kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum()}  # KL(old || now)
-    if tis_cap > 0:
-        weight = torch.exp(mb.old_logprobs - mb.rollout_logprobs)                                 # [b, t]
-        token_loss = token_loss * weight.clamp(max=tis_cap)  # both log-probs are constants: no gradient through it
-        stats.update(tis_weight=(weight.clamp(max=tis_cap) * m).sum(), tis_capped=((weight > tis_cap).float() * m).sum())
+    if mb.is_weight is not None:
+        token_loss = token_loss * mb.is_weight  # a constant [b, t]: no gradient through it
     if kl_coef > 0:
         kl = kl_penalty(logp, mb.ref_logprobs, kl_estimator)                                   # [b, t]
         token_loss = token_loss + kl_coef * kl
@@ -371,8 +474,16 @@ def check_args(args: Args, world_size: int):
         ("--beta", a.beta, a.beta >= 0, ">= 0"),
         ("--temperature", a.temperature, a.temperature > 0, "> 0"),
         ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
-        ("--clip-low", a.clip_low, 0 <= a.clip_low < 1, "in [0, 1)"),
+        ("--scale-rewards", a.scale_rewards, a.scale_rewards or a.advantage == "grpo",
+         "with --advantage grpo (rloo and reinforce++ divide by no group's std)"),
+        ("--clip-low", a.clip_low, 0 <= a.clip_low <= 1, "in [0, 1] (1: no lower bound)"),
         ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
+        ("--tis-cap", a.tis_cap, a.tis_cap is None or (a.tis_cap == 0 and a.rollout_correction in ("auto", "none")) or
+         (a.tis_cap > 0 and (a.rollout_correction == "tis" or (a.rollout_correction == "auto" and a.async_rollout))),
+         ">= 0: the cap of --rollout-correction tis (> 0), which --async-rollout turns on (0: off)"),
+        ("--correction-bounds", a.correction_bounds, a.correction_bounds is None or (0 <= a.correction_bounds[0] <= 1
+         <= a.correction_bounds[1] and a.rollout_correction in ("mis", "icepop", "seq-mask")),
+         "LO HI with 0 <= LO <= 1 <= HI, with --rollout-correction mis, icepop or seq-mask"),
         ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
         ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
         ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, ">= 1"),
@@ -390,7 +501,6 @@ def check_args(args: Args, world_size: int):
         ("--rollout-timeout", a.rollout_timeout, a.rollout_timeout > 0, "> 0"),
         ("--async-rollout", a.async_rollout, not a.async_rollout or (server and not a.dynamic_sampling),
          "with --rollout-mode server, without --dynamic-sampling (its refills wait on this step's rewards)"),
-        ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap >= 0, ">= 0"),
         ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
         ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
         ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
@@ -414,6 +524,17 @@ def check_args(args: Args, world_size: int):
     ])
 
 
+def variant_defaults(args: Args) -> Args:
+    """The defaults that depend on other flags, for the flags not given on the command line: each policy loss's clip
+    range and each correction's bounds (VARIANT_DEFAULTS), and tis with --async-rollout, as before --rollout-correction."""
+    correction = args.rollout_correction
+    if correction == "auto":
+        correction = "tis" if args.async_rollout and args.tis_cap != 0 else "none"
+    defaults = {"tis_cap": 2.0, **VARIANT_DEFAULTS.get(args.policy_loss, {}), **VARIANT_DEFAULTS.get(correction, {})}
+    given = given_flags(sys.argv[1:])
+    return replace(args, rollout_correction=correction, **{k: v for k, v in defaults.items() if k not in given})
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -424,6 +545,7 @@ def main(args: Args):
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
+    args = variant_defaults(args)  # gspo's and cispo's clip ranges, a correction's bounds, tis with --async-rollout
     tools = select_tools(args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s)  # its sandbox checked
     run_name = args.run_name or f"grpo-{os.path.basename(args.model.rstrip('/'))}-{'+'.join(map(source_name, args.dataset))}-s{args.seed}"
     run_dir = os.path.join(args.output_dir, run_name)
@@ -589,7 +711,8 @@ def main(args: Args):
     # ---- the loop ----------------------------------------------------------------------------------
     local_prompts = args.prompts_per_step // world_size
     max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
-    tis_cap = args.tis_cap if args.tis_cap is not None else 2.0 * args.async_rollout  # 0: off
+    console = (CONSOLE + TOOLS_CONSOLE * bool(tools) + CORRECTION_CONSOLE * (args.rollout_correction != "none")
+               + RM_LINE * bool(rm))
     ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
     for step in range(start_step + 1, args.steps + 1):
         t_step = time.time()
@@ -668,7 +791,11 @@ def main(args: Args):
                 if ref is not None:
                     batch.ref_logprobs = batch_logprobs(ref, batch, args.micro_batch_size, args.temperature, device,
                                                         max_tokens=max_tokens)
-            metrics["rollout/logprob_abs_diff"] = logprob_gap(batch)  # sampler vs trainer: sync check
+            # ALGO: the sampler's log-probs vs the trainer's (old_logprobs), on the model's tokens: logged, and corrected
+            weight, keep, touched = rollout_correction(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
+                                                       args.rollout_correction, tis_cap=args.tis_cap, bounds=args.correction_bounds)
+            batch.is_weight, batch.loss_mask = weight, batch.loss_mask * keep
+            metrics.update(mismatch_stats(batch, touched))  # logprob gap (the sync check), KL, largest ratio (rollout.py)
 
             # -- 5. advantages
             group_ids = torch.tensor([s.group_id for s in flat]).view(-1, args.group_size)  # [groups, G]
@@ -677,13 +804,13 @@ def main(args: Args):
             if ref is not None and args.kl_in_reward:  # ALGO: KL as a reward penalty, per sequence
                 seq_kl = (kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1") * batch.response_mask).sum(-1)
                 rewards = rewards - args.beta * seq_kl.view(-1, args.group_size)
-            adv = group_advantages(rewards, args.scale_rewards).view(-1)                    # [B]
+            adv = advantages(rewards, args.advantage, args.scale_rewards).view(-1)         # [B]
             batch.advantages = adv[:, None] * batch.response_mask                           # [B, T-1]
 
-            # -- 6. update: epochs x mini-batches of PPO-clip steps
+            # -- 6. update: epochs x mini-batches of policy-loss steps (PPO-clip, GSPO or CISPO)
             policy.train()
             totals = {k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
-                      for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens", "tis_weight", "tis_capped")}
+                      for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens")}
             grad_norms = []
             with mem.phase("update"):
                 for epoch in range(args.epochs):
@@ -698,11 +825,10 @@ def main(args: Args):
                             mb = batch.select(rows).to(device)                                       # [b, t] fields
                             logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature,
                                                            with_entropy=True, packed=max_tokens > 0)   # [b, t-1] each
-                            loss, stats = grpo_loss(logp, entropy, mb, clip_low=args.clip_low, clip_high=args.clip_high,
-                                                    kl_coef=0.0 if args.kl_in_reward else args.beta,
+                            loss, stats = grpo_loss(logp, entropy, mb, policy_loss=args.policy_loss, clip_low=args.clip_low,
+                                                    clip_high=args.clip_high, kl_coef=0.0 if args.kl_in_reward else args.beta,
                                                     kl_estimator=args.kl_estimator, loss_agg=args.loss_agg,
-                                                    num_seqs=num_seqs, num_tokens=num_tokens, max_len=args.max_new_tokens,
-                                                    tis_cap=tis_cap)
+                                                    num_seqs=num_seqs, num_tokens=num_tokens, max_len=args.max_new_tokens)
                             loss.backward()
                             for k, v in stats.items():
                                 totals[k] += v
@@ -722,8 +848,6 @@ def main(args: Args):
                 metrics["perf/logprob_mfu"] = mfu(2 * n_params * (1 + (ref is not None)), real_tokens, mem.seconds["logprob"],
                                                   peak, world_size)
                 metrics["perf/update_mfu"] = mfu(6 * n_params, real_tokens * args.epochs, mem.seconds["update"], peak, world_size)
-            if tis_cap:
-                metrics.update({"train/tis_weight": totals["tis_weight"] / tokens, "train/tis_capped_frac": totals["tis_capped"] / tokens})
 
         # -- 7. metrics, log, checkpoint
         metrics["perf/step_s"] = time.time() - t_step
@@ -733,7 +857,7 @@ def main(args: Args):
             metrics["time/startup_to_first_step_s"] = time.time() - t_launch
             metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
         errors = [c for c in REWARD_LINE if metrics[c[1]]]  # samples scored 0: raised, NaN/inf, timed out
-        print0(log_line(f"step {step}", metrics, CONSOLE + TOOLS_CONSOLE * bool(tools) + RM_LINE * bool(rm) + errors))
+        print0(log_line(f"step {step}", metrics, console + errors))
         log.log(metrics)
         if warning := nonfinite.after_step(step, int(metrics.get("train/nonfinite_skips", 0)), args.epochs * args.num_minibatches):
             print0(warning)

@@ -4,8 +4,9 @@
     python plot.py runs/A runs/B --out ab.png    # overlaid, one colour per run folder (default ./curves.png)
     write_curves(run_dir)                        # runlog.RunLog, rank 0: at each evaluation and at the end
 
-Reward, held-out accuracy, response length, KL and entropy by step; mean seconds and peak GPU memory of
-memory.py's phases (train_rm.py's runs: loss, pairwise accuracy, margin). bench/report.py draws with the same helpers (read_metrics, subplots, plot_metric).
+Reward, held-out accuracy, response length, KL (to the reference, the old policy, the sampler) and entropy by step;
+mean seconds and peak GPU memory of memory.py's phases (train_rm.py's runs: loss, pairwise accuracy, margin).
+bench/report.py draws with the same helpers (read_metrics, subplots, plot_metric).
 PLUMBING: nothing here changes what is trained; matplotlib is imported only when a figure is drawn.
 """
 
@@ -131,7 +132,8 @@ def draw(run_dirs: list[str], out: str):
                                         ([("train/margin", "train", "-"), ("eval/margin", "held out", "o-")],
                                          "margin r(chosen) - r(rejected), mean")))
     lines(ax[1, 0], runs, [("train/kl", "kl (in the loss)", "-"), ("train/entropy", "entropy", ":"),
-                           ("train/kl_per_response", "kl per response", "-."), ("train/approx_kl", "approx kl", "--")],
+                           ("train/kl_per_response", "kl per response", "-."), ("train/approx_kl", "approx kl", "--"),
+                           ("rollout/mismatch_kl", "mismatch kl (sampler || trainer)", "+-")],
           "KL and entropy (log scale above 1e-4)", log=True)
     steps = {name: [r for r in rows if "perf/step_s" in r] for name, rows in runs.items()}
     timed = {name: rows[1:] or rows for name, rows in steps.items()}  # step 1 left out where there are more: warm-up

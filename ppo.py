@@ -42,7 +42,7 @@ from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_rewards
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
-from rollout import SGLangOptions, Sampling, ToolUse, generate, logprob_gap, send, start_engine, stop_token_ids, tp_group
+from rollout import SGLangOptions, Sampling, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
 from server import ServerEngine, launch_servers
 from tools import TOOLS, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
@@ -718,7 +718,7 @@ def main(args: Args):
                                                     max_tokens=max_tokens)
             batch.values = batch_forward(lambda mb: token_values(critic, mb.input_ids, mb.attention_mask, max_tokens > 0), batch,
                                          args.micro_batch_size, device, max_tokens=max_tokens)  # [B, T-1], a field of ppo.py's own
-        metrics["rollout/logprob_abs_diff"] = logprob_gap(batch)  # sampler vs trainer: sync check
+        metrics.update(mismatch_stats(batch))  # sampler vs trainer: the sync check, KL, largest ratio (rollout.py)
 
         # -- 5. rewards per token (score on the last token, KL penalty on each), GAE, whitening
         mask = batch.response_mask

@@ -3,7 +3,7 @@
     engine = start_engine("sglang", model_path, seed=0, sglang=SGLangOptions(mem_fraction=0.6))  # then memory.release
     sampling = Sampling(max_new_tokens=256, stop_ids=stop_token_ids(tokenizer, model_path), temperature=1.0)
     samples = generate(engine, prompt_ids, seeds, sampling=sampling, tokenizer=tokenizer)   # list[Sample]
-    gap = logprob_gap(batch)          # sampler vs trainer log-probs of a collated batch: did the sync work?
+    stats = mismatch_stats(batch)     # sampler vs trainer log-probs of a collated batch: did the sync work? KL, ...
 
 Both engines answer SGLang's calls (`generate`, `update_weights_from_tensor`, `flush_cache`,
 `release/resume_memory_occupation`), so the loop and memory.py read the same on a laptop as on a GPU
@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import math
 import multiprocessing
 import re
 import signal
@@ -472,9 +473,18 @@ def plain_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
-def logprob_gap(batch) -> float:
-    """Mean |sampler log-prob - trainer log-prob| over response tokens, all ranks. Small (bf16
-    numerics, ~0.02-0.05) when the engine generated with the trainer's weights; large if the sync
-    missed or corrupted something."""
-    diff = ((batch.rollout_logprobs - batch.old_logprobs).abs() * batch.response_mask).sum()
-    return float(all_reduce(diff) / all_reduce(batch.response_mask.sum()))
+def mismatch_stats(batch, touched: torch.Tensor | None = None) -> dict:
+    """The sampler vs the trainer (rollout_logprobs vs old_logprobs) on the model's tokens, all ranks: the mean
+    |log-prob difference|, small (bf16 numerics, ~0.02-0.05) when the engine generated with the trainer's weights and
+    large if the sync missed or corrupted something; KL(sampler || trainer) by k3 with r = p_trainer / p_sampler
+    (r - 1 - log r); the largest r; given `touched` [B, T-1], the share of tokens a rollout correction capped or masked."""
+    m = batch.response_mask                                                                    # [B, T-1]
+    log_r = (batch.old_logprobs - batch.rollout_logprobs) * m
+    k3 = torch.exp(log_r.clamp(max=20.0)) - 1 - log_r  # clamped: one wild token can't overflow the mean
+    corrected = (touched.float() * m).sum() if touched is not None else torch.zeros(())
+    tokens, gap, kl, corrected = all_reduce(torch.stack([m.sum(), log_r.abs().sum(), (k3 * m).sum(), corrected]))
+    largest = all_reduce(log_r.masked_fill(m == 0, -math.inf).max(), dist.ReduceOp.MAX)
+    tokens = tokens.clamp(min=1)
+    stats = {"rollout/logprob_abs_diff": float(gap / tokens), "rollout/mismatch_kl": float(kl / tokens),
+             "rollout/mismatch_ratio_max": float(largest.exp())}
+    return stats if touched is None else {**stats, "rollout/correction_frac": float(corrected / tokens)}

@@ -8,6 +8,8 @@
     python bench/report.py rm runs/ --out bench/results/rm_addition_smollm2.json --png ...             # run_rm.sh's
     python bench/report.py arith runs/<ppo run> --out ... --compare bench/results/raw/grpo_arith_smollm2.metrics.jsonl \
         --compare-png bench/results/ppo_vs_grpo_arith_smollm2.png
+    python bench/report.py variants runs/variants --task addition --out bench/results/variants_addition.json \
+        --png bench/results/variants_addition.png --summary bench/results/summary.json    # run_variants.sh's; --task tools
 """
 import json
 import os
@@ -19,15 +21,16 @@ from typing import Literal
 import tyro
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
-from plot import plot_metric, read_metrics, subplots  # noqa: E402  (the repo root's plot.py: one copy of the drawing)
+from plot import draw, plot_metric, read_metrics, subplots  # noqa: E402  (the repo root's plot.py: one copy of the drawing)
 
 
 @dataclass
 class Args:
-    kind: tyro.conf.Positional[Literal["arith", "memory", "scaling", "tools", "server", "rm"]]
+    kind: tyro.conf.Positional[Literal["arith", "memory", "scaling", "tools", "server", "rm", "variants"]]
     """arith: accuracy summary + curve; memory: per-phase memory and time; scaling: tokens/s by GPU count;
     tools: accuracy and tool use with and without tools; server: colocate vs server vs async (run_server.sh);
-    rm: run_rm.sh's pairs, reward model and GRPO against it"""
+    rm: run_rm.sh's pairs, reward model and GRPO against it;
+    variants: the policy losses, advantages and corrections of one task side by side (run_variants.sh)"""
     run_dir: tyro.conf.Positional[str]
     """the run folder grpo.py / ppo.py wrote (scaling, tools: the folder holding run_scaling.sh's or run_tools.sh's runs)"""
     out: str
@@ -44,6 +47,10 @@ class Args:
     """where to draw that comparison"""
     gpu: str | None = None
     """server: the GPU, for runs whose run_info.json did not come back (only metrics.jsonl)"""
+    task: Literal["addition", "tools"] = "addition"
+    """variants: run_variants.sh's addition runs, or its multiplication runs with the calculator"""
+    summary: str | None = None
+    """variants: bench/results/summary.json, whose key `variants` gets this task's final accuracies"""
 
 
 def memory_summary(train):
@@ -271,9 +278,68 @@ def rm(a: Args):
         fig.savefig(a.png, dpi=110)
 
 
+VARIANT_RUNS = {"addition": ("add_grpo", "add_gspo", "add_cispo", "add_rloo", "add_reinforcepp", "add_tis", "add_mis",
+                             "add_icepop", "add_seqmask"),
+                "tools": ("mul_ppoclip", "mul_gspo", "mul_cispo")}
+
+
+def variants(a: Args):
+    """run_variants.sh's runs of one task (those present): held-out accuracy by updates, the final one, seconds per
+    step, the sampler-trainer mismatch and the share of tokens corrected; one figure of all of them (plot.py)."""
+    runs = {}
+    for name in VARIANT_RUNS[a.task]:
+        path = os.path.join(a.run_dir, name)
+        if not os.path.isfile(os.path.join(path, "metrics.jsonl")):
+            continue
+        train, evals, info, args = load(path)
+        evals, timed = sorted(evals, key=lambda r: r["step"]), train[1:] or train  # step 1 includes warm-up
+
+        def mean(key):
+            return statistics.mean(r.get(key, 0.0) for r in train)
+        runs[name] = {
+            **{k: args.get(k) for k in ("advantage", "policy_loss", "rollout_correction", "clip_low", "clip_high",
+                                        "tis_cap", "correction_bounds", "loss_agg")},
+            "steps": len(train), "final_eval_after": evals[-1]["step"], "final_strict_acc": evals[-1]["eval/strict_acc"],
+            "eval_curve": [[r["step"], round(r["eval/strict_acc"], 4), round(r["eval/flexible_acc"], 4)] for r in evals],
+            "seconds_per_step": statistics.mean(r["perf/step_s"] for r in timed),
+            "mismatch_kl_mean": mean("rollout/mismatch_kl"), "mismatch_ratio_max": max(r["rollout/mismatch_ratio_max"] for r in train),
+            "logprob_abs_diff_max": max(r["rollout/logprob_abs_diff"] for r in train),
+            "correction_frac_mean": mean("rollout/correction_frac"), "clip_frac_mean": mean("train/clip_frac"),
+            "nonfinite_skips": sum(r.get("train/nonfinite_skips", 0) for r in train),
+            "gpu": info["gpu"], "date": info["date"], "command": info["command"]}
+    if not runs:
+        raise SystemExit(f"{a.run_dir}: none of {', '.join(VARIANT_RUNS[a.task])} has a metrics.jsonl (run bench/run_variants.sh first)")
+    first = next(iter(runs.values()))
+    out = {"gpu": first["gpu"], "date": first["date"], "task": a.task, "command": a.command, "note": a.note,
+           "variants": {name: r["final_strict_acc"] for name, r in runs.items()},
+           "columns": {"eval_curve": ["updates", "strict acc (greedy, held out)", "flexible acc (greedy, held out)"]},
+           "runs": runs}
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"{'run':16} {'steps':>5} {'final strict':>12} {'s/step':>7} {'mismatch kl':>11} {'corrected':>9}")
+    for name, r in runs.items():
+        print(f"{name:16} {r['steps']:5d} {r['final_strict_acc']:12.3f} {r['seconds_per_step']:7.2f} "
+              f"{r['mismatch_kl_mean']:11.2e} {r['correction_frac_mean']:9.3f}")
+    if a.png:
+        draw([os.path.join(a.run_dir, name) for name in runs], a.png)
+    if a.summary:
+        with open(a.summary) as f:
+            summary = json.load(f)
+        entry = summary.get("variants", {"value": {}, "sources": []})
+        entry["value"][a.task] = out["variants"]
+        entry["sources"] = sorted(set(entry["sources"]) | {os.path.basename(a.out)})
+        entry.update(gpu=out["gpu"], date=out["date"], what="final held-out strict accuracy (greedy) of each run of "
+                     "bench/run_variants.sh: one policy loss, advantage or rollout correction changed from GRPO's defaults")
+        summary["variants"] = entry
+        with open(a.summary, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
 def main(a: Args):
     if a.kind == "rm":
         return rm(a)
+    if a.kind == "variants":
+        return variants(a)
     if a.kind == "scaling":
         return scaling(a)
     if a.kind == "tools":

@@ -7,7 +7,8 @@ import torch
 from torch.testing import assert_close
 
 from fsdp import lr_lambda
-from grpo import Args, aggregate, check_args, clipped_policy_loss, group_advantages, grpo_loss, kl_penalty
+from grpo import (Args, advantages, aggregate, check_args, cispo_policy_loss, clipped_policy_loss, group_advantages, grpo_loss,
+                  gspo_policy_loss, kl_penalty, reinforce_pp_advantages, rloo_advantages, rollout_correction, variant_defaults)
 from preflight import InputError
 
 # ----------------------------------------------------------------------------------------------
@@ -344,7 +345,7 @@ def test_grpo_loss_by_hand():
     logp = torch.log(torch.tensor([[0.5, 0.25, 0.5], [0.5, 0.5, 0.5]]))
     mb = SimpleNamespace(loss_mask=torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]),
                          old_logprobs=logp.clone(), ref_logprobs=logp - 0.2,
-                         advantages=torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]]))
+                         advantages=torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]]), is_weight=None)
     entropy = torch.ones(2, 3)
     common = dict(clip_low=0.2, clip_high=0.2, loss_agg="token-mean", num_seqs=2.0, num_tokens=4.0, max_len=3)
     loss, stats = grpo_loss(logp, entropy, mb, kl_coef=0.0, kl_estimator="k1", **common)
@@ -362,22 +363,307 @@ def test_grpo_loss_by_hand():
 
 
 def test_truncated_importance_sampling_by_hand():
-    """The sampler (an older policy, --async-rollout) gave the tokens log-probs `rollout`; each token's
-    loss is weighted by min(p_old / p_sampler, cap), with no gradient through the weight."""
+    """The sampler (an older policy, --async-rollout) gave the tokens log-probs `rollout`; rollout_correction's tis
+    weight min(p_old / p_sampler, cap) multiplies each token's loss in grpo_loss, with no gradient through it."""
     from types import SimpleNamespace
 
     old = torch.log(torch.tensor([[0.5, 0.5]]))
     rollout = torch.log(torch.tensor([[0.25, 0.5]]))  # weights 2.0 and 1.0
-    mb = SimpleNamespace(loss_mask=torch.ones(1, 2), old_logprobs=old, rollout_logprobs=rollout,
-                         advantages=torch.ones(1, 2))
+    weight, keep, touched = rollout_correction(old, rollout, torch.ones(1, 2), "tis", tis_cap=1.5, bounds=None)
+    mb = SimpleNamespace(loss_mask=keep, old_logprobs=old, is_weight=weight, advantages=torch.ones(1, 2))
     logp = old.clone().requires_grad_()
     common = dict(clip_low=0.2, clip_high=0.2, kl_coef=0.0, kl_estimator="k1", loss_agg="token-mean", num_seqs=1.0,
                   num_tokens=2.0, max_len=2)
-    loss, stats = grpo_loss(logp, torch.ones(1, 2), mb, tis_cap=1.5, **common)
-    # token losses -1 * min(2, 1.5) and -1 * 1 -> mean -1.25; the weight sum 2.5, one token capped
+    loss, stats = grpo_loss(logp, torch.ones(1, 2), mb, **common)
+    # token losses -1 * min(2, 1.5) and -1 * 1 -> mean -1.25; one token capped
     assert_close(loss, torch.tensor(-1.25))
-    assert_close(stats["tis_weight"], torch.tensor(2.5)) and assert_close(stats["tis_capped"], torch.tensor(1.0))
+    assert touched.tolist() == [[True, False]]
     loss.backward()  # d/dlogp of -A * ratio * w at ratio 1: -w / num_tokens
     assert_close(logp.grad, torch.tensor([[-0.75, -0.5]]))
-    off, off_stats = grpo_loss(old, torch.ones(1, 2), mb, tis_cap=0.0, **common)
-    assert_close(off, torch.tensor(-1.0)) and "tis_weight" not in off_stats
+    mb.is_weight = None  # --rollout-correction none
+    off, _ = grpo_loss(old, torch.ones(1, 2), mb, **common)
+    assert_close(off, torch.tensor(-1.0))
+
+
+# ----------------------------------------------------------------------------------------------
+# --advantage: rloo and reinforce++ (grpo: group_advantages above)
+
+# two groups of G = 3: group 0 one right of three, group 1 all equal (no signal)
+REWARDS = torch.tensor([[1.0, 0.0, 0.0],
+                        [1.0, 1.0, 1.0]])
+
+
+def test_rloo_leaves_each_sample_out_of_its_baseline():
+    """baseline of sample i = mean of the other G - 1 = 2 rewards of its group.
+    group 0: sample 0: others (0 + 0) / 2 = 0   -> 1 - 0   = +1
+             sample 1: others (1 + 0) / 2 = 0.5 -> 0 - 0.5 = -0.5, sample 2 the same
+             (= G / (G - 1) * (r - mean) = 1.5 * (1 - 1/3) = 1: GRPO's unscaled advantage x 1.5)
+    group 1: others (1 + 1) / 2 = 1 -> 1 - 1 = 0 for all: a group of equal rewards has no signal"""
+    expected = torch.tensor([[1.0, -0.5, -0.5], [0.0, 0.0, 0.0]])
+    assert_close(rloo_advantages(REWARDS), expected)
+    assert_close(rloo_advantages(REWARDS), 1.5 * group_advantages(REWARDS, scale=False))
+    assert_close(advantages(REWARDS, "rloo", scale=True), expected)  # --scale-rewards is grpo's only
+
+
+def test_reinforce_pp_whitens_over_the_whole_batch():
+    """group means subtracted: group 0 mean 1/3 -> [2/3, -1/3, -1/3]; group 1 -> [0, 0, 0].
+    Then over all 6 samples: mean (2/3 - 1/3 - 1/3 + 0) / 6 = 0; unbiased variance
+    (4/9 + 1/9 + 1/9) / (6 - 1) = (2/3) / 5 = 2/15, std sqrt(2/15) = 0.365148 (+ 1e-6).
+    -> group 0: (2/3) / 0.365148 = 1.825742, (-1/3) / 0.365148 = -0.912871; group 1 stays 0 (equal rewards).
+    GRPO's per-group std would give group 0 +1.1547 / -0.5774: here the scale is the batch's, not the group's."""
+    std = math.sqrt(2 / 15) + 1e-6
+    expected = torch.tensor([[2 / 3 / std, -1 / 3 / std, -1 / 3 / std], [0.0, 0.0, 0.0]])
+    assert_close(reinforce_pp_advantages(REWARDS), expected)
+    assert_close(advantages(REWARDS, "reinforce++", scale=True), expected)
+
+
+def test_reinforce_pp_is_global_over_ranks():
+    """Two ranks, one group each: world_sum (all_reduce under torchrun) adds the other rank's
+    (count, sum, sum of squares), so each rank's share equals the whole batch's advantages."""
+    whole = reinforce_pp_advantages(REWARDS)
+
+    def stats(rows):
+        adv = rows - rows.mean(dim=1, keepdim=True)
+        return torch.stack([torch.tensor(float(adv.numel())), adv.sum(), (adv**2).sum()]).double()
+
+    rank0 = reinforce_pp_advantages(REWARDS[:1], world_sum=lambda mine: mine + stats(REWARDS[1:]))
+    rank1 = reinforce_pp_advantages(REWARDS[1:], world_sum=lambda mine: mine + stats(REWARDS[:1]))
+    assert_close(torch.cat([rank0, rank1]), whole)
+    # rank 0 alone (no sum over ranks) would scale its one group by that group's std: GRPO's 1.1547 / -0.5774, not 1.8257
+    assert_close(reinforce_pp_advantages(REWARDS[:1], world_sum=lambda mine: mine), group_advantages(REWARDS[:1], True))
+
+
+def test_advantages_unknown_kind_raises():
+    with pytest.raises(ValueError, match="ppo"):
+        advantages(REWARDS, "ppo", scale=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# --policy-loss: gspo and cispo (ppo-clip: clipped_policy_loss above)
+
+# two sequences of 3 tokens: sequence 0 of group 0 (A = +1), sequence 1 of group 1 (A = -1), its 3rd token padding
+P_OLD = torch.tensor([[0.4, 0.5, 0.5], [0.5, 0.4, 0.3]])
+P_NOW = torch.tensor([[0.6, 0.5, 0.4], [0.25, 0.5, 0.9]])  # ratios r = [[1.5, 1.0, 0.8], [0.5, 1.25, (3.0, masked)]]
+ADV = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+SEQ_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def test_gspo_one_clipped_ratio_per_sequence():
+    """s = geometric mean of the ratios over the sequence's loss tokens:
+    sequence 0: (1.5 * 1.0 * 0.8)^(1/3) = 1.2^(1/3) = 1.062659;  sequence 1: (0.5 * 1.25)^(1/2) = 0.625^(1/2) = 0.790569
+    (the padding's 3.0 left out). With the band [0.8, 1.2]:
+      sequence 0, A = +1: s inside -> each token -A s = -1.062659, unclipped; d/dlogp_t = -A s = -1.062659
+      sequence 1, A = -1: s < 0.8 -> max(0.790569, 0.8) = 0.8 per token, clipped, no gradient
+    (PPO-clip per token would clip sequence 0's first token and keep sequence 1's second: the unit is the sequence.)
+    With the paper's band [1 - 3e-4, 1 + 4e-4] both sequences are clipped: -1.0004 and 0.9997 per token, no gradient."""
+    logp = P_NOW.log().requires_grad_()
+    loss, clipped = gspo_policy_loss(logp, P_OLD.log(), ADV, SEQ_MASK, 0.2, 0.2)
+    s0, s1 = 1.2 ** (1 / 3), 0.625**0.5
+    assert_close(loss * SEQ_MASK, torch.tensor([[-s0, -s0, -s0], [0.8, 0.8, 0.0]]))
+    assert clipped.tolist() == [[False] * 3, [True] * 3] and s1 < 0.8
+    (loss * SEQ_MASK).sum().backward()
+    assert_close(logp.grad, torch.tensor([[-s0, -s0, -s0], [0.0, 0.0, 0.0]]))
+    paper, paper_clipped = gspo_policy_loss(P_NOW.log(), P_OLD.log(), ADV, SEQ_MASK, 3e-4, 4e-4)
+    assert_close(paper * SEQ_MASK, torch.tensor([[-1.0004, -1.0004, -1.0004], [0.9997, 0.9997, 0.0]]))
+    assert paper_clipped.all()
+
+
+def test_gspo_edges_fully_masked_sequence_and_a_ratio_at_the_bound():
+    """A fully masked sequence (e.g. overlong-filtered): s = exp(0 / clamp(0, min=1)) = 1, finite, and it adds
+    nothing once masked. A sequence whose tokens all have ratio 1 sits exactly on the lower bound 1 - 0 = 1:
+    not clipped (the flag is strict), so its gradient -A s = -1 per token flows."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, -0.1]]).requires_grad_()
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-5.0, -9.0, -0.1]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    loss, clipped = gspo_policy_loss(logp, old, torch.ones(2, 3), mask, 0.0, 4e-4)
+    assert torch.isfinite(loss).all() and not clipped[0].any()
+    assert_close(loss[0], torch.tensor([-1.0, -1.0, -1.0]))
+    (loss * mask).sum().backward()
+    assert_close(logp.grad, torch.tensor([[-1.0, -1.0, -1.0], [0.0, 0.0, 0.0]]))
+
+
+def test_cispo_clipped_tokens_keep_their_gradient():
+    """loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log p_now, here clip_low 1 (no lower bound, as the
+    paper), clip_high 0.2: weights w = [[min(1.5, 1.2) = 1.2, 1.0, 0.8], [0.5, min(1.25, 1.2) = 1.2, -]].
+      sequence 0, A = +1: -1.2 ln 0.6 = 0.612991, -1.0 ln 0.5 = 0.693147, -0.8 ln 0.4 = 0.733033
+      sequence 1, A = -1: +0.5 ln 0.25 = -0.693147, +1.2 ln 0.5 = -0.831777
+    d loss / d log p = -w A: [[-1.2, -1.0, -0.8], [0.5, 1.2]]. The first token (r = 1.5 > 1.2) is clipped and still
+    gets -1.2, where PPO-clip gives it 0; sequence 1's r = 0.5 is not clipped at all (no lower bound)."""
+    logp = P_NOW.log().requires_grad_()
+    loss, clipped = cispo_policy_loss(logp, P_OLD.log(), ADV, 1.0, 0.2)
+    expected = torch.tensor([[-1.2 * math.log(0.6), -math.log(0.5), -0.8 * math.log(0.4)],
+                             [0.5 * math.log(0.25), 1.2 * math.log(0.5), 0.0]])
+    assert_close(loss * SEQ_MASK, expected)
+    assert (clipped & (SEQ_MASK > 0)).tolist() == [[True, False, False], [False, True, False]]
+    (loss * SEQ_MASK).sum().backward()
+    assert_close(logp.grad, torch.tensor([[-1.2, -1.0, -0.8], [0.5, 1.2, 0.0]]))
+    ppo_logp = P_NOW.log().requires_grad_()
+    ppo, _ = clipped_policy_loss(ppo_logp, P_OLD.log(), ADV, 0.2, 0.2)
+    (ppo * SEQ_MASK).sum().backward()
+    assert ppo_logp.grad[0, 0] == 0  # the same token under PPO-clip: no gradient
+
+
+def test_cispo_ratio_exactly_at_the_bound_is_not_clipped():
+    """r = exp(0) = 1 exactly, band [1 - 0, 1 + 0.2]: the weight is 1 = r, so not marked clipped."""
+    logp = torch.tensor([[-0.7]])
+    loss, clipped = cispo_policy_loss(logp, logp.clone(), torch.tensor([[2.0]]), 0.0, 0.2)
+    assert_close(loss, torch.tensor([[1.4]])) and clipped.tolist() == [[False]]  # -1 * 2 * -0.7
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo-clip", "gspo", "cispo"])
+def test_grpo_loss_picks_the_policy_loss(policy_loss):
+    """grpo_loss = the chosen policy loss, reduced by aggregate (token-mean over the 5 loss tokens)."""
+    from types import SimpleNamespace
+
+    mb = SimpleNamespace(loss_mask=SEQ_MASK, old_logprobs=P_OLD.log(), advantages=ADV, is_weight=None)
+    loss, stats = grpo_loss(P_NOW.log(), torch.ones(2, 3), mb, clip_low=0.2, clip_high=0.2, kl_coef=0.0, kl_estimator="k3",
+                            loss_agg="token-mean", num_seqs=2.0, num_tokens=5.0, max_len=3, policy_loss=policy_loss)
+    token_loss, clipped = {"ppo-clip": lambda: clipped_policy_loss(P_NOW.log(), P_OLD.log(), ADV, 0.2, 0.2),
+                           "gspo": lambda: gspo_policy_loss(P_NOW.log(), P_OLD.log(), ADV, SEQ_MASK, 0.2, 0.2),
+                           "cispo": lambda: cispo_policy_loss(P_NOW.log(), P_OLD.log(), ADV, 0.2, 0.2)}[policy_loss]()
+    assert_close(loss, (token_loss * SEQ_MASK).sum() / 5)
+    assert_close(stats["clip_frac"], (clipped.float() * SEQ_MASK).sum())
+    with pytest.raises(ValueError, match="reinforce"):
+        grpo_loss(P_NOW.log(), torch.ones(2, 3), mb, clip_low=0.2, clip_high=0.2, kl_coef=0.0, kl_estimator="k3",
+                  loss_agg="token-mean", num_seqs=2.0, num_tokens=5.0, max_len=3, policy_loss="reinforce")
+
+
+def test_the_default_path_is_todays_grpo_bit_for_bit():
+    """--advantage grpo, --policy-loss ppo-clip, --rollout-correction none compute exactly what grpo.py computed
+    before these flags: the same advantages, the same loss mask, no weight, the same loss and gradient (torch.equal)."""
+    from types import SimpleNamespace
+
+    rewards = torch.tensor([[0.2, 1.5, 0.0, 0.7], [5.0, -1.0, 2.0, 2.0]])
+    assert torch.equal(advantages(rewards, "grpo", True), group_advantages(rewards, True))
+    loss_mask = SEQ_MASK * torch.tensor([[1.0], [0.0]])  # sequence 1 overlong-filtered
+    weight, keep, touched = rollout_correction(P_OLD.log(), P_NOW.log(), SEQ_MASK, "none", tis_cap=2.0, bounds=None)
+    assert weight is None and torch.equal(loss_mask * keep, loss_mask) and not touched.any()
+    mb = SimpleNamespace(loss_mask=loss_mask * keep, old_logprobs=P_OLD.log(), advantages=ADV, is_weight=weight)
+    new_logp, old_logp = P_NOW.log().requires_grad_(), P_NOW.log().requires_grad_()
+    loss, _ = grpo_loss(new_logp, torch.ones(2, 3), mb, clip_low=0.2, clip_high=0.28, kl_coef=0.0, kl_estimator="k3",
+                        loss_agg="seq-mean-token-mean", num_seqs=1.0, num_tokens=3.0, max_len=3)
+    before = aggregate(clipped_policy_loss(old_logp, P_OLD.log(), ADV, 0.2, 0.28)[0], loss_mask, "seq-mean-token-mean",
+                       1.0, 3.0, 3)  # grpo_loss as it was, without KL and TIS
+    loss.backward(), before.backward()
+    assert torch.equal(loss, before) and torch.equal(new_logp.grad, old_logp.grad)
+
+
+# ----------------------------------------------------------------------------------------------
+# --rollout-correction, and the mismatch metrics logged every step
+
+# two sequences of 3 tokens, sequence 1's 3rd token padding; r = p_old / p_sampler
+P_SAMPLER = torch.tensor([[0.5, 0.1, 0.5], [0.25, 0.6, 0.9]])
+P_TRAINER = torch.tensor([[0.5, 0.3, 0.2], [0.25, 0.6, 0.1]])  # r = [[1, 3, 0.4], [1, 1, (1/9, masked)]]
+
+
+def correct(kind, **kw):
+    return rollout_correction(P_TRAINER.log(), P_SAMPLER.log(), SEQ_MASK, kind, **{"tis_cap": 2.0, "bounds": None, **kw})
+
+
+def test_rollout_correction_tis_caps_the_weight():
+    """tis, cap 2: weights min(r, 2) = [[1, 2, 0.4], [1, 1, 1 (padding: log r masked to 0)]]; the r = 3 token is
+    capped (1 of 5 model tokens); nothing masked."""
+    weight, keep, touched = correct("tis")
+    assert_close(weight, torch.tensor([[1.0, 2.0, 0.4], [1.0, 1.0, 1.0]]))
+    assert torch.equal(keep, SEQ_MASK) and touched.tolist() == [[False, True, False], [False, False, False]]
+
+
+def test_rollout_correction_mis_masks_tokens_outside_the_bounds():
+    """mis, [0.5, 2]: r = 3 > 2 and r = 0.4 < 0.5 leave the loss: keep [[1, 0, 0], [1, 1, 0]], no weight.
+    The bounds are inclusive: with [1, 2] the tokens of r = exactly 1 (log r = 0) stay."""
+    weight, keep, touched = correct("mis", bounds=(0.5, 2.0))
+    assert weight is None and keep.tolist() == [[1, 0, 0], [1, 1, 0]]
+    assert touched.tolist() == [[False, True, True], [False, False, False]]
+    _, at_bound, _ = correct("mis", bounds=(1.0, 2.0))
+    assert at_bound.tolist() == [[1, 0, 0], [1, 1, 0]]
+
+
+def test_rollout_correction_icepop_masks_and_weights():
+    """icepop, [0.5, 5]: r = 0.4 < 0.5 is masked; the kept tokens are weighted by r: [[1, 3, 0], [1, 1, 0]]."""
+    weight, keep, touched = correct("icepop", bounds=(0.5, 5.0))
+    assert keep.tolist() == [[1, 1, 0], [1, 1, 0]] and touched.tolist() == [[False, False, True], [False, False, False]]
+    assert_close(weight, torch.tensor([[1.0, 3.0, 0.0], [1.0, 1.0, 0.0]]))
+
+
+def test_rollout_correction_seq_mask_drops_whole_sequences():
+    """seq-mask, [0.999, 1.001]: sequence 0's geometric mean (1 * 3 * 0.4)^(1/3) = 1.2^(1/3) = 1.0627 > 1.001:
+    all three tokens out; sequence 1's (1 * 1)^(1/2) = 1 (padding left out): kept. A fully masked sequence:
+    exp(0 / clamp(0, min=1)) = 1, finite, nothing kept, nothing touched."""
+    weight, keep, touched = correct("seq-mask", bounds=(0.999, 1.001))
+    assert weight is None and keep.tolist() == [[0, 0, 0], [1, 1, 0]] and touched.sum() == 3
+    empty = torch.zeros(1, 3)
+    w, k, t = rollout_correction(P_TRAINER[:1].log(), P_SAMPLER[:1].log(), empty, "seq-mask", tis_cap=2.0,
+                                 bounds=(0.999, 1.001))
+    assert w is None and not k.any() and not t.any()
+
+
+def test_rollout_correction_ratio_exactly_at_the_cap():
+    """tis with cap 1: r = 1 exactly (log r = 0) is not capped (strictly above only); r = 3 is; r = 0.4 is not."""
+    weight, _, touched = correct("tis", tis_cap=1.0)
+    assert_close(weight, torch.tensor([[1.0, 1.0, 0.4], [1.0, 1.0, 1.0]]))
+    assert touched.tolist() == [[False, True, False], [False, False, False]]
+    with pytest.raises(ValueError, match="is-cap"):
+        correct("is-cap")
+
+
+def test_mismatch_stats_by_hand():
+    """Over the 5 model tokens, log r = [0, ln 3, ln 0.4, 0, 0]:
+    mean |log r| = (1.098612 + 0.916291) / 5 = 0.402981
+    k3 = r - 1 - log r: 3 - 1 - 1.098612 = 0.901388, 0.4 - 1 + 0.916291 = 0.316291 -> 1.217679 / 5 = 0.243536
+    largest r = 3; tis at cap 2 touched 1 token of 5: 0.2. Without `touched` (ppo.py) no correction_frac."""
+    from types import SimpleNamespace
+
+    from rollout import mismatch_stats
+
+    batch = SimpleNamespace(response_mask=SEQ_MASK, old_logprobs=P_TRAINER.log(), rollout_logprobs=P_SAMPLER.log())
+    stats = mismatch_stats(batch, correct("tis")[2])
+    assert stats == pytest.approx({"rollout/logprob_abs_diff": 0.402981, "rollout/mismatch_kl": 0.243536,
+                                   "rollout/mismatch_ratio_max": 3.0, "rollout/correction_frac": 0.2}, rel=1e-5)
+    assert "rollout/correction_frac" not in mismatch_stats(batch)
+
+
+# ----------------------------------------------------------------------------------------------
+# the variants' flags: defaults that depend on other flags, and their checks
+
+
+def test_variant_defaults_follow_the_papers_unless_given(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--policy-loss", "gspo", "--rollout-correction", "seq-mask"])
+    a = variant_defaults(Args(policy_loss="gspo", rollout_correction="seq-mask"))
+    assert (a.clip_low, a.clip_high, a.correction_bounds) == (3e-4, 4e-4, (0.999, 1.001))
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--policy-loss", "cispo", "--clip-high", "0.28"])
+    a = variant_defaults(Args(policy_loss="cispo", clip_high=0.28))
+    assert (a.clip_low, a.clip_high, a.rollout_correction) == (1.0, 0.28, "none")  # given: kept
+    monkeypatch.setattr("sys.argv", ["grpo.py"])
+    a = variant_defaults(Args())
+    assert (a.clip_low, a.clip_high, a.rollout_correction, a.correction_bounds) == (0.2, 0.2, "none", None)
+
+
+def test_async_rollout_still_corrects_with_tis_by_default(monkeypatch):
+    """As before --rollout-correction: --async-rollout alone means tis with cap 2; --tis-cap 0 turns it off."""
+    server = dict(rollout_mode="server", rollout_url=("http://h:1",), async_rollout=True)
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--async-rollout"])
+    a = variant_defaults(Args(**server))
+    assert (a.rollout_correction, a.tis_cap) == ("tis", 2.0)
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--async-rollout", "--tis-cap", "0"])
+    assert variant_defaults(Args(**server, tis_cap=0.0)).rollout_correction == "none"
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--async-rollout", "--rollout-correction", "icepop"])
+    a = variant_defaults(Args(**server, rollout_correction="icepop"))
+    assert (a.rollout_correction, a.correction_bounds) == ("icepop", (0.5, 5.0))
+
+
+def test_check_args_variant_flags():
+    for fine in (Args(policy_loss="cispo", clip_low=1.0), Args(rollout_correction="tis", tis_cap=3.0),
+                 Args(rollout_correction="mis", correction_bounds=(0.8, 1.25)), Args(advantage="rloo")):
+        check_args(fine, world_size=1)
+    with pytest.raises(InputError) as e:
+        check_args(Args(tis_cap=3.0, correction_bounds=(0.5, 2.0), advantage="reinforce++", scale_rewards=False,
+                        clip_low=1.5), world_size=1)
+    message = str(e.value)
+    assert "--tis-cap 3.0 must be >= 0: the cap of --rollout-correction tis (> 0), which --async-rollout turns on" in message
+    assert "--correction-bounds (0.5, 2.0) must be LO HI with 0 <= LO <= 1 <= HI, with --rollout-correction mis" in message
+    assert "--scale-rewards False must be with --advantage grpo" in message
+    assert "--clip-low 1.5 must be in [0, 1] (1: no lower bound)" in message
+    with pytest.raises(InputError, match=r"--correction-bounds \(1.2, 2.0\) must be"):
+        check_args(Args(rollout_correction="mis", correction_bounds=(1.2, 2.0)), world_size=1)
+    with pytest.raises(InputError, match="--tis-cap 0.0 must be"):
+        check_args(Args(rollout_correction="tis", tis_cap=0.0), world_size=1)

@@ -316,7 +316,8 @@ def test_grpo_async_under_torchrun_is_one_step_off_policy(server_process, traine
                     "--eval-every", "0", "--async-rollout", nproc=2)
     train, _ = metrics(tmp_path)
     assert [r["rollout/staleness"] for r in train] == [0, 1, 1, 1]
-    assert all(r["train/tis_weight"] > 0 and 0 <= r["train/tis_capped_frac"] <= 1 for r in train)  # --tis-cap 2 by default
+    assert json.loads((tmp_path / "r" / "args.json").read_text())["rollout_correction"] == "tis"  # the default with async
+    assert all(0 <= r["rollout/correction_frac"] <= 1 and r["rollout/mismatch_ratio_max"] > 0 for r in train)
     # the server's view: batch k+1 is asked for before the weights of update k arrive (one flush per sync)
     assert [e[2] for e in events(url) if e[0] == "generate"] == [1, 1, 2, 3]
     assert "step 4 |" in proc.stdout

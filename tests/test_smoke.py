@@ -53,7 +53,8 @@ def test_grpo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
     assert [r["step"] for r in evals] == [0, 2, 3]  # before training, after 2 updates, final
     assert any(r["train/grad_norm"] > 0 for r in train)  # a real update happened
     assert all(r["rollout/logprob_abs_diff"] < 0.05 for r in train)  # the engine got the trained weights
-    assert "step 3 |" in proc.stdout and "sample (reward" in proc.stdout
+    assert all(r["rollout/mismatch_kl"] >= 0 and r["rollout/correction_frac"] == 0 for r in train)  # logged, no correction
+    assert "step 3 |" in proc.stdout and "sample (reward" in proc.stdout and "| corrected" not in proc.stdout
     assert os.path.getsize(os.path.join(tmp_path, "r", "curves.png")) > 10_000 and "curves: " in proc.stdout  # no wandb needed
     # the console holds the run's own lines: no transformers bars for loading or saving a model
     assert "Loading weights" not in proc.stderr and "Writing model shards" not in proc.stderr
@@ -70,10 +71,12 @@ def test_grpo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
 
 def test_grpo_torchrun_two_ranks_all_variants(trained_tiny_model_dir, tmp_path):
     """Two gloo ranks with the reference model, dynamic sampling, overlong filtering, offload,
-    two mini-batches, clip-higher and a different loss aggregation all on at once."""
+    two mini-batches, clip-higher, a different loss aggregation, REINFORCE++'s whitening over both
+    ranks' samples and MIS's token mask all on at once."""
     run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "2", "--beta", "0.05",
              "--dynamic-sampling", "--overlong-filter", "--offload", "--num-minibatches", "2",
-             "--clip-high", "0.28", "--loss-agg", "seq-mean-token-mean", "--kl-estimator", "k2", nproc=2)
+             "--clip-high", "0.28", "--loss-agg", "seq-mean-token-mean", "--kl-estimator", "k2",
+             "--advantage", "reinforce++", "--rollout-correction", "mis", nproc=2)
     rows = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
     steps = [r for r in rows if "rollout/reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]  # a step dynamic sampling skips is still logged
@@ -82,6 +85,21 @@ def test_grpo_torchrun_two_ranks_all_variants(trained_tiny_model_dir, tmp_path):
     assert any(r["train/kl"] > 0 for r in trained)  # the reference model is loaded and used
     assert all(r["rollout/kept_groups"] % 2 == 0 for r in steps)  # equal groups on both ranks
     assert len([r for r in rows if "eval/strict_acc" in r]) == 2
+
+
+@pytest.mark.parametrize("variant, clip", [
+    (["--policy-loss", "gspo", "--advantage", "rloo", "--rollout-correction", "icepop"], [3e-4, 4e-4]),
+    (["--policy-loss", "cispo", "--rollout-correction", "seq-mask", "--clip-high", "0.28"], [1.0, 0.28]),
+])
+def test_grpo_variants(trained_tiny_model_dir, tmp_path, variant, clip):
+    """The policy losses, advantages and corrections end to end, several flags a run: each trains, logs the
+    mismatch and the share corrected (on the console too), and takes its paper's clip range unless given."""
+    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--eval-every", "0", "--save-every", "-1", *variant)
+    train, _ = metrics(tmp_path)
+    assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["train/loss"]) for r in train)
+    assert all(r["rollout/mismatch_kl"] >= 0 and 0 <= r["rollout/correction_frac"] <= 1 for r in train)
+    args = json.loads((tmp_path / "r" / "args.json").read_text())
+    assert [args["clip_low"], args["clip_high"]] == clip and "| corrected " in proc.stdout
 
 
 def test_grpo_rollout_tp_group(trained_tiny_model_dir, tmp_path):
