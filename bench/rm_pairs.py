@@ -5,14 +5,16 @@
 
 Samples `--samples-per-prompt` completions of each prompt (temperature 1), judges each by the rule grpo.py
 rewards with (reward.correct), and writes rows {"prompt", "chosen", "rejected", "group"}, the chosen side
-earning more under that rule. For each prompt with a completion that gets the answer right (any format), c:
+earning more under that rule. From one sampled completion c with a number in it, c' = c with its last number
+set to the right answer N, and c'' = c with it set to a wrong M within 10 of N:
 
-    group "wrong":  c vs a completion of the same prompt with a wrong answer      (both as sampled)
-    group "format": c + "\\n#### N" vs c                                           (only the format line differs)
-    group "number": c + "\\n#### N" vs c + "\\n#### M", M a wrong number near N      (only the number differs)
+    group "format": c' + "\n#### N" vs c'                               (only the format line differs)
+    group "number": c' + "\n#### N" vs c'' + "\n#### M"                 (only the number differs, both places)
+    group "wrong":  a sampled completion that is right vs one that is wrong, the nearest in length
 
-"number" pairs can't be told apart by format or length: a reward model right on them checks the answer.
-The train split's prompts go to --out, the held-out split's to <out>.eval.jsonl (never trained on).
+"number" pairs differ in nothing but the answer, consistent within each side: a reward model right on them
+checks the sum. Every prompt gives "format" and "number" pairs; "wrong" ones need a right sample (few: the
+policy's own accuracy). The train split's prompts go to --out, the held-out split's to <out>.eval.jsonl (never trained on).
 """
 
 import json
@@ -59,20 +61,31 @@ class Args:
     """SGLang memory fraction"""
 
 
+_NUMBER = re.compile(r"\d+")
+
+
+def with_last_number(text: str, number: int) -> str:
+    """`text` with its last run of digits replaced by `number`."""
+    last = list(_NUMBER.finditer(text))[-1]
+    return f"{text[:last.start()]}{number}{text[last.end():]}"
+
+
 def pairs_of(prompt, answer: str, kind: str, completions: list[str], rng: random.Random) -> list[dict]:
-    """The rows one prompt gives (module docstring): none if no completion is right."""
-    right = [c for c in completions if correct(kind, c, answer, "flexible")]
-    wrong = [c for c in completions if not correct(kind, c, answer, "flexible")]
-    if not right:
-        return []
-    c = rng.choice(right).rstrip()
-    near = [m for m in range(int(answer) - 10, int(answer) + 11) if m != int(answer) and m >= 0]
-    formatted, misnumbered = f"{c}\n#### {answer}", f"{c}\n#### {rng.choice(near)}"
-    rows = [{"prompt": prompt, "chosen": formatted, "rejected": c, "group": "format"},
-            {"prompt": prompt, "chosen": formatted, "rejected": misnumbered, "group": "number"}]
-    if wrong:
-        rows.append({"prompt": prompt, "chosen": c, "rejected": rng.choice(wrong), "group": "wrong"})
-    assert correct(kind, formatted, answer, "strict") and not correct(kind, misnumbered, answer, "strict")
+    """The rows one prompt gives (module docstring); none from completions without a number."""
+    n, rows = int(answer), []
+    numbered = [c.rstrip() for c in completions if _NUMBER.search(c)]
+    if numbered:
+        c, m = rng.choice(numbered), rng.choice([m for m in range(max(n - 10, 0), n + 11) if m != n])
+        right, wrong = f"{with_last_number(c, n)}\n#### {n}", f"{with_last_number(c, m)}\n#### {m}"
+        assert correct(kind, right, answer, "strict") and not correct(kind, wrong, answer, "flexible")
+        rows += [{"prompt": prompt, "chosen": right, "rejected": with_last_number(c, n), "group": "format"},
+                 {"prompt": prompt, "chosen": right, "rejected": wrong, "group": "number"}]
+    good = [c for c in completions if correct(kind, c, answer, "flexible")]
+    bad = [c for c in completions if not correct(kind, c, answer, "flexible")]
+    if good and bad:
+        c = rng.choice(good)
+        rows.append({"prompt": prompt, "chosen": c, "group": "wrong",
+                     "rejected": min(bad, key=lambda w: (abs(len(w) - len(c)), rng.random()))})
     return rows
 
 

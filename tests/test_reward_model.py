@@ -146,18 +146,19 @@ def test_train_against_the_reward_model_alone(script, trained_tiny_model_dir, rm
 
 
 def test_rm_pairs_by_hand():
-    """bench/rm_pairs.py: a prompt with a right completion c = '12 + 30 = 42' gives a 'format' pair (c + '\\n#### 42'
-    over c), a 'number' pair (the same over c + '\\n#### M', M a wrong number within 10 of 42) and, with a wrong
-    completion, a 'wrong' pair (c over it); a prompt with no right completion gives none."""
+    """bench/rm_pairs.py, 12 + 30 = 42: from a sampled '12 + 30 = 43' (its last number set to 42, or to a wrong M
+    within 10), a 'format' pair ('12 + 30 = 42\n#### 42' over '12 + 30 = 42') and a 'number' pair (that over
+    '12 + 30 = M\n#### M'); a right sample and wrong ones give a 'wrong' pair, the wrong one nearest in length."""
     import random
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from rm_pairs import pairs_of
 
-    rows = pairs_of("What is 12 + 30?", "42", "int", ["12 + 30 = 42 ", "12 + 30 = 43", "I don't know"], random.Random(0))
-    assert [r["group"] for r in rows] == ["format", "number", "wrong"]
+    rows = pairs_of("What is 12 + 30?", "42", "int", ["12 + 30 = 43"], random.Random(0))
+    assert [r["group"] for r in rows] == ["format", "number"]
     assert rows[0]["chosen"] == rows[1]["chosen"] == "12 + 30 = 42\n#### 42" and rows[0]["rejected"] == "12 + 30 = 42"
-    wrong_number = int(rows[1]["rejected"].rsplit("#### ", 1)[1])
-    assert rows[1]["rejected"].startswith("12 + 30 = 42\n#### ") and wrong_number != 42 and abs(wrong_number - 42) <= 10
-    assert rows[2]["chosen"] == "12 + 30 = 42" and rows[2]["rejected"] in ("12 + 30 = 43", "I don't know")
-    assert pairs_of("What is 1 + 1?", "2", "int", ["3", "#### 5"], random.Random(0)) == []
+    m = int(rows[1]["rejected"].rsplit("#### ", 1)[1])
+    assert rows[1]["rejected"] == f"12 + 30 = {m}\n#### {m}" and m != 42 and abs(m - 42) <= 10
+    rows = pairs_of("What is 12 + 30?", "42", "int", ["It is 42", "no idea", "It is 41, I think so"], random.Random(0))
+    assert rows[2] == {"prompt": "What is 12 + 30?", "chosen": "It is 42", "rejected": "no idea", "group": "wrong"}
+    assert pairs_of("What is 1 + 1?", "2", "int", ["no idea"], random.Random(0)) == []
