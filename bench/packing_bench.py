@@ -29,6 +29,7 @@ import tyro
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 import fsdp  # noqa: E402
 from data import Sample, collate  # noqa: E402
+from preflight import friendly_errors  # noqa: E402
 from fsdp import (batch_logprobs, init_distributed, load_model, matmul_params, mfu, micro_batches, peak_flops,  # noqa: E402
                   shard_model, token_logprobs)
 from make_random_model import SHAPES  # noqa: E402  (bench/ is on sys.path: this file's folder)
@@ -179,7 +180,9 @@ def main(args: Args):
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=1)
     print(f"real tokens {summary['real_tokens']}, padded {padded_tokens} ({padded_tokens / summary['real_tokens']:.2f}x)")
+    torch.distributed.destroy_process_group()
 
 
-if __name__ == "__main__":
-    main(tyro.cli(Args))
+if __name__ == "__main__":  # friendly_errors collects main's FSDP2 modules: gloo can abort at exit otherwise (tests/gloo_exit_check.py)
+    with friendly_errors("bench/packing_bench.py"):
+        main(tyro.cli(Args))

@@ -28,7 +28,7 @@ sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])  # the repo root, for the m
 from data import collate  # noqa: E402
 from fsdp import init_distributed, load_model, shard_model, token_logprobs  # noqa: E402
 from memory import sync_weights  # noqa: E402
-from rollout import SGLangOptions, Sampling, generate, logprob_gap, start_sglang, tp_group  # noqa: E402
+from rollout import SGLangOptions, Sampling, generate, mismatch_stats, start_sglang, tp_group  # noqa: E402
 from stop import stop_engine  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def gap(engine, policy, tp, device, seed: int) -> float:
     batch = collate(samples, pad_id=0)
     batch.old_logprobs, _ = token_logprobs(policy, batch.input_ids.to(device), batch.attention_mask.to(device), 1.0)
     batch.old_logprobs = batch.old_logprobs.cpu()
-    return logprob_gap(batch)
+    return mismatch_stats(batch)["rollout/logprob_abs_diff"]
 
 
 @torch.no_grad()

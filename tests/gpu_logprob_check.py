@@ -27,7 +27,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])  # the repo root, for the m
 from data import addition_task, collate, tokenize_prompts  # noqa: E402
 from fsdp import init_distributed, load_model, shard_model, token_logprobs  # noqa: E402
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up  # noqa: E402
-from rollout import HFEngine, SGLangOptions, Sampling, generate, logprob_gap, start_sglang, stop_token_ids  # noqa: E402
+from rollout import HFEngine, SGLangOptions, Sampling, generate, mismatch_stats, start_sglang, stop_token_ids  # noqa: E402
 from server import ServerEngine, launch_servers  # noqa: E402
 from stop import stop_engine  # noqa: E402
 
@@ -59,7 +59,7 @@ def mean_abs_diff(engine, policy, prompts, stop_ids, args, seed) -> float:
     with torch.no_grad():
         logp, _ = token_logprobs(policy, batch.input_ids.to(DEVICE), batch.attention_mask.to(DEVICE), 1.0)
     batch.old_logprobs = logp.cpu()
-    return logprob_gap(batch)
+    return mismatch_stats(batch)["rollout/logprob_abs_diff"]
 
 
 def main(args: Args):

@@ -7,7 +7,7 @@ import torch
 from data import collate, prompt_tokens
 from fsdp import batch_logprobs, compute_dtype, cpu_flags, load_model, shard_model
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
-from rollout import Sampling, generate, logprob_gap, start_engine, stop_token_ids
+from rollout import Sampling, generate, mismatch_stats, start_engine, stop_token_ids
 
 CPU = torch.device("cpu")
 
@@ -67,4 +67,4 @@ def test_engine_and_trainer_log_probs_match_in_one_dtype(tiny_model_dir, dtype, 
     sleep(engine, device=CPU, **phases)
     batch = collate(samples, tokenizer.pad_token_id)
     batch.old_logprobs = batch_logprobs(policy, batch, micro_batch_size=4, temperature=1.0, device=CPU)
-    assert logprob_gap(batch) < most
+    assert mismatch_stats(batch)["rollout/logprob_abs_diff"] < most

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from data import Sample, collate
-from rollout import Sampling, ToolUse, generate, logprob_gap, tool_reply_ids
+from rollout import Sampling, ToolUse, generate, mismatch_stats, tool_reply_ids
 from tools import TOOLS, calculator, call_tool, parse_tool_calls, tool_call_stop_ids, tools_prompt
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'
@@ -112,7 +112,7 @@ def test_an_episode_is_the_rendered_conversation_token_for_token(tok):
     assert batch.response_mask[0, p - 1:p - 1 + len(sample.response_ids)].tolist() == sample.model_mask
     batch.old_logprobs = batch.rollout_logprobs.clone()
     batch.old_logprobs[0, p - 1 + first] = 5.0  # a tool token: a wrong value there must not count
-    assert logprob_gap(batch) == 0.0
+    assert mismatch_stats(batch)["rollout/logprob_abs_diff"] == 0.0
 
 
 def test_a_tool_reply_cannot_forge_a_turn(tok):
