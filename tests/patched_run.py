@@ -17,6 +17,8 @@ MODE: engine_child  the HF engine owns a child process (a stand-in for SGLang's 
                     starting as SGLang 0.5.16 does when its memory does not fit (PATCH_SGLANG_HANDLER=sglang: with
                     SGLang's own SIGQUIT handler, whatever handler it is given; PATCH_SGLANG_FAIL=killed: its scheduler
                     is killed instead)
+      phases        prints the models each memory phase moves (memory.wake_up, memory.sleep) and when the reward
+                    model scores (reward_model.rm_rewards), one line each
 """
 
 import multiprocessing
@@ -181,6 +183,18 @@ elif mode == "sglang_start_fails":
     install_fake_sglang(pytest.MonkeyPatch(), FailingEngine)
     rollout.start_engine = lambda kind, model, *, seed, sglang=None, dtype=None: rollout.start_sglang(model, gpu_id=0, seed=seed,
                                                                                           options=sglang)
+elif mode == "phases":
+    import memory
+    import reward_model
+
+    def watched(name, fn):
+        def call(*args, **kwargs):
+            print(f"phase {name}: {sorted(type(m).__name__ for m in kwargs.get('models', []))}", flush=True)
+            return fn(*args, **kwargs)
+        return call
+
+    memory.wake_up, memory.sleep = watched("wake_up", memory.wake_up), watched("sleep", memory.sleep)
+    reward_model.rm_rewards = watched("rm_rewards", reward_model.rm_rewards)
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 

@@ -162,3 +162,18 @@ def test_rm_pairs_by_hand():
     rows = pairs_of("What is 12 + 30?", "42", "int", ["It is 42", "no idea", "It is 41, I think so"], random.Random(0))
     assert rows[2] == {"prompt": "What is 12 + 30?", "chosen": "It is 42", "rejected": "no idea", "group": "wrong"}
     assert pairs_of("What is 1 + 1?", "2", "int", ["no idea"], random.Random(0)) == []
+
+
+def test_the_reward_model_is_a_tenant_of_the_memory_phases(trained_tiny_model_dir, rm_dir, tmp_path):
+    """Each step: wake_up and sleep move the reward model with the policy (with --offload: to the CPU while the engine
+    generates, memory.py; tests/test_memory.py checks that every model in `models` moves), and it scores only after
+    sleep has brought it back."""
+    proc = subprocess.run([sys.executable, "tests/patched_run.py", "phases", "grpo.py", "--model", trained_tiny_model_dir,
+                           "--output-dir", str(tmp_path), "--run-name", "r", "--rollout-engine", "hf", "--steps", "2",
+                           "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "0",
+                           "--reward-model", rm_dir, "--offload"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("phase ")]
+    both = "['FSDPLlamaForCausalLM', 'FSDPLlamaForSequenceClassification']"
+    assert lines == [f"phase wake_up: {both}", f"phase sleep: {both}", "phase rm_rewards: []"] * 2, lines
