@@ -51,6 +51,8 @@ class Args:
     """prompts of the held-out split to sample"""
     samples_per_prompt: int = 8
     """completions of each prompt"""
+    number_pairs: int = 1
+    """'number' pairs per prompt, each from another of its samples (the group a reward model learns last)"""
     max_new_tokens: int = 128
     """response length limit"""
     seed: int = 0
@@ -70,16 +72,17 @@ def with_last_number(text: str, number: int) -> str:
     return f"{text[:last.start()]}{number}{text[last.end():]}"
 
 
-def pairs_of(prompt, answer: str, kind: str, completions: list[str], rng: random.Random) -> list[dict]:
-    """The rows one prompt gives (module docstring); none from completions without a number."""
+def pairs_of(prompt, answer: str, kind: str, completions: list[str], rng: random.Random, number_pairs: int = 1) -> list[dict]:
+    """The rows one prompt gives (module docstring): a 'format' pair, `number_pairs` 'number' pairs (each from another
+    sample), a 'wrong' pair; none from completions without a number."""
     n, rows = int(answer), []
     numbered = [c.rstrip() for c in completions if _NUMBER.search(c)]
-    if numbered:
-        c, m = rng.choice(numbered), rng.choice([m for m in range(max(n - 10, 0), n + 11) if m != n])
+    for k, c in enumerate(rng.sample(numbered, min(number_pairs, len(numbered)))):
+        m = rng.choice([m for m in range(max(n - 10, 0), n + 11) if m != n])
         right, wrong = f"{with_last_number(c, n)}\n#### {n}", f"{with_last_number(c, m)}\n#### {m}"
         assert correct(kind, right, answer, "strict") and not correct(kind, wrong, answer, "flexible")
-        rows += [{"prompt": prompt, "chosen": right, "rejected": with_last_number(c, n), "group": "format"},
-                 {"prompt": prompt, "chosen": right, "rejected": wrong, "group": "number"}]
+        rows += [{"prompt": prompt, "chosen": right, "rejected": with_last_number(c, n), "group": "format"}] * (k == 0)
+        rows.append({"prompt": prompt, "chosen": right, "rejected": wrong, "group": "number"})
     good = [c for c in completions if correct(kind, c, answer, "flexible")]
     bad = [c for c in completions if not correct(kind, c, answer, "flexible")]
     if good and bad:
@@ -113,7 +116,7 @@ def main(args: Args):
         samples = generate(engine, [p for p in ids for _ in range(n)], list(range(len(ids) * n)), sampling=sampling,
                            tokenizer=tokenizer)
         rows = [row for k, e in enumerate(kept) for row in
-                pairs_of(e.prompt, e.answer, e.kind, [s.text for s in samples[k * n:(k + 1) * n]], rng)]
+                pairs_of(e.prompt, e.answer, e.kind, [s.text for s in samples[k * n:(k + 1) * n]], rng, args.number_pairs)]
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         right = sum(correct(e.kind, s.text, e.answer, "flexible") for k, e in enumerate(kept) for s in samples[k * n:(k + 1) * n])

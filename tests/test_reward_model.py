@@ -162,6 +162,8 @@ def test_rm_pairs_by_hand():
     rows = pairs_of("What is 12 + 30?", "42", "int", ["It is 42", "no idea", "It is 41, I think so"], random.Random(0))
     assert rows[2] == {"prompt": "What is 12 + 30?", "chosen": "It is 42", "rejected": "no idea", "group": "wrong"}
     assert pairs_of("What is 1 + 1?", "2", "int", ["no idea"], random.Random(0)) == []
+    rows = pairs_of("What is 12 + 30?", "42", "int", ["12 + 30 = 40", "so 41", "it is 43"], random.Random(0), number_pairs=2)
+    assert [r["group"] for r in rows] == ["format", "number", "number"] and rows[1]["chosen"] != rows[2]["chosen"]
 
 
 def test_the_reward_model_is_a_tenant_of_the_memory_phases(trained_tiny_model_dir, rm_dir, tmp_path):
