@@ -106,6 +106,7 @@ def test_an_episode_is_the_rendered_conversation_token_for_token(tok):
     assert sample.rollout_logprobs[:2] == [-0.01, -0.02] and sample.rollout_logprobs[first + len(reply)] == -0.01
     assert sample.text == turns[0] + "\n" + turns[1]  # the tool's reply is not in it
     assert sample.turns == 2 and [c[:2] for c in sample.tool_calls] == [("calculator", "ok")] and not sample.truncated
+    assert sample.messages == conversation[1:]  # what a reward model reads after the prompt (reward_model.conversation)
     # the batch: only the model's tokens are targets of the loss and of the log-prob gap
     batch = collate([sample], pad_id=0)
     p = len(prompt)
