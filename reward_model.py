@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from fsdp import all_reduce, load_model, shard_model
+from fsdp import all_reduce, all_reduce_dict, load_model, shard_model
 from preflight import InputError, check_model
 
 RM_LINE = [("rm", "rollout/rm_score", ".3f"), ("rm s", "time/reward_model", ".1f")]  # the console's (name, metric, format)
@@ -161,11 +161,12 @@ def rm_rewards(model, samples, *, weights: tuple[float, float], whiten: bool, **
 def rm_stats(rule: torch.Tensor, rm: torch.Tensor, cut: int) -> dict[str, float]:
     """A step's metrics over all ranks: the RM's mean and std, the rule reward's mean, their Pearson correlation
     (both on: does the RM agree with the rule?), conversations cut to --reward-model-max-len. [B] each."""
-    n = float(all_reduce(float(len(rm))))
-    sums = {k: float(all_reduce(v)) for k, v in {"rm": rm.sum(), "rule": rule.sum(), "rm2": (rm**2).sum(),
-                                                 "rule2": (rule**2).sum(), "cross": (rm * rule).sum()}.items()}
-    m, r = sums["rm"] / n, sums["rule"] / n
+    rm, rule = rm.double(), rule.double()
+    sums = {k: float(v) for k, v in all_reduce_dict({  # one collective for all of them
+        "n": torch.tensor(float(len(rm))), "rm": rm.sum(), "rule": rule.sum(), "rm2": (rm**2).sum(),
+        "rule2": (rule**2).sum(), "cross": (rm * rule).sum(), "cut": torch.tensor(float(cut))}).items()}
+    n, m, r = sums["n"], sums["rm"] / sums["n"], sums["rule"] / sums["n"]
     var_m, var_r = max(sums["rm2"] / n - m * m, 0.0), max(sums["rule2"] / n - r * r, 0.0)
     corr = (sums["cross"] / n - m * r) / (var_m * var_r) ** 0.5 if var_m > 0 and var_r > 0 else float("nan")
     return {"rollout/rm_score": m, "rollout/rm_score_std": var_m**0.5, "rollout/rule_reward": r,
-            "rollout/rm_rule_corr": corr, "rollout/rm_truncated": float(all_reduce(float(cut)))}
+            "rollout/rm_rule_corr": corr, "rollout/rm_truncated": sums["cut"]}
