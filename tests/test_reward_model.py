@@ -1,7 +1,6 @@
 """Reward models (reward_model.py): scores as the model gives them by hand, the rewards combined by hand,
 bad reward-model folders in one line, and grpo.py / ppo.py trained against one (--reward-model)."""
 
-import json
 import math
 import os
 import subprocess
