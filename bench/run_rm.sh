@@ -5,7 +5,11 @@
 # Each stage is skipped when its output exists and the runs continue from their checkpoints, so it can span
 # calls of the GPU machine: with DEADLINE (a Unix time) a run gets SIGTERM in time to save and exit.
 # On the GPU machine: source bench/gpu_env.sh && DEADLINE=$(( $(date +%s) + 540 )) bash bench/run_rm.sh [OUTDIR] [GRPO_STEPS]
-OUTDIR=${1:-runs}; STEPS=${2:-60}; RM_STEPS=${RM_STEPS:-300}; MEM=${MEM:-0.3}
+# Knobs (environment): RM_INIT, the model the reward model starts from (default $SMOLLM2; a policy checkpoint's model/
+# folder that another run is still writing is waited for, the pairs made meanwhile), RM_NAME (its run name, default rm),
+# RM_STEPS (300), NUMBER_PAIRS (1 per prompt), MEM (SGLang's share, 0.3), MB (GRPO's micro-batch, 64). GRPO_STEPS 0:
+# no GRPO stage (pairs and a reward model only).
+OUTDIR=${1:-runs}; STEPS=${2:-60}; RM_STEPS=${RM_STEPS:-300}; MEM=${MEM:-0.3}; RM_INIT=${RM_INIT:-$SMOLLM2}; RM_NAME=${RM_NAME:-rm}
 mkdir -p "$OUTDIR"
 limit() {  # the command, killed with SIGTERM before DEADLINE
   if [ -n "$DEADLINE" ]; then
@@ -17,21 +21,25 @@ if [ ! -s "$OUTDIR/pairs.eval.jsonl" ]; then
   limit python3 bench/rm_pairs.py --model "$SMOLLM2" --dataset addition --out "$OUTDIR/pairs.jsonl" --train-prompts 3000 --number-pairs "${NUMBER_PAIRS:-1}" \
     --eval-prompts 500 --samples-per-prompt 8 --max-new-tokens 256 --mem-fraction "$MEM" > "$OUTDIR/pairs.log" 2>&1 || exit 1
 fi
-rm_final="$OUTDIR/rm/checkpoints/step_$(printf %06d "$RM_STEPS")/model"
+rm_final="$OUTDIR/$RM_NAME/checkpoints/step_$(printf %06d "$RM_STEPS")/model"
 if [ ! -d "$rm_final" ]; then
-  resume=(); [ -d "$OUTDIR/rm" ] && resume=(--resume)
-  echo "=== $(date -u +%FT%TZ) rm ${resume[*]}" >> "$OUTDIR/rm.log"
-  limit python3 train_rm.py --model "$SMOLLM2" --dataset "$OUTDIR/pairs.jsonl" --eval-dataset "$OUTDIR/pairs.eval.jsonl" \
+  until [ -e "$RM_INIT/config.json" ]; do  # a checkpoint appears whole (an atomic rename): wait for it
+    [ -n "$DEADLINE" ] && [ $(( DEADLINE - $(date +%s) )) -lt 90 ] && exit 1
+    sleep 10
+  done
+  resume=(); [ -d "$OUTDIR/$RM_NAME" ] && resume=(--resume)
+  echo "=== $(date -u +%FT%TZ) $RM_NAME from $RM_INIT ${resume[*]}" >> "$OUTDIR/$RM_NAME.log"
+  limit python3 train_rm.py --model "$RM_INIT" --dataset "$OUTDIR/pairs.jsonl" --eval-dataset "$OUTDIR/pairs.eval.jsonl" \
     --steps "$RM_STEPS" --pairs-per-step 64 --micro-batch-size 64 --lr 1e-5 --eval-every 25 --eval-before-train --save-every 100 \
-    --output-dir "$OUTDIR" --run-name rm "${resume[@]}" >> "$OUTDIR/rm.log" 2>&1
-  echo "=== exit $?" >> "$OUTDIR/rm.log"
+    --output-dir "$OUTDIR" --run-name "$RM_NAME" "${resume[@]}" >> "$OUTDIR/$RM_NAME.log" 2>&1
+  echo "=== exit $?" >> "$OUTDIR/$RM_NAME.log"
   [ -d "$rm_final" ] || exit 1
 fi
-if [ ! -d "$OUTDIR/grpo_rm/checkpoints/step_$(printf %06d "$STEPS")" ]; then
+if [ "$STEPS" -gt 0 ] && [ ! -d "$OUTDIR/grpo_rm/checkpoints/step_$(printf %06d "$STEPS")" ]; then
   resume=(); [ -d "$OUTDIR/grpo_rm" ] && resume=(--resume)
   echo "=== $(date -u +%FT%TZ) grpo_rm ${resume[*]}" >> "$OUTDIR/grpo_rm.log"
   limit python3 grpo.py --model "$SMOLLM2" --reward-model "$rm_final" --reward-weights 0 1 --steps "$STEPS" \
-    --prompts-per-step 32 --group-size 16 --max-new-tokens 256 --lr 1e-5 --micro-batch-size 128 --eval-every 10 \
+    --prompts-per-step 32 --group-size 16 --max-new-tokens 256 --lr 1e-5 --micro-batch-size "${MB:-64}" --eval-every 10 \
     --eval-before-train --save-every 10 --keep-checkpoints 1 --sglang-mem-fraction "$MEM" --log-samples-every 10 \
     --output-dir "$OUTDIR" --run-name grpo_rm "${resume[@]}" >> "$OUTDIR/grpo_rm.log" 2>&1
   echo "=== exit $?" >> "$OUTDIR/grpo_rm.log"
