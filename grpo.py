@@ -178,6 +178,8 @@ class Args:
     """with --reward-model: whiten its scores over the batch (mean 0, std 1) before they are weighted"""
     reward_model_max_len: int = 2048
     """with --reward-model: conversations cut to this many of its tokens (counted: rollout/rm_truncated)"""
+    reward_model_micro_batch_size: int = 64
+    """with --reward-model: conversations per forward (no vocabulary-sized logits, so more fit than the policy's)"""
     reward_model_template: str | None = None
     """with --reward-model: its chat template (a FILE.jinja or the text), for a tokenizer without one"""
     # --- tools (multi-turn rollouts)
@@ -518,6 +520,7 @@ def check_args(args: Args, world_size: int):
         ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
         ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
         ("--reward-model-max-len", a.reward_model_max_len, a.reward_model_max_len >= 2, ">= 2"),
+        ("--reward-model-micro-batch-size", a.reward_model_micro_batch_size, a.reward_model_micro_batch_size >= 1, ">= 1"),
         ("--dynamic-sampling", a.dynamic_sampling, not (a.dynamic_sampling and a.reward_model), "without --reward-model (the "
          "reward model scores once per step, after generation: it can't refill groups)"),
         ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
@@ -627,7 +630,7 @@ def main(args: Args):
         shard_model(ref, param_dtype=None, compile=args.compile)
     rm = load_reward_model(args.reward_model, device, dtype, args.attn_implementation) if args.reward_model else None
     rm_read = dict(tokenizer=rm_tokenizer, template=rm_template, max_len=args.reward_model_max_len,
-                   micro_batch_size=args.micro_batch_size, device=device)  # how it reads a conversation
+                   micro_batch_size=args.reward_model_micro_batch_size, device=device)  # how it reads a conversation
     # fused: no temporaries (foreach allocates sqrt(v) for every parameter at once: +4 B/param, 28 GiB at 7B)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True)
     total_optimizer_steps = args.steps * args.epochs * args.num_minibatches

@@ -171,6 +171,8 @@ class Args:
     """with --reward-model: whiten its scores over the batch (mean 0, std 1) before they are weighted"""
     reward_model_max_len: int = 2048
     """with --reward-model: conversations cut to this many of its tokens (counted: rollout/rm_truncated)"""
+    reward_model_micro_batch_size: int = 64
+    """with --reward-model: conversations per forward (no vocabulary-sized logits, so more fit than the policy's)"""
     reward_model_template: str | None = None
     """with --reward-model: its chat template (a FILE.jinja or the text), for a tokenizer without one"""
     # --- tools (multi-turn rollouts)
@@ -460,6 +462,7 @@ def check_args(args: Args, world_size: int):
         ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
         ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
         ("--reward-model-max-len", a.reward_model_max_len, a.reward_model_max_len >= 2, ">= 2"),
+        ("--reward-model-micro-batch-size", a.reward_model_micro_batch_size, a.reward_model_micro_batch_size >= 1, ">= 1"),
         ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
     ])
 
@@ -559,7 +562,7 @@ def main(args: Args):
         shard_model(ref, param_dtype=None, compile=args.compile)
     rm = load_reward_model(args.reward_model, device, dtype, args.attn_implementation) if args.reward_model else None
     rm_read = dict(tokenizer=rm_tokenizer, template=rm_template, max_len=args.reward_model_max_len,
-                   micro_batch_size=args.micro_batch_size, device=device)  # how it reads a conversation
+                   micro_batch_size=args.reward_model_micro_batch_size, device=device)  # how it reads a conversation
     # The critic: the LM's body with a one-output token-classification head, value per position.
     critic = load_model(args.critic_model or args.model, device, torch.float32, args.gradient_checkpointing,
                         args.attn_implementation, AutoModelForTokenClassification, new_head=True, num_labels=1)

@@ -191,6 +191,7 @@ def main(args: Args):
     (train, cut), (held, held_cut) = tokenize(pairs), tokenize(held)
     groups = sorted({g for _, _, g in held if g})  # held-out accuracy is also reported per group
     sampler = PromptSampler(len(train), args.seed)  # a seeded shuffle of the pairs, epoch after epoch, resumable
+    note += "".join(f", {g} {sum(x == g for _, _, x in held)}" for g in groups)  # each group's count beside its accuracy
     print0(f"data: {len(train)} train pairs, {len(held)} eval pairs ({note}) | skipped {skipped['empty']} with an "
            f"empty side, {skipped['identical']} with identical sides | cut to --max-len {args.max_len}: "
            f"{cut + held_cut} of {2 * (len(train) + len(held))} conversations | {world_size} ranks")

@@ -135,6 +135,7 @@ def test_train_against_the_reward_model_alone(script, trained_tiny_model_dir, rm
     the RM is a tenant of the memory phases and its seconds are logged."""
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--eval-every", "0", "--reward-model", rm_dir,
                     "--reward-weights", "0", "1", "--reward-model-norm", "--reward-model-max-len", "40", "--offload",
+                    "--reward-model-micro-batch-size", "3",
                     script=script)
     train, _ = metrics(tmp_path)
     assert len(train) == 2 and "| rm " in proc.stdout
