@@ -255,6 +255,14 @@ def rm(a: Args):
                        "rm_score_curve": ["step", "RM score (sampled, mean)", "strict acc (sampled, by the rule)",
                                           "correlation RM score / rule reward"]}}
     out["rm_score_share_of_step"] = out["rm_seconds_per_step"] / out["seconds_per_step"]
+    out["other_reward_models"] = {}  # rm_* beside rm: other starting points or learning rates on such pairs
+    for name in sorted(d for d in os.listdir(a.run_dir) if d.startswith("rm_") and os.path.isdir(os.path.join(a.run_dir, d))):
+        other = read_metrics(os.path.join(a.run_dir, name, "metrics.jsonl"))
+        rm_args = json.load(open(os.path.join(a.run_dir, name, "args.json")))
+        final = [r for r in other if "eval/pair_acc" in r][-1]
+        out["other_reward_models"][name] = {
+            "init": rm_args["model"], "lr": rm_args["lr"], "steps": final["step"], "pair_acc": final["eval/pair_acc"],
+            "pair_acc_by_group": {k.rsplit("/", 1)[1]: v for k, v in final.items() if k.startswith("eval/pair_acc/")}}
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)
     print(json.dumps({k: v for k, v in out.items() if not k.endswith("curve")}, indent=2))
@@ -266,6 +274,7 @@ def rm(a: Args):
         ax[0].set(xlabel="reward-model training step", ylabel="held-out pairwise accuracy", ylim=(0, 1.02),
                   title="train_rm.py from SmolLM2 on its own labelled pairs"), ax[0].legend(fontsize=8)
         plot_metric(ax[1], evals, "eval/strict_acc", "o-", color="C0", label="held-out strict acc (rule, greedy)")
+        plot_metric(ax[1], evals, "eval/flexible_acc", "s--", color="C2", label="held-out flexible acc (last number)")
         plot_metric(ax[1], train, "rollout/strict_acc", "-", color="C0", alpha=0.35, label="strict acc (rule, sampled)")
         ax[1].set(xlabel="GRPO step", ylabel="accuracy (judged by the rule)", ylim=(0, 1.02),
                   title="GRPO with the reward model alone (--reward-weights 0 1)")
@@ -299,7 +308,8 @@ def variants(a: Args):
         runs[name] = {
             **{k: args.get(k) for k in ("advantage", "policy_loss", "rollout_correction", "clip_low", "clip_high",
                                         "tis_cap", "correction_bounds", "loss_agg")},
-            "steps": len(train), "final_eval_after": evals[-1]["step"], "final_strict_acc": evals[-1]["eval/strict_acc"],
+            "steps": len(train), "of_steps": args["steps"], "final_eval_after": evals[-1]["step"],
+            "final_strict_acc": evals[-1]["eval/strict_acc"], "final_flexible_acc": evals[-1]["eval/flexible_acc"],
             "eval_curve": [[r["step"], round(r["eval/strict_acc"], 4), round(r["eval/flexible_acc"], 4)] for r in evals],
             "seconds_per_step": statistics.mean(r["perf/step_s"] for r in timed),
             "mismatch_kl_mean": mean("rollout/mismatch_kl"), "mismatch_ratio_max": max(r["rollout/mismatch_ratio_max"] for r in train),
@@ -311,14 +321,15 @@ def variants(a: Args):
         raise SystemExit(f"{a.run_dir}: none of {', '.join(VARIANT_RUNS[a.task])} has a metrics.jsonl (run bench/run_variants.sh first)")
     first = next(iter(runs.values()))
     out = {"gpu": first["gpu"], "date": first["date"], "task": a.task, "command": a.command, "note": a.note,
-           "variants": {name: r["final_strict_acc"] for name, r in runs.items()},
+           "variants": {name: r["final_strict_acc"] for name, r in runs.items() if r["steps"] == r["of_steps"]},
+           "unfinished": {name: f"{r['steps']} of {r['of_steps']} steps" for name, r in runs.items() if r["steps"] < r["of_steps"]},
            "columns": {"eval_curve": ["updates", "strict acc (greedy, held out)", "flexible acc (greedy, held out)"]},
            "runs": runs}
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)
-    print(f"{'run':16} {'steps':>5} {'final strict':>12} {'s/step':>7} {'mismatch kl':>11} {'corrected':>9}")
+    print(f"{'run':16} {'steps':>5} {'final strict':>12} {'flexible':>8} {'s/step':>7} {'mismatch kl':>11} {'corrected':>9}")
     for name, r in runs.items():
-        print(f"{name:16} {r['steps']:5d} {r['final_strict_acc']:12.3f} {r['seconds_per_step']:7.2f} "
+        print(f"{name:16} {r['steps']:5d} {r['final_strict_acc']:12.3f} {r['final_flexible_acc']:8.3f} {r['seconds_per_step']:7.2f} "
               f"{r['mismatch_kl_mean']:11.2e} {r['correction_frac_mean']:9.3f}")
     if a.png:
         draw([os.path.join(a.run_dir, name) for name in runs], a.png)
