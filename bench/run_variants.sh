@@ -4,8 +4,9 @@
 #   addition (9 runs)        add_grpo (today's default), add_gspo, add_cispo, add_rloo, add_reinforcepp,
 #                            add_tis, add_mis, add_icepop, add_seqmask (GRPO with each --rollout-correction)
 #   multiplication + --tools calculator (3 runs)   mul_ppoclip, mul_gspo, mul_cispo (the multi-turn masks under each loss)
-# PARALLEL runs at once (default 3: six at once ran out of the H100's 80 GB, results/README.md), each with its own SGLang engine at --sglang-mem-fraction MEM (default 0.07: SGLang
-# sizes its KV cache from the memory free when it starts, so a small share fits beside the others), launched 5 s apart.
+# PARALLEL runs at once (default 3: six at once ran out of the H100's 80 GB, results/README.md), each with its own SGLang engine at --sglang-mem-fraction MEM (default 0.1: SGLang
+# sizes its KV cache from the memory free when it starts, so a small share fits beside the others; at 0.07 an engine refused
+# to start when another process allocated between its two memory readings), launched 30 s apart.
 # A run continues from its checkpoint when started again; with DEADLINE (a Unix time) each run gets SIGTERM in time to
 # save a checkpoint (--save-on-signal) and exit, and no run starts with less than 150 s left: a call of the GPU machine
 # picks up where the last one stopped. Logs and run folders under OUTDIR (keep it between calls: not $OUT).
@@ -14,12 +15,12 @@
 # then, once every run has its last checkpoint (the report draws with plot.py, one figure per task):
 #   python3 bench/report.py variants OUTDIR --task addition --out bench/results/variants_addition.json \
 #     --png bench/results/variants_addition.png --summary bench/results/summary.json      # and --task tools
-# Knobs (environment): PARALLEL, MEM, PROMPTS (32), GROUP (8), MB (micro-batch size, 32), LR (1e-5), SEED (0).
+# Knobs (environment): PARALLEL, MEM, PROMPTS (32), GROUP (8), MB (micro-batch size, 16: the same update at any size), LR (1e-5), SEED (0).
 STEPS=${1:-60}; OUTDIR=${2:-runs/variants}
 RUNS=${3:-"add_grpo add_gspo add_cispo add_rloo add_reinforcepp add_tis add_mis add_icepop add_seqmask mul_ppoclip mul_gspo mul_cispo"}
-PARALLEL=${PARALLEL:-3}; MEM=${MEM:-0.07}
+PARALLEL=${PARALLEL:-3}; MEM=${MEM:-0.1}
 common=(--model "$SMOLLM2" --steps "$STEPS" --seed "${SEED:-0}" --prompts-per-step "${PROMPTS:-32}" --group-size "${GROUP:-8}"
-        --max-new-tokens 256 --lr "${LR:-1e-5}" --micro-batch-size "${MB:-32}" --sglang-mem-fraction "$MEM" --eval-every 10
+        --max-new-tokens 256 --lr "${LR:-1e-5}" --micro-batch-size "${MB:-16}" --sglang-mem-fraction "$MEM" --eval-every 10
         --eval-before-train --save-every 20 --keep-checkpoints 1 --log-samples-every 20 --output-dir "$OUTDIR")
 mkdir -p "$OUTDIR"
 
@@ -58,7 +59,7 @@ for run in $RUNS; do
   if [ -n "$DEADLINE" ] && [ $(( DEADLINE - $(date +%s) )) -lt 150 ]; then break; fi  # too little time to start and train
   while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done
   launch "$run"
-  sleep 5  # SGLang measures the free memory as it starts: not all at the same instant
+  sleep 30  # SGLang reads the free memory before and after loading its weights: not while another engine starts
 done
 wait
 for run in $RUNS; do
