@@ -6,7 +6,7 @@
 # calls of the GPU machine: with DEADLINE (a Unix time) a run gets SIGTERM in time to save and exit.
 # On the GPU machine: source bench/gpu_env.sh && DEADLINE=$(( $(date +%s) + 540 )) bash bench/run_rm.sh [OUTDIR] [GRPO_STEPS]
 # Knobs (environment): RM_INIT, the model the reward model starts from (default $SMOLLM2; a policy checkpoint's model/
-# folder that another run is still writing is waited for, the pairs made meanwhile), RM_NAME (its run name, default rm),
+# folder that another run is still writing is waited for, at most RM_WAIT s, the pairs made meanwhile), RM_NAME (its run name, default rm),
 # RM_STEPS (600), RM_LR (5e-5: at 1e-5 the 'number' pairs stayed at chance for 400 steps, results/README.md), NUMBER_PAIRS
 # (4 per prompt), MEM (SGLang's share, 0.3), GROUP (GRPO's group size, 8), MB (GRPO's micro-batch, 16). GRPO_STEPS 0:
 # no GRPO stage (pairs and a reward model only).
@@ -24,8 +24,12 @@ if [ ! -s "$OUTDIR/pairs.eval.jsonl" ]; then
 fi
 rm_final="$OUTDIR/$RM_NAME/checkpoints/step_$(printf %06d "$RM_STEPS")/model"
 if [ ! -d "$rm_final" ]; then
-  until [ -e "$RM_INIT/config.json" ]; do  # a checkpoint appears whole (an atomic rename): wait for it
-    [ -n "$DEADLINE" ] && [ $(( DEADLINE - $(date +%s) )) -lt 90 ] && exit 1
+  # a checkpoint's model/ folder that another run is still writing: wait for it (it appears whole, an atomic rename),
+  # at most RM_WAIT seconds (3600); anything else (a hub id, a folder) goes to train_rm.py as it is
+  while [[ "$RM_INIT" == */checkpoints/step_*/model ]] && [ ! -e "$RM_INIT/config.json" ]; do
+    if [ "$SECONDS" -gt "${RM_WAIT:-3600}" ] || { [ -n "$DEADLINE" ] && [ $(( DEADLINE - $(date +%s) )) -lt 90 ]; }; then
+      echo "run_rm.sh: RM_INIT=$RM_INIT is not there after $SECONDS s (a typo, or the run writing it failed?)" >&2; exit 1
+    fi
     sleep 10
   done
   resume=(); [ -d "$OUTDIR/$RM_NAME" ] && resume=(--resume)
