@@ -1,6 +1,7 @@
 """Shared pytest set-up: import the scripts and modules from the repo root, and one tiny model per session."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -16,6 +17,17 @@ def torchrun_check(script: str, *args: str) -> subprocess.CompletedProcess:
     """tests/<script> under torchrun as two CPU ranks (gloo): the checks that need a real two-rank world."""
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_restored():
+    """A test that leaves a signal handled or ignored (stop.py's handlers; a start cut short leaves SIGQUIT
+    ignored, which rollout.start_sglang reads) must not change the next test in the same process (pytest -n 2)."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)}
+    yield
+    for s, handler in saved.items():
+        if handler is not None and signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
 
 
 @pytest.fixture(scope="module")

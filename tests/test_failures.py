@@ -417,6 +417,7 @@ def test_a_start_cut_short_stops_the_engine_it_started(monkeypatch):
             seen["shutdown"] = True
 
     install_fake_sglang(monkeypatch, FakeEngine)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)  # as in a fresh process (conftest restores the test's own after it)
     with pytest.raises(Interrupted):
         rollout.start_sglang("/nowhere", gpu_id=0, options=rollout.SGLangOptions(mem_fraction=0.5))
     assert seen["alive after SIGINT and SIGTERM"] and seen["child"].exitcode == -signal.SIGKILL
