@@ -78,6 +78,7 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
     before = set(multiprocessing.active_children())
     o = options or SGLangOptions()
     logging.getLogger("sglang.srt.entrypoints.engine").addFilter(not_the_handler_line)
+    quit_while_starting.ran = False
     with without_agent_store():  # SGLang's schedulers inherit our environment and host their own group's store
         try:
             engine.__init__(
@@ -90,12 +91,11 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
         except BaseException as e:  # Ctrl-C during start-up, or a failed start: stop what was started
             engine.processes = [p for p in multiprocessing.active_children() if p not in before]
             stop_engine(engine, None)
-            # a scheduler failed: stop.quit_while_starting ran (and left SIGQUIT ignored) whether its Interrupted is e
-            # or was swallowed where Python ignores exceptions (a callback after a fork: then e is SGLang's own error)
-            quit = signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
-            if not (quit or isinstance(e, Exception)):  # Ctrl-C, SIGTERM: friendly_errors says so
+            # a scheduler failed: stop.quit_while_starting ran whether its Interrupted is e or was swallowed where
+            # Python ignores exceptions (a callback after a fork: then e is SGLang's own error)
+            if not (quit_while_starting.ran or isinstance(e, Exception)):  # Ctrl-C, SIGTERM: friendly_errors says so
                 raise
-            what = "its error is above" if quit else f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            what = "its error is above" if quit_while_starting.ran else f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
             raise EngineStartFailed(f"the rollout engine (SGLang) failed while starting, on GPU {gpu_id} with mem_fraction "
                                     f"{o.mem_fraction} ({what}); nothing was trained or written") from e
     engine.processes = [p for p in multiprocessing.active_children() if p not in before]  # scheduler(s), detokenizer

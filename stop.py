@@ -93,8 +93,9 @@ def quit_while_starting(signum, frame):
     """SGLang's `custom_sigquit_handler` (rollout.start_sglang). A scheduler that fails while starting prints its
     traceback and sends us SIGQUIT; SGLang's own handler would SIGKILL the whole process tree (exit 137, its
     traceback last). This one cuts the start short, once (each TP rank sends one): the start stops what it began
-    and says what failed (rollout.start_sglang reads the SIG_IGN left here). Not a lambda: SGLang pickles it."""
+    and says what failed (start_sglang reads `.ran`: SIGQUIT's state can be inherited). Not a lambda: SGLang pickles it."""
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+    quit_while_starting.ran = True
     raise Interrupted(signum)
 
 

@@ -374,6 +374,7 @@ def test_quit_while_starting_cuts_the_start_short_once():
             os.kill(os.getpid(), signal.SIGQUIT)
             time.sleep(5)
         assert info.value.args[0] == signal.SIGQUIT and signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
+        assert quit_while_starting.ran  # what rollout.start_sglang reads
         os.kill(os.getpid(), signal.SIGQUIT)  # the second rank's: nothing happens
         time.sleep(0.1)
     finally:
@@ -417,7 +418,7 @@ def test_a_start_cut_short_stops_the_engine_it_started(monkeypatch):
             seen["shutdown"] = True
 
     install_fake_sglang(monkeypatch, FakeEngine)
-    signal.signal(signal.SIGQUIT, signal.SIG_DFL)  # as in a fresh process (conftest restores the test's own after it)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)  # a trainer started with SIGQUIT ignored: a Ctrl-C is still one
     with pytest.raises(Interrupted):
         rollout.start_sglang("/nowhere", gpu_id=0, options=rollout.SGLangOptions(mem_fraction=0.5))
     assert seen["alive after SIGINT and SIGTERM"] and seen["child"].exitcode == -signal.SIGKILL
