@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from data import BUILTIN_TASKS, load_examples, tokenize_prompts  # noqa: E402
 from preflight import InputError, check_engine, check_model, friendly_errors  # noqa: E402
 from reward import correct  # noqa: E402
-from rollout import HFEngine, SGLangOptions, Sampling, generate, start_sglang, stop_token_ids  # noqa: E402
+from rollout import SGLangOptions, Sampling, generate, start_engine, stop_token_ids  # noqa: E402
 from stop import stop_engine  # noqa: E402
 
 
@@ -103,9 +103,8 @@ def main(args: Args):
         train, test = load_examples(args.dataset, "train"), load_examples(args.dataset, "test")
     if any(not re.fullmatch(r"-?\d+", e.answer) for e in train[:10] + test[:10]):
         raise InputError(f"--dataset {args.dataset!r}: the 'number' pairs need whole-number answers")
-    engine = (start_sglang(args.model, gpu_id=0, seed=args.seed, options=SGLangOptions(mem_fraction=args.mem_fraction,
-                                                                                      load_format="auto"))
-              if kind == "sglang" else HFEngine(args.model))
+    engine = start_engine(kind, args.model, seed=args.seed, sglang=SGLangOptions(mem_fraction=args.mem_fraction,
+                                                                                load_format="auto"))
     sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_token_ids(tokenizer, args.model), temperature=1.0)
     rng, counts = random.Random(args.seed), {}
     for split, examples, path in [("train", train[:args.train_prompts], args.out),
