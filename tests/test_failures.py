@@ -368,17 +368,14 @@ def test_quit_while_starting_cuts_the_start_short_once():
     from preflight import Interrupted
     from stop import quit_while_starting
 
-    old = signal.signal(signal.SIGQUIT, quit_while_starting)
-    try:
-        with pytest.raises(Interrupted) as info:
-            os.kill(os.getpid(), signal.SIGQUIT)
-            time.sleep(5)
-        assert info.value.args[0] == signal.SIGQUIT and signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
-        assert quit_while_starting.ran  # what rollout.start_sglang reads
-        os.kill(os.getpid(), signal.SIGQUIT)  # the second rank's: nothing happens
-        time.sleep(0.1)
-    finally:
-        signal.signal(signal.SIGQUIT, old)
+    signal.signal(signal.SIGQUIT, quit_while_starting)  # conftest restores the handler after the test
+    with pytest.raises(Interrupted) as info:
+        os.kill(os.getpid(), signal.SIGQUIT)
+        time.sleep(5)
+    assert info.value.args[0] == signal.SIGQUIT and signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
+    assert quit_while_starting.ran  # what rollout.start_sglang reads
+    os.kill(os.getpid(), signal.SIGQUIT)  # the second rank's: nothing happens
+    time.sleep(0.1)
 
 
 def ignored_signals(pid: int) -> int:
