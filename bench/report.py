@@ -229,20 +229,24 @@ def server(a: Args):
         fig.savefig(a.png, dpi=110)
 
 
+def rm_evals(run_dir):
+    """A train_rm.py run's evaluation rows, and the last one's held-out accuracy by group."""
+    evals = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "eval/pair_acc" in r]
+    return evals, {k.rsplit("/", 1)[1]: v for k, v in evals[-1].items() if k.startswith("eval/pair_acc/")}
+
+
 def rm(a: Args):
     """run_rm.sh's stages: the pairs made, the reward model's held-out pairwise accuracy (all pairs and each group),
     and GRPO with that reward model alone: held-out strict accuracy (judged by the rule) and the RM's score by step."""
     pairs = json.load(open(os.path.join(a.run_dir, "pairs.summary.json")))
-    rm_rows = read_metrics(os.path.join(a.run_dir, "rm", "metrics.jsonl"))
-    rm_evals = [r for r in rm_rows if "eval/pair_acc" in r]
+    evals_rm, by_group = rm_evals(os.path.join(a.run_dir, "rm"))
     train, evals, info, args = load(os.path.join(a.run_dir, "grpo_rm"))
     evals = sorted(evals, key=lambda r: r["step"])
-    last = rm_evals[-1]
+    last = evals_rm[-1]
     out = {"gpu": info["gpu"], "date": info["date"], "command": a.command, "note": a.note,
            "pairs": {k: pairs[k] for k in ("train", "eval")},
            "rm_steps": last["step"], "rm_pair_acc": last["eval/pair_acc"], "rm_margin": last.get("eval/margin"),
-           "rm_pair_acc_by_group": {k.rsplit("/", 1)[1]: v for k, v in last.items() if k.startswith("eval/pair_acc/")},
-           "rm_eval_curve": [[r["step"], round(r["eval/pair_acc"], 4)] for r in rm_evals],
+           "rm_pair_acc_by_group": by_group, "rm_eval_curve": [[r["step"], round(r["eval/pair_acc"], 4)] for r in evals_rm],
            "grpo_steps": len(train), "grpo_command": info["command"],
            "baseline_strict_acc": evals[0]["eval/strict_acc"], "final_strict_acc": evals[-1]["eval/strict_acc"],
            "strict_acc_gain": evals[-1]["eval/strict_acc"] - evals[0]["eval/strict_acc"],
@@ -257,20 +261,18 @@ def rm(a: Args):
     out["rm_score_share_of_step"] = out["rm_seconds_per_step"] / out["seconds_per_step"]
     out["other_reward_models"] = {}  # rm_* beside rm: other starting points or learning rates on such pairs
     for name in sorted(d for d in os.listdir(a.run_dir) if d.startswith("rm_") and os.path.isdir(os.path.join(a.run_dir, d))):
-        other = read_metrics(os.path.join(a.run_dir, name, "metrics.jsonl"))
+        other, other_by_group = rm_evals(os.path.join(a.run_dir, name))
         rm_args = json.load(open(os.path.join(a.run_dir, name, "args.json")))
-        final = [r for r in other if "eval/pair_acc" in r][-1]
-        out["other_reward_models"][name] = {
-            "init": rm_args["model"], "lr": rm_args["lr"], "steps": final["step"], "pair_acc": final["eval/pair_acc"],
-            "pair_acc_by_group": {k.rsplit("/", 1)[1]: v for k, v in final.items() if k.startswith("eval/pair_acc/")}}
+        out["other_reward_models"][name] = {"init": rm_args["model"], "lr": rm_args["lr"], "steps": other[-1]["step"],
+                                            "pair_acc": other[-1]["eval/pair_acc"], "pair_acc_by_group": other_by_group}
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)
     print(json.dumps({k: v for k, v in out.items() if not k.endswith("curve")}, indent=2))
     if a.png:
         fig, ax = subplots(1, 2, figsize=(12, 4.2))
-        plot_metric(ax[0], rm_evals, "eval/pair_acc", "o-", color="k", label="all held-out pairs")
+        plot_metric(ax[0], evals_rm, "eval/pair_acc", "o-", color="k", label="all held-out pairs")
         for i, group in enumerate(sorted(out["rm_pair_acc_by_group"])):
-            plot_metric(ax[0], rm_evals, f"eval/pair_acc/{group}", ".--", color=f"C{i}", label=f"'{group}' pairs")
+            plot_metric(ax[0], evals_rm, f"eval/pair_acc/{group}", ".--", color=f"C{i}", label=f"'{group}' pairs")
         ax[0].set(xlabel="reward-model training step", ylabel="held-out pairwise accuracy", ylim=(0, 1.02),
                   title="train_rm.py from SmolLM2 on its own labelled pairs"), ax[0].legend(fontsize=8)
         plot_metric(ax[1], evals, "eval/strict_acc", "o-", color="C0", label="held-out strict acc (rule, greedy)")
