@@ -15,10 +15,13 @@
 # then, once every run has its last checkpoint (the report draws with plot.py, one figure per task):
 #   python3 bench/report.py variants OUTDIR --task addition --out bench/results/variants_addition.json \
 #     --png bench/results/variants_addition.png --summary bench/results/summary.json      # and --task tools
-# Knobs (environment): PARALLEL, MEM, PROMPTS (32), GROUP (8), MB (micro-batch size, 16: the same update at any size), LR (1e-5), SEED (0).
+# Knobs (environment): PARALLEL, OMP_NUM_THREADS (cores / (PARALLEL + 1)), MEM, PROMPTS (32), GROUP (8), MB (micro-batch size, 16: the same update at any size), LR (1e-5), SEED (0).
 STEPS=${1:-60}; OUTDIR=${2:-runs/variants}
 RUNS=${3:-"add_grpo add_gspo add_cispo add_rloo add_reinforcepp add_tis add_mis add_icepop add_seqmask mul_ppoclip mul_gspo mul_cispo"}
 PARALLEL=${PARALLEL:-3}; MEM=${MEM:-0.1}
+# torch's CPU threads: by default each process takes every core, and PARALLEL trainers beside their SGLang schedulers
+# oversubscribe the CPU (four runs on 16 cores: 28-31 s a step; capped at 3 threads each: 7-13 s, results/README.md)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / (PARALLEL + 1) > 0 ? $(nproc) / (PARALLEL + 1) : 1 ))}
 common=(--model "$SMOLLM2" --steps "$STEPS" --seed "${SEED:-0}" --prompts-per-step "${PROMPTS:-32}" --group-size "${GROUP:-8}"
         --max-new-tokens 256 --lr "${LR:-1e-5}" --micro-batch-size "${MB:-16}" --sglang-mem-fraction "$MEM" --eval-every 10
         --eval-before-train --save-every 20 --keep-checkpoints 1 --log-samples-every 20 --output-dir "$OUTDIR")
