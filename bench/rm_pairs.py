@@ -61,6 +61,9 @@ class Args:
     """'sglang' on a GPU, 'hf' on CPU"""
     mem_fraction: float = 0.5
     """SGLang memory fraction"""
+    prompts_per_call: int = 256
+    """prompts sent to the engine at once (x --samples-per-prompt requests): with all 3000 x 8 at once, SGLang's
+    scheduler grew to 70 GB of an H100 at --mem-fraction 0.15 (bench/README.md)"""
 
 
 _NUMBER = re.compile(r"\d+")
@@ -95,6 +98,8 @@ def pairs_of(prompt, answer: str, kind: str, completions: list[str], rng: random
 def main(args: Args):
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise InputError(f"--out {args.out!r}: its folder does not exist; create it first")
+    if args.prompts_per_call < 1:
+        raise InputError(f"--prompts-per-call {args.prompts_per_call}: must be >= 1")
     kind = check_engine(args.engine, "--engine")
     tokenizer, _ = check_model(args.model)
     if args.dataset in BUILTIN_TASKS:
@@ -112,8 +117,11 @@ def main(args: Args):
         ids, kept, _ = tokenize_prompts(tokenizer, examples, 1024, args.dataset)
         n = args.samples_per_prompt
         t0 = time.time()
-        samples = generate(engine, [p for p in ids for _ in range(n)], list(range(len(ids) * n)), sampling=sampling,
-                           tokenizer=tokenizer)
+        samples = []  # request j's seed is j, however the prompts are split into calls
+        for k in range(0, len(ids), args.prompts_per_call):
+            chunk = ids[k:k + args.prompts_per_call]
+            samples += generate(engine, [p for p in chunk for _ in range(n)], list(range(k * n, (k + len(chunk)) * n)),
+                                sampling=sampling, tokenizer=tokenizer)
         rows = [row for k, e in enumerate(kept) for row in
                 pairs_of(e.prompt, e.answer, e.kind, [s.text for s in samples[k * n:(k + 1) * n]], rng, args.number_pairs)]
         with open(path, "w") as f:

@@ -1,6 +1,7 @@
 """Reward models (reward_model.py): scores as the model gives them by hand, the rewards combined by hand,
 bad reward-model folders in one line, and grpo.py / ppo.py trained against one (--reward-model)."""
 
+import json
 import math
 import os
 import subprocess
@@ -164,6 +165,23 @@ def test_rm_pairs_by_hand():
     assert pairs_of("What is 1 + 1?", "2", "int", ["no idea"], random.Random(0)) == []
     rows = pairs_of("What is 12 + 30?", "42", "int", ["12 + 30 = 40", "so 41", "it is 43"], random.Random(0), number_pairs=2)
     assert [r["group"] for r in rows] == ["format", "number", "number"] and rows[1]["chosen"] != rows[2]["chosen"]
+
+
+def test_rm_pairs_runs_in_calls_of_prompts_per_call(trained_tiny_model_dir, tmp_path):
+    """bench/rm_pairs.py on the CPU (HF engine), 5 + 3 prompts x 2 samples sent 2 prompts a call: every prompt's
+    samples come back (completions 10 and 6), the pairs and the summary are written; 0 a call stops in one line."""
+    out = str(tmp_path / "pairs.jsonl")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "rm_pairs.py"), "--model", trained_tiny_model_dir, "--out", out,
+           "--train-prompts", "5", "--eval-prompts", "3", "--samples-per-prompt", "2", "--max-new-tokens", "8"]
+    proc = subprocess.run(cmd + ["--prompts-per-call", "2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.load(open(str(tmp_path / "pairs.summary.json")))
+    assert (summary["train"]["prompts"], summary["train"]["completions"]) == (5, 10)
+    assert (summary["eval"]["prompts"], summary["eval"]["completions"]) == (3, 6)
+    rows = [json.loads(line) for line in open(out)]
+    assert len(rows) == sum(summary["train"]["pairs"].values()) and os.path.isfile(str(tmp_path / "pairs.eval.jsonl"))
+    proc = subprocess.run(cmd + ["--prompts-per-call", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--prompts-per-call 0: must be >= 1" in proc.stderr
 
 
 def test_the_reward_model_is_a_tenant_of_the_memory_phases(trained_tiny_model_dir, rm_dir, tmp_path):
