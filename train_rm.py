@@ -275,9 +275,9 @@ def main(args: Args):
         metrics = {"step": step, "train/loss": totals["loss"] / args.pairs_per_step,
                    "train/pair_acc": totals["correct"] / args.pairs_per_step, "train/margin": totals["margin"] / args.pairs_per_step,
                    "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0],
-                   "train/nonfinite_skips": float(not math.isfinite(grad_norm)), "perf/step_s": time.time() - t_step,
-                   **({"perf/peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,  # the trainer's own, and what
-                       "perf/reserved_gib": torch.cuda.memory_reserved() / 2**30} if device.type == "cuda" else {})}  # torch keeps
+                   "train/nonfinite_skips": float(not math.isfinite(grad_norm)), "perf/step_s": time.time() - t_step}
+        if device.type == "cuda":  # the trainer's peak, and what torch's caching allocator holds (nvidia-smi sees that)
+            metrics |= {"perf/peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30, "perf/reserved_gib": torch.cuda.memory_reserved() / 2**30}
         metrics = {k: float(v) for k, v in metrics.items()}
         print0(log_line(f"step {step}", metrics, CONSOLE))
         log.log(metrics)
