@@ -63,7 +63,7 @@ class Args:
     micro_batch_size: int = 8
     """pairs per forward/backward per rank, both sides in one forward (gradient accumulation over micro-batches)"""
     lr: float = 1e-5
-    """peak learning rate (AdamW)"""
+    """peak learning rate (AdamW); SmolLM2-135M as an RM needed 5e-5 to learn the sum-only pairs (bench/results/README.md)"""
     lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
     """decay after warm-up, reaching min_lr_ratio * lr at the last step"""
     warmup_steps: int = 0
