@@ -22,7 +22,7 @@ def torchrun_check(script: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(autouse=True)
 def signal_handlers_restored():
     """A test that leaves a signal handled or ignored (stop.py's handlers; a start cut short leaves SIGQUIT
-    ignored, which rollout.start_sglang reads) must not change the next test in the same process (pytest -n 2)."""
+    ignored) must not change the next test in the same process (pytest -n 2)."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)}
     yield
     for s, handler in saved.items():
