@@ -34,6 +34,7 @@ class RunLog:
                  project: str = "", run_name: str = "", eval_redone: bool = False):
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.rank0, self.path, self.wandb = rank == 0, os.path.join(run_dir, "metrics.jsonl"), None
+        self.undrawn = True  # rows in metrics.jsonl that curves.png does not show yet (a resumed run's trimmed ones too)
         if not self.rank0:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -62,7 +63,8 @@ class RunLog:
                 f.write(json.dumps(row) + "\n")
             if self.wandb is not None:
                 self.wandb.log(row, step=int(row["step"]))
-            if any(k.startswith("eval/") for k in row):
+            self.undrawn = not any(k.startswith("eval/") for k in row)
+            if not self.undrawn:
                 write_curves(os.path.dirname(self.path))  # plot.py; a failure is one line, never the run's end
 
     def samples(self, step: int, samples, n: int = 4, shown: int = 2):
@@ -80,7 +82,7 @@ class RunLog:
                 self.wandb.log({"samples": table}, step=step)
 
     def finish(self):
-        if self.rank0 and os.path.exists(self.path):
+        if self.rank0 and self.undrawn and os.path.exists(self.path):  # not again after an evaluation at the last step
             write_curves(os.path.dirname(self.path))
         if self.wandb is not None:
             self.wandb.finish()

@@ -100,3 +100,21 @@ def test_write_curves_never_raises(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "pip install matplotlib" in out  # said once, not at every evaluation
     assert not os.path.exists(os.path.join(run, "curves.png"))
+
+
+def test_a_run_log_redraws_at_the_end_only_rows_no_evaluation_drew(tmp_path):
+    """RunLog draws curves.png at each evaluation; at the end only if steps were logged after the last one."""
+    from runlog import RunLog
+
+    log = RunLog(str(tmp_path), config={}, start_step=0, info={})
+    png = tmp_path / "curves.png"
+    log.log({"step": 1, "train/loss": 0.5})
+    assert not png.exists()  # a step alone draws nothing
+    log.log({"step": 1, "eval/strict_acc": 0.25})
+    assert png_size(png) == (1600, 850)
+    png.unlink()
+    log.finish()  # the evaluation was the last row: the figure is up to date
+    assert not png.exists()
+    log.log({"step": 2, "train/loss": 0.4})
+    log.finish()
+    assert png_size(png) == (1600, 850)
