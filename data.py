@@ -359,19 +359,16 @@ def prompt_tokens(tokenizer, question: str | list[dict], context: list[dict] | N
     return prompts_tokens(tokenizer, [question], context, tools)[0]
 
 
-def prompts_tokens(tokenizer, questions: list[str | list[dict]], context: list[dict] | None = None,
-                   tools: list[dict] | None = None) -> list[list[int]]:
-    """prompt_tokens of each question, all in one call: the template renders every conversation, then the
-    tokenizer reads the texts as one batch (what apply_chat_template's tokenize=True does one at a time;
-    7600 addition prompts: 0.26 s instead of 0.57 s)."""
-    conversations = [(context or []) + (q if isinstance(q, list) else [{"role": "user", "content": q}]) for q in questions]
-    if not conversations:
+def prompts_tokens(tokenizer, questions: list, context: list[dict] | None = None, tools: list[dict] | None = None):
+    """prompt_tokens of each question: every conversation rendered, then the texts tokenized as one batch (what
+    apply_chat_template(tokenize=True) does one at a time; 7600 addition prompts in half the time)."""
+    chats = [(context or []) + (q if isinstance(q, list) else [{"role": "user", "content": q}]) for q in questions]
+    if not chats:
         return []
-    if tokenizer.chat_template is not None:
-        texts = tokenizer.apply_chat_template(conversations, tools=tools, add_generation_prompt=True, tokenize=False)
-        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    texts = ["\n\n".join(m["content"] for m in messages) for messages in conversations]
-    return [list(ids) for ids in tokenizer(texts)["input_ids"]]
+    if tokenizer.chat_template is None:
+        return [list(ids) for ids in tokenizer(["\n\n".join(m["content"] for m in c) for c in chats])["input_ids"]]
+    texts = tokenizer.apply_chat_template(chats, tools=tools, add_generation_prompt=True, tokenize=False)
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 def context_tokens(tokenizer, context: list[dict] | None, tools: list[dict] | None = None) -> int:
