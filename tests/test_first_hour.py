@@ -447,7 +447,7 @@ def test_every_file_keeps_its_line_budget_in_the_readme():
     """README's layout table gives each module and script a budget (`<= N lines`): the file fits in it."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         budgets = dict(re.findall(r"^\| `([\w/]+\.py)` \|.*\| <= (\d+)(?: lines)? \|$", f.read(), re.M))
-    assert len(budgets) == 18, budgets  # every .py row of the table
+    assert len(budgets) >= 18, budgets  # every .py row of the table (18 on 2026-11-25)
     for name, budget in budgets.items():
         with open(os.path.join(ROOT, name), encoding="utf-8") as f:
             assert sum(1 for _ in f) <= int(budget), f"{name} is over its README budget of {budget} lines"
