@@ -40,7 +40,7 @@ from fsdp import (all_reduce, all_reduce_dict, balance, batch_logprobs, clip_and
                   lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, given_flags, size_for_cpu
-from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_rewards
+from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
 from rollout import SGLangOptions, Sampling, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
@@ -519,8 +519,7 @@ def check_args(args: Args, world_size: int):
         ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
         ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
         ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
-        ("--reward-model-max-len", a.reward_model_max_len, a.reward_model_max_len >= 2, ">= 2"),
-        ("--reward-model-micro-batch-size", a.reward_model_micro_batch_size, a.reward_model_micro_batch_size >= 1, ">= 1"),
+        *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
         ("--dynamic-sampling", a.dynamic_sampling, not (a.dynamic_sampling and a.reward_model), "without --reward-model (the "
          "reward model scores once per step, after generation: it can't refill groups)"),
         ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
@@ -555,7 +554,8 @@ def main(args: Args):
     resume_from = checkpoint_to_resume(run_dir, args.resume)
     engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
     tokenizer, context_len = check_model(args.model)  # before SGLang starts: a bad --model fails in one line
-    rm_tokenizer, rm_template = check_reward_model(args.reward_model, args.reward_model_template) if args.reward_model else (None, None)
+    rm_tokenizer, rm_template, rm_max_len = check_reward_model(args.reward_model, args.reward_model_template,  # None: none
+                                                               args.reward_model_max_len, system=bool(args.system_prompt), tools=bool(tools))
     stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p)
@@ -629,7 +629,7 @@ def main(args: Args):
         ref = load_model(args.model, device, dtype, attn_implementation=args.attn_implementation).eval()
         shard_model(ref, param_dtype=None, compile=args.compile)
     rm = load_reward_model(args.reward_model, device, dtype, args.attn_implementation) if args.reward_model else None
-    rm_read = dict(tokenizer=rm_tokenizer, template=rm_template, max_len=args.reward_model_max_len,
+    rm_read = dict(tokenizer=rm_tokenizer, template=rm_template, max_len=rm_max_len,
                    micro_batch_size=args.reward_model_micro_batch_size, device=device)  # how it reads a conversation
     # fused: no temporaries (foreach allocates sqrt(v) for every parameter at once: +4 B/param, 28 GiB at 7B)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True)

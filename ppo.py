@@ -40,7 +40,7 @@ from fsdp import (all_reduce, all_reduce_dict, balance, batch_forward, batch_log
                   init_distributed, load_model, lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
-from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_rewards
+from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
 from rollout import SGLangOptions, Sampling, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
@@ -461,8 +461,7 @@ def check_args(args: Args, world_size: int):
         ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
         ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
         ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
-        ("--reward-model-max-len", a.reward_model_max_len, a.reward_model_max_len >= 2, ">= 2"),
-        ("--reward-model-micro-batch-size", a.reward_model_micro_batch_size, a.reward_model_micro_batch_size >= 1, ">= 1"),
+        *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
         ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
     ])
 
@@ -483,7 +482,8 @@ def main(args: Args):
     resume_from = checkpoint_to_resume(run_dir, args.resume)
     engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
     tokenizer, context_len = check_model(args.model)  # before SGLang starts: a bad --model fails in one line
-    rm_tokenizer, rm_template = check_reward_model(args.reward_model, args.reward_model_template) if args.reward_model else (None, None)
+    rm_tokenizer, rm_template, rm_max_len = check_reward_model(args.reward_model, args.reward_model_template,  # None: none
+                                                               args.reward_model_max_len, system=bool(args.system_prompt), tools=bool(tools))
     if args.critic_model:
         check_model(args.critic_model, "--critic-model", with_tokenizer=False)
     stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])
@@ -561,7 +561,7 @@ def main(args: Args):
         ref = load_model(args.model, device, dtype, attn_implementation=args.attn_implementation).eval()
         shard_model(ref, param_dtype=None, compile=args.compile)
     rm = load_reward_model(args.reward_model, device, dtype, args.attn_implementation) if args.reward_model else None
-    rm_read = dict(tokenizer=rm_tokenizer, template=rm_template, max_len=args.reward_model_max_len,
+    rm_read = dict(tokenizer=rm_tokenizer, template=rm_template, max_len=rm_max_len,
                    micro_batch_size=args.reward_model_micro_batch_size, device=device)  # how it reads a conversation
     # The critic: the LM's body with a one-output token-classification head, value per position.
     critic = load_model(args.critic_model or args.model, device, torch.float32, args.gradient_checkpointing,

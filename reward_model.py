@@ -12,24 +12,42 @@ tool episode's turns and tool replies as messages): the policy's tokens are not 
 memory phases (memory.py) like the reference model: with --offload on the CPU while SGLang generates.
 """
 
+import math
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 
 from fsdp import all_reduce, all_reduce_dict, load_model, shard_model
-from preflight import InputError, check_model
+from preflight import InputError, check_model, given_flags
 
 RM_LINE = [("rm", "rollout/rm_score", ".3f"), ("rm s", "time/reward_model", ".1f")]  # the console's (name, metric, format)
 
 
-def check_reward_model(name: str, template: str | None = None, flag: str = "--reward-model"):
+def rm_flag_rules(a) -> list[tuple[str, object, bool, str]]:
+    """check_flags' rules for grpo.py's and ppo.py's --reward-model flags: the others only with it."""
+    lone = [k for k in ("reward_weights", "reward_model_norm", "reward_model_max_len", "reward_model_micro_batch_size",
+                        "reward_model_template") if k in given_flags(sys.argv[1:]) and not a.reward_model]
+    return [("--reward-model-max-len", a.reward_model_max_len, a.reward_model_max_len >= 2, ">= 2"),
+            ("--reward-model-micro-batch-size", a.reward_model_micro_batch_size, a.reward_model_micro_batch_size >= 1, ">= 1"),
+            ("--reward-weights", a.reward_weights, all(map(math.isfinite, a.reward_weights)) and any(a.reward_weights),
+             "two finite numbers, not both 0: the rule reward's weight, then the reward model's"),
+            *[(f"--{k.replace('_', '-')}", getattr(a, k), False, "given with --reward-model only") for k in lone]]
+
+
+def check_reward_model(name: str | None, template: str | None = None, max_len: int = 2048, *, system: bool = False,
+                       tools: bool = False):
     """Before anything loads: a folder or hub id of a one-label sequence-classification model whose tokenizer has a
-    chat template, or `template` (--reward-model-template: a file or the Jinja text itself). Returns (tokenizer,
-    the chat template to render with)."""
+    chat template, or `template` (--reward-model-template: a file or the Jinja text itself) that renders a
+    conversation shaped as the run's (a system prompt, tool replies). Returns (tokenizer, the chat template to render
+    with, max_len cut to its context where not given; given larger, an error), or three Nones for no reward model."""
     from transformers import AutoConfig
 
-    tokenizer, _ = check_model(name, flag)
+    if name is None:
+        return None, None, None
+    flag, roles = "--reward-model", ("system",) * system + ("user", "assistant") + ("tool", "assistant") * tools
+    tokenizer, context = check_model(name, flag)
     config = AutoConfig.from_pretrained(name)
     heads = [a for a in config.architectures or [] if a.endswith("ForSequenceClassification")]
     if not heads:
@@ -39,16 +57,27 @@ def check_reward_model(name: str, template: str | None = None, flag: str = "--re
     if config.num_labels != 1:
         raise InputError(f"{flag} {name!r} has {config.num_labels} labels ({heads[0]}); a reward model scores with "
                          f"one (num_labels 1): pass a reward model, not a classifier")
-    return tokenizer, chat_template(tokenizer, name, template, flag=flag, template_flag="--reward-model-template")
+    if context and max_len > context:
+        if "reward_model_max_len" in given_flags(sys.argv[1:]):
+            raise InputError(f"--reward-model-max-len {max_len} is more than {name!r}'s context of {context} tokens: "
+                             f"pass at most {context}")
+        max_len = context
+    return tokenizer, chat_template(tokenizer, name, template, flag=flag, template_flag="--reward-model-template",
+                                    roles=roles), max_len
 
 
-def chat_template(tokenizer, name: str, template: str | None, *, flag: str, template_flag: str) -> str:
+def chat_template(tokenizer, name: str, template: str | None, *, flag: str, template_flag: str,
+                  roles: tuple[str, ...] = ("user", "assistant")) -> str:
     """The chat template conversations are read with: `template` (template_flag's: a FILE.jinja or the Jinja text
-    itself), else the tokenizer's own; neither is an error naming both flags. The tokenizer gets a pad id if it has
-    none (its eos): right padding needs one, and the head is read at the last real token anyway."""
+    itself), else the tokenizer's own; neither is an error naming both flags, and so is one that can't render a
+    conversation of `roles`. The tokenizer gets a pad id if it has none (its eos): right padding needs one, and the
+    head is read at the last real token anyway."""
     if template is not None and os.path.isfile(template):
-        with open(template, encoding="utf-8") as f:
-            template = f.read()
+        try:
+            with open(template, encoding="utf-8") as f:
+                template = f.read()
+        except UnicodeDecodeError as e:
+            raise InputError(f"{template_flag} {template!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     elif template is not None and "{{" not in template and "{%" not in template:
         raise InputError(f"{template_flag} {template!r} is neither a file nor a Jinja template: pass a "
                          f"FILE.jinja or the template's text")
@@ -57,7 +86,11 @@ def chat_template(tokenizer, name: str, template: str | None, *, flag: str, temp
                          f"{template_flag} FILE.jinja (for a trained reward model, the one it was trained with)")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    return template or tokenizer.chat_template
+    which = f"{template_flag}'s template" if template else f"{flag} {name!r}'s chat template"
+    template = template or tokenizer.chat_template
+    rm_tokens(tokenizer, [[{"role": r, "content": "2 + 2 = 4"} for r in roles]], template=template, max_len=2,
+              item=f"{which}, on a test conversation")
+    return template
 
 
 def load_reward_model(name: str, device: torch.device, dtype: torch.dtype, attn_implementation: str = "sdpa"):
@@ -80,11 +113,21 @@ def conversation(prompt: str | list[dict], response: str | list[dict]) -> list[d
     return asked + ([{"role": "assistant", "content": response}] if isinstance(response, str) else response)
 
 
-def rm_tokens(tokenizer, conversations: list[list[dict]], *, template: str, max_len: int) -> tuple[list[list[int]], int]:
+def rm_tokens(tokenizer, conversations: list[list[dict]], *, template: str, max_len: int, item: str = "conversation {k}",
+              per_item: int = 1) -> tuple[list[list[int]], int]:
     """Each conversation through the reward model's chat template, cut to its first `max_len` tokens (the end is
-    lost: a long response is judged on its start). Returns (token ids, how many were cut)."""
-    ids = [list(tokenizer.apply_chat_template(c, chat_template=template, tokenize=True, return_dict=False))
-           for c in conversations]
+    lost: a long response is judged on its start). A template that fails on one, or renders it empty, is an
+    InputError naming `item` ({k}: i // per_item + 1 for conversation i). Returns (token ids, how many were cut)."""
+    ids = []
+    for i, c in enumerate(conversations):
+        try:  # jinja's errors (a role the template refuses, its syntax, a name it lacks) and any other of a template
+            ids.append(list(tokenizer.apply_chat_template(c, chat_template=template, tokenize=True, return_dict=False)))
+            problem = "it renders no tokens" if not ids[-1] else None
+        except Exception as e:
+            problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        if problem:
+            raise InputError(f"{item.format(k=i // per_item + 1)} (roles {', '.join(m.get('role', '?') for m in c)}): "
+                             f"the reward model's chat template failed: {problem}; fix the template or the conversation")
     return [x[:max_len] for x in ids], sum(len(x) > max_len for x in ids)
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import tyro
 import torch
 from conftest import torchrun_check
 from test_smoke import metrics, run_grpo
@@ -51,7 +52,7 @@ def test_scores_are_the_models_own_with_padding_and_truncation(rm_dir, gloo):
     unsharded model gives it alone, HF's own pooling at its last token; one conversation is cut to max_len 40."""
     from transformers import AutoModelForSequenceClassification
 
-    tokenizer, template = check_reward_model(rm_dir)
+    tokenizer, template, _ = check_reward_model(rm_dir)
     rm = load_reward_model(rm_dir, torch.device("cpu"), torch.float32)
     scores, cut = score_conversations(rm, CONVERSATIONS, tokenizer=tokenizer, template=template, max_len=40,
                                       micro_batch_size=2, device=torch.device("cpu"))
@@ -116,11 +117,56 @@ def test_bad_reward_models_fail_in_one_line(tiny_model_dir, tmp_path):
     with pytest.raises(InputError, match="no chat template .* --reward-model-template FILE.jinja"):
         check_reward_model(bare)
     (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
-    tokenizer, template = check_reward_model(bare, str(tmp_path / "t.jinja"))
+    tokenizer, template, _ = check_reward_model(bare, str(tmp_path / "t.jinja"))
     assert template.startswith("{% for m") and tokenizer.apply_chat_template(CONVERSATIONS[0], chat_template=template,
                                                                              tokenize=False) == "user: What is 1 + 1?\nassistant: 2\n"
     with pytest.raises(InputError, match="neither a file nor a Jinja template"):
         check_reward_model(bare, "chatml")
+    # a template that can't render the run's conversations: a syntax error, a role it refuses, nothing rendered
+    with pytest.raises(InputError, match="--reward-model-template's template, on a test conversation .*TemplateSyntaxError"):
+        check_reward_model(bare, "{{ oops(")
+    no_system = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}" \
+                "{{ m['content'] }}{% endfor %}"
+    assert check_reward_model(bare, no_system)[1] == no_system  # user and assistant only: fine
+    with pytest.raises(InputError, match=r"roles system, user, assistant\): the reward model's chat template failed: .*no system"):
+        check_reward_model(bare, no_system, system=True)
+    with pytest.raises(InputError, match="renders no tokens"):
+        check_reward_model(bare, "{% if false %}{{ x }}{% endif %}")
+    (tmp_path / "latin1.jinja").write_bytes("{{ 'caf\xe9' }}".encode("latin-1"))
+    with pytest.raises(InputError, match="latin1.jinja' is not UTF-8"):
+        check_reward_model(bare, str(tmp_path / "latin1.jinja"))
+
+
+def test_the_reward_models_context_bounds_what_it_reads(tiny_model_dir, tmp_path, monkeypatch):
+    """--reward-model-max-len not given: cut to the reward model's context (512 here); given larger: an error."""
+    rm = build_reward_model(tiny_model_dir, str(tmp_path / "rm"))
+    monkeypatch.setattr(sys, "argv", ["grpo.py"])
+    assert check_reward_model(rm, max_len=2048)[2] == 512 and check_reward_model(rm, max_len=100)[2] == 100
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--reward-model-max-len", "2048"])
+    with pytest.raises(InputError, match="--reward-model-max-len 2048 is more than .* context of 512 tokens: pass at most 512"):
+        check_reward_model(rm, max_len=2048)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--reward-weights", "0", "0"], "--reward-weights (0.0, 0.0) must be two finite numbers, not both 0"),
+    (["--reward-weights", "nan", "1"], "--reward-weights (nan, 1.0) must be two finite numbers"),
+    (["--reward-model-norm"], "--reward-model-norm True must be given with --reward-model only"),
+    (["--reward-weights", "1", "2", "--reward-model-max-len", "64"], "--reward-weights (1.0, 2.0) must be given with --reward-model only"
+     "\n  --reward-model-max-len 64 must be given with --reward-model only"),
+])
+def test_reward_model_flags_are_checked(flags, message, monkeypatch):
+    from preflight import check_flags
+    from reward_model import rm_flag_rules
+
+    import grpo
+    import ppo
+
+    for script in (grpo, ppo):
+        monkeypatch.setattr(sys, "argv", [script.__name__ + ".py", *flags])
+        args = tyro.cli(script.Args, args=flags)
+        with pytest.raises(InputError) as e:
+            check_flags(rm_flag_rules(args))
+        assert message in str(e.value)
 
 
 def test_grpo_with_a_causal_lm_as_reward_model_stops_before_loading(trained_tiny_model_dir, tmp_path):

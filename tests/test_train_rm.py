@@ -132,7 +132,7 @@ def test_checkpoint_is_a_reward_model_that_scores_as_in_training(rm_run, gloo):
     model_dir = str(run_dir / "checkpoints" / "step_000020" / "model")
     config = json.load(open(os.path.join(model_dir, "config.json")))
     assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
-    tokenizer, template = check_reward_model(model_dir)
+    tokenizer, template, _ = check_reward_model(model_dir)
     assert config["pad_token_id"] == tokenizer.pad_token_id is not None and "<|im_start|>" in template
     pairs, _ = load_pairs(str(run_dir.parent / "pairs.jsonl"))
     held = split_pairs(pairs, seed=0, num_eval=64, where="")[1]
