@@ -93,6 +93,20 @@ def chat_template(tokenizer, name: str, template: str | None, *, flag: str, temp
     return template
 
 
+def has_reward_head(name: str) -> bool:
+    """train_rm.py's --model: a reward model already (a one-label *ForSequenceClassification head: kept), or a language
+    model (it gets a fresh one-output head); a classifier of several labels is an error, before anything loads."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(name)
+    if not any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
+        return False
+    if config.num_labels != 1:
+        raise InputError(f"--model {name!r} is a classifier of {config.num_labels} labels: a reward model has one; pass "
+                         f"a language model (it gets a one-output head) or a reward model")
+    return True
+
+
 def load_reward_model(name: str, device: torch.device, dtype: torch.dtype, attn_implementation: str = "sdpa"):
     """The reward model in `dtype`, sharded with FSDP2 like the reference model, frozen (eval mode, no gradients)."""
     from transformers import AutoModelForSequenceClassification
@@ -113,21 +127,21 @@ def conversation(prompt: str | list[dict], response: str | list[dict]) -> list[d
     return asked + ([{"role": "assistant", "content": response}] if isinstance(response, str) else response)
 
 
-def rm_tokens(tokenizer, conversations: list[list[dict]], *, template: str, max_len: int, item: str = "conversation {k}",
-              per_item: int = 1) -> tuple[list[list[int]], int]:
+def rm_tokens(tokenizer, conversations: list[list[dict]], *, template: str, max_len: int,
+              item: str = "a conversation") -> tuple[list[list[int]], int]:
     """Each conversation through the reward model's chat template, cut to its first `max_len` tokens (the end is
     lost: a long response is judged on its start). A template that fails on one, or renders it empty, is an
-    InputError naming `item` ({k}: i // per_item + 1 for conversation i). Returns (token ids, how many were cut)."""
+    InputError naming `item`, the conversation's roles and its start. Returns (token ids, how many were cut)."""
     ids = []
-    for i, c in enumerate(conversations):
+    for c in conversations:
         try:  # jinja's errors (a role the template refuses, its syntax, a name it lacks) and any other of a template
             ids.append(list(tokenizer.apply_chat_template(c, chat_template=template, tokenize=True, return_dict=False)))
             problem = "it renders no tokens" if not ids[-1] else None
         except Exception as e:
             problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         if problem:
-            raise InputError(f"{item.format(k=i // per_item + 1)} (roles {', '.join(m.get('role', '?') for m in c)}): "
-                             f"the reward model's chat template failed: {problem}; fix the template or the conversation")
+            raise InputError(f"{item} (roles {', '.join(m.get('role', '?') for m in c)}; it begins "
+                             f"{str(c[0].get('content'))[:60]!r}): the reward model's chat template failed: {problem}")
     return [x[:max_len] for x in ids], sum(len(x) > max_len for x in ids)
 
 

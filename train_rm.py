@@ -33,7 +33,7 @@ from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import PromptSampler, load_pairs, shard, source_name, split_pairs
 from fsdp import all_reduce_dict, clip_and_step, compute_dtype, init_distributed, load_model, lr_lambda, shard_model
 from preflight import InputError, check_flags, check_model, friendly_errors, size_for_cpu
-from reward_model import chat_template, conversation, last_token_scores, pad, rm_tokens, score
+from reward_model import chat_template, conversation, has_reward_head, last_token_scores, pad, rm_tokens, score
 from runlog import RunLog, log_line, print0, run_info
 from stop import NonFinite, agreed_signal, allow_interrupt, handle_signals
 
@@ -170,6 +170,7 @@ def main(args: Args):
     tokenizer, context = check_model(args.model)
     if context is not None and args.max_len > context:
         raise InputError(f"--max-len {args.max_len} is more than {args.model!r}'s context of {context} tokens: lower it")
+    own_head = has_reward_head(args.model)  # a reward model already: its head is kept (a classifier: an error)
     # PLUMBING: the template conversations are read with, kept by the exported tokenizer, so grpo.py reads them alike
     tokenizer.chat_template = chat_template(tokenizer, args.model, args.chat_template, flag="--model",
                                             template_flag="--chat-template")
@@ -183,26 +184,30 @@ def main(args: Args):
     else:
         pairs, held, note = split_pairs(pairs, seed=args.seed, num_eval=args.num_eval_pairs, where=args.dataset)
 
-    def tokenize(part):  # [(chosen ids, rejected ids, group)] and how many conversations were cut to --max-len
+    def tokenize(part, source):  # [(chosen ids, rejected ids, group)], conversations cut to --max-len, pairs it made equal
         rows, cut = rm_tokens(tokenizer, [conversation(p.prompt, side) for p in part for side in (p.chosen, p.rejected)],
-                              template=tokenizer.chat_template, max_len=args.max_len)
-        return list(zip(rows[0::2], rows[1::2], [p.group for p in part])), cut
+                              template=tokenizer.chat_template, max_len=args.max_len, item=f"{source}: a pair")
+        kept = [(c, r, p.group) for c, r, p in zip(rows[0::2], rows[1::2], part) if c != r]  # a tie teaches nothing
+        if part and not kept:
+            raise InputError(f"every pair of {source} is the same on both sides after the cut to --max-len {args.max_len}: "
+                             f"raise --max-len (the responses differ only after it)")
+        return kept, cut, len(part) - len(kept)
 
-    (train, cut), (held, held_cut) = tokenize(pairs), tokenize(held)
+    (train, cut, same), (held, held_cut, held_same) = tokenize(pairs, args.dataset), tokenize(held, args.eval_dataset or args.dataset)
     groups = sorted({g for _, _, g in held if g})  # held-out accuracy is also reported per group
     sampler = PromptSampler(len(train), args.seed)  # a seeded shuffle of the pairs, epoch after epoch, resumable
     note += "".join(f", {g} {sum(x == g for _, _, x in held)}" for g in groups)  # each group's count beside its accuracy
     print0(f"data: {len(train)} train pairs, {len(held)} eval pairs ({note}) | skipped {skipped['empty']} with an "
            f"empty side, {skipped['identical']} with identical sides | cut to --max-len {args.max_len}: "
-           f"{cut + held_cut} of {2 * (len(train) + len(held))} conversations | {world_size} ranks")
+           f"{cut + held_cut} of {2 * (len(pairs) + len(held) + held_same)} conversations, {same + held_same} pairs "
+           f"the same after it, skipped | {world_size} ranks")
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
 
     # ---- the model: --model's body and a one-output head (fp32 masters, `dtype` compute) ---------
-    from transformers import AutoConfig, AutoModelForSequenceClassification  # lazy: keeps `import train_rm` fast
+    from transformers import AutoModelForSequenceClassification  # lazy: keeps `import train_rm` fast
 
-    own_head = any(a.endswith("ForSequenceClassification") for a in AutoConfig.from_pretrained(args.model).architectures or [])
     model = load_model(args.model, device, torch.float32, args.gradient_checkpointing, args.attn_implementation,
                        AutoModelForSequenceClassification, new_head=not own_head, num_labels=1)
     model.config.pad_token_id = pad_id = tokenizer.pad_token_id  # HF's own pooling finds the last token by it

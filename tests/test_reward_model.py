@@ -128,7 +128,7 @@ def test_bad_reward_models_fail_in_one_line(tiny_model_dir, tmp_path):
     no_system = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}" \
                 "{{ m['content'] }}{% endfor %}"
     assert check_reward_model(bare, no_system)[1] == no_system  # user and assistant only: fine
-    with pytest.raises(InputError, match=r"roles system, user, assistant\): the reward model's chat template failed: .*no system"):
+    with pytest.raises(InputError, match=r"roles system, user, assistant; it begins '2 \+ 2 = 4'\): the reward model's chat template failed: .*no system"):
         check_reward_model(bare, no_system, system=True)
     with pytest.raises(InputError, match="renders no tokens"):
         check_reward_model(bare, "{% if false %}{{ x }}{% endif %}")

@@ -111,7 +111,8 @@ def rm_run(trained_tiny_model_dir, tmp_path_factory):
 def test_train_rm_learns_a_learnable_preference(rm_run):
     run_dir, console = rm_run
     assert ("data: 108 train pairs, 12 eval pairs (held out 12 pairs (6 prompts) of " in console
-            and "| skipped 2 with an empty side, 3 with identical sides | cut to --max-len 64: 0 of 240" in console)
+            and "| skipped 2 with an empty side, 3 with identical sides | cut to --max-len 64: 0 of 240 conversations, 0 pairs "
+            "the same after it, skipped" in console)
     train, evals = rows(run_dir)
     assert [r["step"] for r in train] == list(range(1, 21)) and [r["step"] for r in evals] == [0, 10, 20]
     assert evals[0]["eval/pair_acc"] == 0.5 and evals[0]["eval/loss"] == pytest.approx(0.693147, abs=1e-6)  # zero head
@@ -180,3 +181,27 @@ def test_a_bad_pairs_file_stops_in_one_line_writing_nothing(trained_tiny_model_d
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert last[-1].startswith("train_rm.py: ") and "bad.jsonl, line 2: needs a 'prompt'" in last[-1]
     assert not os.path.exists(tmp_path / "r")
+
+
+def test_what_the_model_or_its_template_cannot_read_stops_in_one_line(trained_tiny_model_dir, tmp_path):
+    """Before the model loads: a classifier of 2 labels as --model; a pair the chat template refuses (named by its
+    number); pairs the cut to --max-len leaves the same on both sides (every one: nothing to learn)."""
+    from test_reward_model import build_reward_model
+
+    data = write_pairs(tmp_path / "pairs.jsonl", prompts=10, bad=False)
+    two = build_reward_model(trained_tiny_model_dir, str(tmp_path / "two"), num_labels=2)
+    refuses = "{% for m in messages %}{% if m['content'] == 'Hi' %}{{ raise_exception('no Hi') }}{% endif %}" \
+              "{{ m['content'] }}{% endfor %}"
+    (tmp_path / "hi.jsonl").write_text(open(data).read() + json.dumps({"prompt": "Hi", "chosen": "a", "rejected": "b"}) + "\n")
+    for model, extra, message in [
+        (two, ["--dataset", data], f"--model '{two}' is a classifier of 2 labels: a reward model has one"),
+        (trained_tiny_model_dir, ["--dataset", tmp_path / "hi.jsonl", "--chat-template", refuses],
+         f"{tmp_path / 'hi.jsonl'}: a pair (roles user, assistant; it begins 'Hi'): the reward model's chat template "
+         f"failed: TemplateError: no Hi"),
+        (trained_tiny_model_dir, ["--dataset", data, "--max-len", 2],
+         f"every pair of {data} is the same on both sides after the cut to --max-len 2"),
+    ]:
+        proc = run_rm(model, tmp_path, *extra, expect_ok=False)
+        last = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(last) == 1 and message in last[0], proc.stderr[-3000:]
+        assert not os.path.exists(tmp_path / "r")
