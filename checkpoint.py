@@ -17,6 +17,7 @@ Everything is written under `step_000100.tmp/` and renamed when complete, so a k
 leaves the previous checkpoints untouched and the half-written one is never picked for resume.
 """
 
+import dataclasses
 import errno
 import glob
 import json
@@ -72,13 +73,34 @@ def damage(path: str, rank: int = 0, world_size: int = 1) -> str | None:
     return None
 
 
-def checkpoint_to_resume(run_dir: str, resume: bool) -> str | None:
+# The flags a resumed run may change: where things are and how the run runs, not what it trains. Every other flag
+# must be what the checkpoint was saved with (its trainer.pt keeps them): a resumed run trains as it started.
+HOW_IT_RUNS = {"steps", "resume", "output_dir", "run_name", "model", "critic_model", "eval_every", "eval_before_train",
+               "save_every", "keep_checkpoints", "save_on_signal", "log_samples_every", "track", "wandb_project",
+               "max_nonfinite_steps", "dist_timeout_minutes", "micro_batch_size", "max_tokens_per_micro_batch",
+               "gradient_checkpointing", "compile", "offload", "attn_implementation", "reward_model_micro_batch_size",
+               "reward_workers", "reward_timeout_s", "tool_workers", "tool_timeout_s", "python_sandbox", "rollout_engine",
+               "rollout_tp", "rollout_mode", "rollout_url", "rollout_gpus", "rollout_timeout", "rollout_sync_backend",
+               "rollout_sync_address", "sync_bucket_mb"}
+
+
+def as_flags(args: dict, names: list[str]) -> str:
+    """'--policy-loss cispo --correction-bounds 0.5 2.0 --no-scale-rewards': flags as a command line gives them."""
+    def one(k, v):
+        flag = k.replace("_", "-")
+        if isinstance(v, bool):
+            return f"--{'' if v else 'no-'}{flag}"
+        return f"--{flag} {' '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+    return " ".join(one(k, args[k]) for k in names)
+
+
+def checkpoint_to_resume(run_dir: str, resume: bool, args=None) -> str | None:
     """With `resume`: the newest checkpoint of run_dir that `damage` finds nothing wrong with. A
     damaged newer one is renamed step_N.damaged (kept, never resumed or rotated away) and named in a
     line. A run folder with no checkpoint at all (its run stopped before the first save) starts again
     from step 0 (None). Without `resume`, run_dir must hold no earlier run: nothing is overwritten
     silently, and --resume is the one way on. Either way run_dir must be writable: checked here,
-    before anything loads."""
+    before anything loads, and so are the run's `args` (a dataclass): as saved, but for HOW_IT_RUNS."""
     check_writable(run_dir)
     if not resume:
         if (path := latest_checkpoint(run_dir)) or os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
@@ -91,8 +113,13 @@ def checkpoint_to_resume(run_dir: str, resume: bool) -> str | None:
         dist.all_gather_object(problems, damage(path, dist.get_rank(), dist.get_world_size()))
         problem = next((p for p in problems if p), None)
         if problem is None:
-            saved = torch.load(os.path.join(path, "trainer.pt"), weights_only=False).get("world_size", 1)
-            if saved != dist.get_world_size():  # optimizer shards and RNG are per rank: said before anything loads
+            state = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
+            then, now = state.get("args", {}), dataclasses.asdict(args) if args is not None else {}
+            if changed := [k for k in now if k in then and k not in HOW_IT_RUNS and now[k] != then[k]]:
+                raise InputError(f"--resume: {path} was trained with {as_flags(then, changed)}, this command gives "
+                                 f"{as_flags(now, changed)}: resume with the flags it started with, or start a new run "
+                                 f"(--run-name)")
+            if (saved := state.get("world_size", 1)) != dist.get_world_size():  # optimizer shards and RNG are per rank
                 raise InputError(f"--resume: {path} was saved by {saved} rank(s) and this run has {dist.get_world_size()}: resume it "
                                  f"with {'plain python' if saved == 1 else f'torchrun --nproc_per_node {saved} (on one node)'}")
             return path

@@ -551,7 +551,7 @@ def main(args: Args):
     tools = select_tools(args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s)  # its sandbox checked
     run_name = args.run_name or f"grpo-{os.path.basename(args.model.rstrip('/'))}-{'+'.join(map(source_name, args.dataset))}-s{args.seed}"
     run_dir = os.path.join(args.output_dir, run_name)
-    resume_from = checkpoint_to_resume(run_dir, args.resume)
+    resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
     engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
     tokenizer, context_len = check_model(args.model)  # before SGLang starts: a bad --model fails in one line
     rm_tokenizer, rm_template, rm_max_len = check_reward_model(args.reward_model, args.reward_model_template,  # None: none

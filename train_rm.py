@@ -166,7 +166,7 @@ def main(args: Args):
     check_args(args, world_size)
     run_name = args.run_name or f"rm-{os.path.basename(args.model.rstrip('/'))}-{source_name(args.dataset)}-s{args.seed}"
     run_dir = os.path.join(args.output_dir, run_name)
-    resume_from = checkpoint_to_resume(run_dir, args.resume)
+    resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
     tokenizer, context = check_model(args.model)
     if context is not None and args.max_len > context:
         raise InputError(f"--max-len {args.max_len} is more than {args.model!r}'s context of {context} tokens: lower it")

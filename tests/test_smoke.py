@@ -178,6 +178,13 @@ def test_resume_continues_exactly(trained_tiny_model_dir, tmp_path):
     args = ["--eval-every", "0", "--save-every", "2", "--beta", "0.01"]
     run_grpo(trained_tiny_model_dir, straight, "--steps", "3", *args)
     run_grpo(trained_tiny_model_dir, stopped, "--steps", "2", *args)
+    # resumed with other algorithm flags: refused before anything loads, naming them as saved and as given
+    other = run_grpo(trained_tiny_model_dir, stopped, "--steps", "3", "--resume", *args[:4], "--beta", "0.02",
+                     "--policy-loss", "cispo", expect_ok=False)
+    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1, other.stderr[-3000:]
+    assert ("was trained with --policy-loss ppo-clip --clip-low 0.2 --clip-high 0.2 --beta 0.01, this command gives "
+            "--policy-loss cispo --clip-low 1.0 --clip-high 4.0 --beta 0.02: resume with the flags it started with") in other.stderr
+    assert json.load(open(stopped / "r" / "args.json"))["beta"] == 0.01
     proc = run_grpo(trained_tiny_model_dir, stopped, "--steps", "3", "--resume", *args)
     assert "resumed from" in proc.stdout and "step 2, data epoch 0 index 8" in proc.stdout
 
