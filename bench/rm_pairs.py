@@ -31,7 +31,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from data import BUILTIN_TASKS, load_examples, tokenize_prompts  # noqa: E402
-from preflight import InputError, check_engine, check_model, friendly_errors  # noqa: E402
+from preflight import InputError, check_engine, check_flags, check_model, friendly_errors  # noqa: E402
 from reward import correct  # noqa: E402
 from rollout import SGLangOptions, Sampling, generate, start_engine, stop_token_ids  # noqa: E402
 from stop import stop_engine  # noqa: E402
@@ -96,10 +96,17 @@ def pairs_of(prompt, answer: str, kind: str, completions: list[str], rng: random
 
 
 def main(args: Args):
-    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
-        raise InputError(f"--out {args.out!r}: its folder does not exist; create it first")
-    if args.prompts_per_call < 1:
-        raise InputError(f"--prompts-per-call {args.prompts_per_call}: must be >= 1")
+    a = args
+    check_flags([  # (flag, value, holds, what it must be): before any file is opened
+        ("--out", a.out, a.out.endswith(".jsonl") and os.path.isdir(os.path.dirname(os.path.abspath(a.out))),
+         "a .jsonl file in a folder that exists (train_rm.py reads .jsonl)"),
+        ("--train-prompts", a.train_prompts, a.train_prompts >= 1, ">= 1"),
+        ("--eval-prompts", a.eval_prompts, a.eval_prompts >= 1, ">= 1"),
+        ("--samples-per-prompt", a.samples_per_prompt, a.samples_per_prompt >= 1, ">= 1"),
+        ("--number-pairs", a.number_pairs, a.number_pairs >= 0, ">= 0"),
+        ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
+        ("--prompts-per-call", a.prompts_per_call, a.prompts_per_call >= 1, ">= 1"),
+    ])
     kind = check_engine(args.engine, "--engine")
     tokenizer, _ = check_model(args.model)
     if args.dataset in BUILTIN_TASKS:
@@ -124,8 +131,9 @@ def main(args: Args):
                                 sampling=sampling, tokenizer=tokenizer)
         rows = [row for k, e in enumerate(kept) for row in
                 pairs_of(e.prompt, e.answer, e.kind, [s.text for s in samples[k * n:(k + 1) * n]], rng, args.number_pairs)]
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+        os.replace(path + ".tmp", path)  # an earlier file is replaced only by a whole new one
         right = sum(correct(e.kind, s.text, e.answer, "flexible") for k, e in enumerate(kept) for s in samples[k * n:(k + 1) * n])
         counts[split] = {"prompts": len(kept), "completions": len(samples), "right_frac": right / len(samples),
                          "pairs": {g: sum(r["group"] == g for r in rows) for g in ("wrong", "format", "number")},

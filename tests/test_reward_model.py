@@ -215,7 +215,7 @@ def test_rm_pairs_by_hand():
 
 def test_rm_pairs_runs_in_calls_of_prompts_per_call(trained_tiny_model_dir, tmp_path):
     """bench/rm_pairs.py on the CPU (HF engine), 5 + 3 prompts x 2 samples sent 2 prompts a call: every prompt's
-    samples come back (completions 10 and 6), the pairs and the summary are written; 0 a call stops in one line."""
+    samples come back (completions 10 and 6), the pairs and the summary are written; bad counts and a --out not .jsonl stop in one line."""
     out = str(tmp_path / "pairs.jsonl")
     cmd = [sys.executable, os.path.join(ROOT, "bench", "rm_pairs.py"), "--model", trained_tiny_model_dir, "--out", out,
            "--train-prompts", "5", "--eval-prompts", "3", "--samples-per-prompt", "2", "--max-new-tokens", "8"]
@@ -226,8 +226,13 @@ def test_rm_pairs_runs_in_calls_of_prompts_per_call(trained_tiny_model_dir, tmp_
     assert (summary["eval"]["prompts"], summary["eval"]["completions"]) == (3, 6)
     rows = [json.loads(line) for line in open(out)]
     assert len(rows) == sum(summary["train"]["pairs"].values()) and os.path.isfile(str(tmp_path / "pairs.eval.jsonl"))
-    proc = subprocess.run(cmd + ["--prompts-per-call", "0"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--prompts-per-call 0: must be >= 1" in proc.stderr
+    before = open(out).read()  # bad counts stop in one line before the earlier pairs file is touched
+    proc = subprocess.run(cmd + ["--prompts-per-call", "0", "--train-prompts", "0", "--samples-per-prompt", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and open(out).read() == before
+    assert all(f"{flag} 0 must be >= 1" in proc.stderr for flag in ("--prompts-per-call", "--train-prompts", "--samples-per-prompt"))
+    proc = subprocess.run(cmd[:5] + [str(tmp_path / "pairs.txt")] + cmd[6:], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "must be a .jsonl file in a folder that exists" in proc.stderr
 
 
 def test_the_reward_model_is_a_tenant_of_the_memory_phases(trained_tiny_model_dir, rm_dir, tmp_path):
