@@ -395,8 +395,8 @@ def rollout_correction(old_logp, sampler_logp, mask, kind: str, *, tis_cap: floa
     r = torch.exp(log_r)                                                                          # [B, T]
     if kind == "none":
         return None, mask, torch.zeros_like(mask, dtype=torch.bool)
-    if kind == "tis":
-        return r.clamp(max=tis_cap), mask, (r > tis_cap) & (mask > 0)
+    if kind == "tis":  # a NaN ratio (a NaN log-prob) weighs 0, and is counted as corrected
+        return torch.where(r.isnan(), 0.0, r.clamp(max=tis_cap)), mask, ((r > tis_cap) | r.isnan()) & (mask > 0)
     if kind == "seq-mask":  # one ratio per sequence, on each of its tokens
         r = torch.exp(log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(mask)
     if kind not in ("mis", "icepop", "seq-mask"):
@@ -484,8 +484,8 @@ def check_args(args: Args, world_size: int):
          (a.tis_cap > 0 and (a.rollout_correction == "tis" or (a.rollout_correction == "auto" and a.async_rollout))),
          ">= 0: the cap of --rollout-correction tis (> 0), which --async-rollout turns on (0: off)"),
         ("--correction-bounds", a.correction_bounds, a.correction_bounds is None or (0 <= a.correction_bounds[0] <= 1
-         <= a.correction_bounds[1] and a.rollout_correction in ("mis", "icepop", "seq-mask")),
-         "LO HI with 0 <= LO <= 1 <= HI, with --rollout-correction mis, icepop or seq-mask"),
+         <= a.correction_bounds[1] < math.inf and a.rollout_correction in ("mis", "icepop", "seq-mask")),
+         "LO HI with 0 <= LO <= 1 <= HI < inf, with --rollout-correction mis, icepop or seq-mask"),
         ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
         ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
         ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, ">= 1"),

@@ -479,8 +479,8 @@ def mismatch_stats(batch, touched: torch.Tensor | None = None) -> dict:
     large if the sync missed or corrupted something; KL(sampler || trainer) by k3 with r = p_trainer / p_sampler
     (r - 1 - log r); the largest r; given `touched` [B, T-1], the share of tokens a rollout correction capped or masked."""
     m = batch.response_mask                                                                    # [B, T-1]
-    log_r = (batch.old_logprobs - batch.rollout_logprobs) * m
-    k3 = torch.exp(log_r.clamp(max=20.0)) - 1 - log_r  # clamped: one wild token can't overflow the mean
+    log_r = ((batch.old_logprobs - batch.rollout_logprobs) * m).clamp(-20.0, 20.0)  # a -inf log-prob: finite, not inf
+    k3 = torch.exp(log_r) - 1 - log_r  # clamped: one wild token can't overflow the mean
     corrected = (touched.float() * m).sum() if touched is not None else torch.zeros(())
     tokens, gap, kl, corrected = all_reduce(torch.stack([m.sum(), log_r.abs().sum(), (k3 * m).sum(), corrected]))
     largest = all_reduce(log_r.masked_fill(m == 0, -math.inf).max(), dist.ReduceOp.MAX)

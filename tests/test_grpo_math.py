@@ -622,6 +622,25 @@ def test_mismatch_stats_by_hand():
     assert "rollout/correction_frac" not in mismatch_stats(batch)
 
 
+def test_a_non_finite_sampler_log_prob_is_bounded_or_dropped():
+    """A sampler log-prob of -inf (a token it gave probability 0) makes r = inf: the mismatch metrics clamp log r at 20
+    (KL e^20 - 21 on that token, not inf); tis caps it (weight 2). A NaN log-prob: tis weighs it 0 and counts it."""
+    from types import SimpleNamespace
+
+    from rollout import mismatch_stats
+
+    sampler = P_SAMPLER.log().clone()
+    sampler[0, 1] = -math.inf
+    batch = SimpleNamespace(response_mask=SEQ_MASK, old_logprobs=P_TRAINER.log(), rollout_logprobs=sampler)
+    stats = mismatch_stats(batch)
+    assert all(math.isfinite(v) for v in stats.values()) and stats["rollout/mismatch_ratio_max"] == pytest.approx(math.exp(20))
+    weight, _, touched = rollout_correction(P_TRAINER.log(), sampler, SEQ_MASK, "tis", tis_cap=2.0, bounds=None)
+    assert weight[0, 1] == 2.0 and touched[0, 1]
+    sampler[0, 1] = math.nan
+    weight, _, touched = rollout_correction(P_TRAINER.log(), sampler, SEQ_MASK, "tis", tis_cap=2.0, bounds=None)
+    assert weight[0, 1] == 0.0 and touched[0, 1] and torch.isfinite(weight).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # the variants' flags: defaults that depend on other flags, and their checks
 
@@ -660,7 +679,7 @@ def test_check_args_variant_flags():
                         clip_low=1.5), world_size=1)
     message = str(e.value)
     assert "--tis-cap 3.0 must be >= 0: the cap of --rollout-correction tis (> 0), which --async-rollout turns on" in message
-    assert "--correction-bounds (0.5, 2.0) must be LO HI with 0 <= LO <= 1 <= HI, with --rollout-correction mis" in message
+    assert "--correction-bounds (0.5, 2.0) must be LO HI with 0 <= LO <= 1 <= HI < inf, with --rollout-correction mis" in message
     assert "--scale-rewards False must be with --advantage grpo" in message
     assert "--clip-low 1.5 must be in [0, 1] (1: no lower bound)" in message
     with pytest.raises(InputError, match=r"--correction-bounds \(1.2, 2.0\) must be"):
