@@ -441,8 +441,8 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict):
         if state["num_prompts"] != self.num_prompts:
-            raise ValueError(f"checkpoint was taken with {state['num_prompts']} prompts, this run has "
-                             f"{self.num_prompts}; resume with the same --dataset and --max-prompt-len")
+            raise InputError(f"--resume: the checkpoint was taken with {state['num_prompts']} training rows (prompts or "
+                             f"pairs), this run has {self.num_prompts}: the data changed since; resume with the data it started with")
         self.epoch, self.index = state["epoch"], state["index"]
 
 

@@ -480,9 +480,10 @@ def check_args(args: Args, world_size: int):
          "with --advantage grpo (rloo and reinforce++ divide by no group's std)"),
         ("--clip-low", a.clip_low, 0 <= a.clip_low <= 1, "in [0, 1] (1: no lower bound)"),
         ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
-        ("--tis-cap", a.tis_cap, a.tis_cap is None or (a.tis_cap == 0 and a.rollout_correction in ("auto", "none")) or
-         (a.tis_cap > 0 and (a.rollout_correction == "tis" or (a.rollout_correction == "auto" and a.async_rollout))),
-         ">= 0: the cap of --rollout-correction tis (> 0), which --async-rollout turns on (0: off)"),
+        ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap > 0 or (a.tis_cap == 0 and a.rollout_correction != "tis"),
+         "> 0 (0: no tis with --async-rollout, which turns it on)"),
+        ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap == 0 or a.rollout_correction == "tis" or
+         (a.rollout_correction == "auto" and a.async_rollout), "given with --rollout-correction tis or --async-rollout only"),
         ("--correction-bounds", a.correction_bounds, a.correction_bounds is None or (0 <= a.correction_bounds[0] <= 1
          <= a.correction_bounds[1] < math.inf and a.rollout_correction in ("mis", "icepop", "seq-mask")),
          "LO HI with 0 <= LO <= 1 <= HI < inf, with --rollout-correction mis, icepop or seq-mask"),

@@ -301,7 +301,7 @@ def test_decoupled_rollout_flags_are_checked_together(monkeypatch):
     message = str(e.value)
     assert "--async-rollout True must be with --rollout-mode server" in message
     assert "--rollout-url ('localhost:30000',) must be http://HOST:PORT of each server, with --rollout-mode server;" in message
-    assert "--tis-cap -1.0 must be >= 0" in message
+    assert "--tis-cap -1.0 must be > 0" in message
     with pytest.raises(InputError, match=r"--rollout-url \(\) must be .* takes these or --rollout-gpus k"):
         check_args(Args(rollout_mode="server"), world_size=1)
     with pytest.raises(InputError, match=r"--rollout-url \('http://h:1',\) must be .*not both"):
@@ -678,11 +678,14 @@ def test_check_args_variant_flags():
         check_args(Args(tis_cap=3.0, correction_bounds=(0.5, 2.0), advantage="reinforce++", scale_rewards=False,
                         clip_low=1.5), world_size=1)
     message = str(e.value)
-    assert "--tis-cap 3.0 must be >= 0: the cap of --rollout-correction tis (> 0), which --async-rollout turns on" in message
+    assert "--tis-cap 3.0 must be given with --rollout-correction tis or --async-rollout only" in message
+    assert "--tis-cap 3.0 must be > 0" not in message  # the value is fine: only where it is given is not
     assert "--correction-bounds (0.5, 2.0) must be LO HI with 0 <= LO <= 1 <= HI < inf, with --rollout-correction mis" in message
     assert "--scale-rewards False must be with --advantage grpo" in message
     assert "--clip-low 1.5 must be in [0, 1] (1: no lower bound)" in message
     with pytest.raises(InputError, match=r"--correction-bounds \(1.2, 2.0\) must be"):
         check_args(Args(rollout_correction="mis", correction_bounds=(1.2, 2.0)), world_size=1)
-    with pytest.raises(InputError, match="--tis-cap 0.0 must be"):
+    with pytest.raises(InputError, match=r"--tis-cap 0.0 must be > 0 \(0: no tis with --async-rollout"):
         check_args(Args(rollout_correction="tis", tis_cap=0.0), world_size=1)
+    with pytest.raises(InputError, match=r"--correction-bounds \(0.0, inf\) must be LO HI with 0 <= LO <= 1 <= HI < inf"):
+        check_args(Args(rollout_correction="icepop", correction_bounds=(0.0, math.inf)), world_size=1)
