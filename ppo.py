@@ -39,7 +39,7 @@ from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, c
 from fsdp import (all_reduce, all_reduce_dict, balance, batch_forward, batch_logprobs, clip_and_step, compute_dtype, forward_tokens,
                   init_distributed, load_model, lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
-from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, size_for_cpu
+from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, package_rules, size_for_cpu
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
 from rollout import SGLangOptions, Sampling, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
@@ -459,6 +459,7 @@ def check_args(args: Args, world_size: int):
         ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
         ("--tool-timeout-s", a.tool_timeout_s, a.tool_timeout_s > 0, "> 0"),
         ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
+        *package_rules(a),  # --track needs wandb, --attn-implementation flash_attention_2 flash-attn
         ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
         ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
         *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it

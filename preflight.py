@@ -125,6 +125,16 @@ def check_flags(rules: list[tuple[str, object, bool, str]]):
         raise InputError("bad arguments:\n  " + "\n  ".join(problems))
 
 
+def package_rules(a) -> list[tuple[str, object, bool, str]]:
+    """check_flags' rules for the flags that need a package the requirements leave out (each training script's)."""
+    from importlib.util import find_spec
+
+    return [("--track", a.track, not a.track or find_spec("wandb") is not None, "given with wandb installed "
+             "(pip install wandb; wandb login)"),
+            ("--attn-implementation", a.attn_implementation, a.attn_implementation != "flash_attention_2"
+             or find_spec("flash_attn") is not None, "sdpa or eager: flash_attention_2 needs flash-attn (pip install flash-attn)")]
+
+
 def check_writable(run_dir: str, flag: str = "--output-dir"):
     """run_dir is a folder this process can write, or one it can create: tried with a folder made and
     removed in the nearest existing folder on its path (read-only mounts, /proc, permissions)."""

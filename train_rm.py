@@ -32,7 +32,7 @@ import tyro
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import PromptSampler, load_pairs, shard, source_name, split_pairs
 from fsdp import all_reduce_dict, clip_and_step, compute_dtype, init_distributed, load_model, lr_lambda, shard_model
-from preflight import InputError, check_flags, check_model, friendly_errors, size_for_cpu
+from preflight import InputError, check_flags, check_model, friendly_errors, package_rules, size_for_cpu
 from reward_model import chat_template, conversation, has_reward_head, last_token_scores, pad, rm_tokens, score
 from runlog import RunLog, log_line, print0, run_info
 from stop import NonFinite, agreed_signal, allow_interrupt, handle_signals
@@ -151,6 +151,7 @@ def check_args(a: Args, world_size: int):
         ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
         ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
         ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
+        *package_rules(a),  # --track needs wandb, --attn-implementation flash_attention_2 flash-attn
     ])
 
 

@@ -7,6 +7,7 @@ tests behave the same on any machine: on a GPU machine a run that expects no GPU
 The README's install commands themselves run in bench/fresh_machine.sh (a fresh virtualenv).
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -451,3 +452,21 @@ def test_every_file_keeps_its_line_budget_in_the_readme():
     for name, budget in budgets.items():
         with open(os.path.join(ROOT, name), encoding="utf-8") as f:
             assert sum(1 for _ in f) <= int(budget), f"{name} is over its README budget of {budget} lines"
+
+
+@pytest.mark.skipif(bool(importlib.util.find_spec("wandb") or importlib.util.find_spec("flash_attn")),
+                    reason="wandb or flash-attn is installed here")
+def test_a_flag_that_needs_a_package_not_installed_says_which():
+    """--track without wandb, --attn-implementation flash_attention_2 without flash-attn: in each training script's
+    flag checks, before anything loads (they were tracebacks after the models loaded)."""
+    import grpo
+    import ppo
+    import train_rm
+    from preflight import InputError
+
+    for script in (grpo, ppo, train_rm):
+        with pytest.raises(InputError) as e:
+            script.check_args(script.Args(track=True, attn_implementation="flash_attention_2"), world_size=1)
+        assert "--track True must be given with wandb installed (pip install wandb; wandb login)" in str(e.value)
+        assert ("--attn-implementation flash_attention_2 must be sdpa or eager: flash_attention_2 needs flash-attn "
+                "(pip install flash-attn)") in str(e.value)
