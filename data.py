@@ -111,7 +111,10 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
             import pyarrow.parquet as pq  # lazy: only for parquet input
         except ImportError:
             raise InputError(f"data file {path!r} is parquet: pip install pyarrow, or convert it to .jsonl") from None
-        return list(enumerate(pq.read_table(path).to_pylist(), start=1))
+        try:
+            return list(enumerate(pq.read_table(path).to_pylist(), start=1))
+        except Exception as e:  # pyarrow's ArrowInvalid and kin: a file cut short, or not parquet at all
+            raise InputError(f"data file {path!r} can't be read as parquet ({type(e).__name__}: {str(e)[:200]})") from None
     if not path.endswith(".jsonl"):
         raise InputError(f"data file {path!r}: expected a .jsonl or .parquet file")
     rows = []
@@ -288,7 +291,8 @@ def load_pairs(path: str) -> tuple[list[Pair], dict[str, int]]:
         raise InputError(f"{path} has no rows; each line needs {{\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}}")
     for line_no, row in rows:
         prompt, chosen, rejected, group = (row.get(k) for k in ("prompt", "chosen", "rejected", "group"))
-        if not (isinstance(prompt, str) or is_chat(prompt)) or not all(isinstance(x, str) for x in (chosen, rejected, group or "")):
+        group = "" if group is None else group  # absent or null: no group; 0, false, [] are not text
+        if not (isinstance(prompt, str) or is_chat(prompt)) or not all(isinstance(x, str) for x in (chosen, rejected, group)):
             raise InputError(f"{path}, line {line_no}: needs a 'prompt' (text, or chat messages one of which has role 'user'), "
                              f"'chosen' and 'rejected' texts and optionally a 'group' text; found "
                              f"{({k: type(v).__name__ for k, v in row.items()})}")
@@ -297,7 +301,7 @@ def load_pairs(path: str) -> tuple[list[Pair], dict[str, int]]:
         elif chosen.strip() == rejected.strip():
             skipped["identical"] += 1
         else:
-            pairs.append(Pair(prompt, chosen, rejected, group or ""))
+            pairs.append(Pair(prompt, chosen, rejected, group))
     if not pairs:
         raise InputError(f"{path}: all {len(rows)} pairs were skipped ({skipped['empty']} with an empty side, "
                          f"{skipped['identical']} with identical sides): nothing to train on")

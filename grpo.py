@@ -363,10 +363,12 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_hig
     s = exp(mean over its loss tokens of (logp - old_logp)), PPO-clipped per sequence; its paper clips at 3e-4 / 4e-4
     (a mean over tokens moves far less than one token). The GSPO-token form: each token's ratio is
     sg(s) * exp(logp - sg(logp)), worth s and with the gradient through its own log-prob: averaged over a sequence's
-    tokens (seq-mean-token-mean, as the paper) it is GSPO's gradient. That is PPO-clip with each token's old log-prob
-    moved to logp - log s. Returns (loss, clipped), [B, T]; whole sequences are clipped or not."""
+    tokens (seq-mean-token-mean, as the paper) it is GSPO's gradient; clipped as PPO-clip clips. Returns (loss, clipped),
+    [B, T]; whole sequences are clipped or not (s is the same number on each of its tokens, bit for bit)."""
     log_s = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
-    return clipped_policy_loss(logp, logp.detach() - log_s.detach(), advantages, clip_low, clip_high)
+    ratio = torch.exp(log_s.detach()) * torch.exp(logp - logp.detach())  # [B, T]: s times exactly 1
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
 def cispo_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: float):

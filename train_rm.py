@@ -197,7 +197,8 @@ def main(args: Args):
     (train, cut, same), (held, held_cut, held_same) = tokenize(pairs, args.dataset), tokenize(held, args.eval_dataset or args.dataset)
     groups = sorted({g for _, _, g in held if g})  # held-out accuracy is also reported per group
     sampler = PromptSampler(len(train), args.seed)  # a seeded shuffle of the pairs, epoch after epoch, resumable
-    note += "".join(f", {g} {sum(x == g for _, _, x in held)}" for g in groups)  # each group's count beside its accuracy
+    shown = groups[:8]  # the console's (metrics.jsonl has every group's accuracy): a group per prompt would fill lines
+    note += "".join(f", {g} {sum(x == g for _, _, x in held)}" for g in shown) + f", +{len(groups) - 8} groups" * (len(groups) > 8)
     print0(f"data: {len(train)} train pairs, {len(held)} eval pairs ({note}) | skipped {skipped['empty']} with an "
            f"empty side, {skipped['identical']} with identical sides | cut to --max-len {args.max_len}: "
            f"{cut + held_cut} of {2 * (len(pairs) + len(held) + held_same)} conversations, {same + held_same} pairs "
@@ -256,7 +257,7 @@ def main(args: Args):
         out = {"step": step, "eval/pair_acc": sums["correct"] / n, "eval/margin": sums["margin"] / n, "eval/loss": sums["loss"] / n,
                **{f"eval/pair_acc/{g}": sums[f"{g}/correct"] / sums[f"{g}/pairs"] for g in groups}}
         out = {k: float(v) for k, v in out.items()}
-        print0(log_line(f"eval after step {step}", out, EVAL_LINE + [(g, f"eval/pair_acc/{g}", ".3f") for g in groups]))
+        print0(log_line(f"eval after step {step}", out, EVAL_LINE + [(g, f"eval/pair_acc/{g}", ".3f") for g in shown]))
         log.log(out)
 
     # ---- the loop ----------------------------------------------------------------------------------

@@ -446,3 +446,21 @@ def test_task_prompts_of_several_sources_and_chat_prompts(tiny_model_dir, tmp_pa
                                                                                tokenize=True, return_dict=False)
     assert held.examples[5].prompt[1]["content"].endswith("\\boxed{}.") and held.ids[5] == prompt_tokens(
         tokenizer, held.examples[5].prompt)
+
+
+def test_a_parquet_file_pyarrow_cannot_read_is_one_line(tmp_path, monkeypatch):
+    """pyarrow's own error (ArrowInvalid for a file cut short or not parquet) becomes an InputError naming the file."""
+    import types
+
+    from data import read_rows
+
+    def read_table(path):
+        raise ValueError("Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file.")
+
+    fake = types.ModuleType("pyarrow.parquet")
+    fake.read_table = read_table
+    monkeypatch.setitem(sys.modules, "pyarrow", types.ModuleType("pyarrow"))
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", fake)
+    (tmp_path / "bad.parquet").write_text("garbage")
+    with pytest.raises(InputError, match=r"bad.parquet' can't be read as parquet \(ValueError: Parquet magic bytes"):
+        read_rows(str(tmp_path / "bad.parquet"))

@@ -560,6 +560,17 @@ def correct(kind, **kw):
     return rollout_correction(P_TRAINER.log(), P_SAMPLER.log(), SEQ_MASK, kind, **{"tis_cap": 2.0, "bounds": None, **kw})
 
 
+def test_gspo_clips_whole_sequences_even_at_the_bound():
+    """Sequences whose s lies within 1e-6 of the upper bound, tokens of widely different log-probs: each sequence is
+    clipped on all its tokens or on none (s computed once per sequence: the old form, PPO-clip with each token's old
+    log-prob moved by log s, rounded per token and split 145 of 2000 such sequences)."""
+    gen = torch.Generator().manual_seed(0)
+    logp = -torch.rand(2000, 64, generator=gen) * 30                                             # [N, T]
+    log_s = math.log1p(4e-4) + (torch.rand(2000, 1, generator=gen) - 0.5) * 2e-6                 # [N, 1]
+    _, clipped = gspo_policy_loss(logp, logp - log_s, torch.ones(2000, 64), torch.ones(2000, 64), 3e-4, 4e-4)
+    assert not (clipped.any(-1) & ~clipped.all(-1)).any() and 0 < clipped.all(-1).sum() < 2000
+
+
 def test_rollout_correction_tis_caps_the_weight():
     """tis, cap 2: weights min(r, 2) = [[1, 2, 0.4], [1, 1, 1 (padding: log r masked to 0)]]; the r = 3 token is
     capped (1 of 5 model tokens); nothing masked."""

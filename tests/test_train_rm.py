@@ -88,11 +88,14 @@ def test_pairs_bad_rows_counted_bad_files_named_split_by_prompt(tmp_path):
         split_pairs(pairs[:8], seed=0, num_eval=512, where="p")
     for text, message in [("", "has no rows"), ('{"prompt": "a", "chosen": "b"}\n', r"line 1: needs a 'prompt'.*'rejected'"),
                           ('{"prompt": "a", "chosen": "b", "rejected": "c", "group": 3}\n', r"line 1: .*optionally a 'group'"),
+                          ('{"prompt": "a", "chosen": "b", "rejected": "c", "group": 0}\n', r"line 1: .*optionally a 'group'"),
                           ("{nope\n", "line 1: not valid JSON"),
                           ('{"prompt": "a", "chosen": "b", "rejected": "b"}\n', "all 1 pairs were skipped")]:
         (tmp_path / "bad.jsonl").write_text(text)
         with pytest.raises(InputError, match=message):
             load_pairs(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "null.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "group": null}\n' * 2)
+    assert load_pairs(str(tmp_path / "null.jsonl"))[0][0].group == ""  # null: no group
     (tmp_path / "latin.jsonl").write_bytes('{"prompt": "caf\u00e9", "chosen": "a", "rejected": "b"}\n'.encode("latin-1"))
     with pytest.raises(InputError, match="line 1: not UTF-8"):
         load_pairs(str(tmp_path / "latin.jsonl"))
