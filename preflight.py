@@ -226,13 +226,15 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True):
         if not os.path.isdir(path):
             what = "is a file, not a folder" if os.path.isfile(path) else f"does not exist ({os.path.abspath(path)})"
             raise InputError(f"{flag} {name!r} {what}: pass a folder holding config.json, the weights and the "
-                             f"tokenizer, or a hub id like Qwen/Qwen2.5-0.5B-Instruct;\n  {TINY_MODEL_HINT}")
+                             f"tokenizer, or a hub id like Qwen/Qwen2.5-0.5B-Instruct" + f";\n  {TINY_MODEL_HINT}" * (flag == "--model"))
         files = set(os.listdir(path))
         missing = [what for what, ok in (
             ("config.json", "config.json" in files),
             ("weights (*.safetensors or *.bin)", any(f.endswith((".safetensors", ".bin")) for f in files)),
             ("tokenizer files (tokenizer.json or tokenizer_config.json)",
              files & set(TOKENIZER_FILES) or not with_tokenizer)) if not ok]
+        if missing and os.path.isfile(os.path.join(path, "model", "config.json")):  # a checkpoint, not its model/
+            raise InputError(f"{flag} {name!r} is a checkpoint: pass its model folder, {os.path.join(name, 'model')}")
         if missing:
             raise InputError(f"{flag} {name!r} has no {' and no '.join(missing)}: a model folder needs them "
                              f"(a checkpoint's is runs/<run>/checkpoints/step_N/model); copy the missing files in")

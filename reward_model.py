@@ -217,13 +217,13 @@ def rm_rewards(model, samples, *, weights: tuple[float, float], whiten: bool, **
 
 def rm_stats(rule: torch.Tensor, rm: torch.Tensor, cut: int) -> dict[str, float]:
     """A step's metrics over all ranks: the RM's mean and std, the rule reward's mean, their Pearson correlation
-    (both on: does the RM agree with the rule?), conversations cut to --reward-model-max-len. [B] each."""
+    (both on: does the RM agree with the rule? not logged where either is constant), conversations cut to --reward-model-max-len. [B] each."""
     rm, rule = rm.double(), rule.double()
     sums = {k: float(v) for k, v in all_reduce_dict({  # one collective for all of them
         "n": torch.tensor(float(len(rm))), "rm": rm.sum(), "rule": rule.sum(), "rm2": (rm**2).sum(),
         "rule2": (rule**2).sum(), "cross": (rm * rule).sum(), "cut": torch.tensor(float(cut))}).items()}
     n, m, r = sums["n"], sums["rm"] / sums["n"], sums["rule"] / sums["n"]
     var_m, var_r = max(sums["rm2"] / n - m * m, 0.0), max(sums["rule2"] / n - r * r, 0.0)
-    corr = (sums["cross"] / n - m * r) / (var_m * var_r) ** 0.5 if var_m > 0 and var_r > 0 else float("nan")
-    return {"rollout/rm_score": m, "rollout/rm_score_std": var_m**0.5, "rollout/rule_reward": r,
-            "rollout/rm_rule_corr": corr, "rollout/rm_truncated": sums["cut"]}
+    corr = {"rollout/rm_rule_corr": (sums["cross"] / n - m * r) / (var_m * var_r) ** 0.5} if var_m > 0 and var_r > 0 else {}
+    return {"rollout/rm_score": m, "rollout/rm_score_std": var_m**0.5, "rollout/rule_reward": r, **corr,  # none: a constant
+            "rollout/rm_truncated": sums["cut"]}

@@ -12,6 +12,7 @@
         --png bench/results/variants_addition.png --summary bench/results/summary.json    # run_variants.sh's; --task tools
 """
 import json
+import math
 import os
 import statistics
 import sys
@@ -252,7 +253,7 @@ def rm(a: Args):
            "strict_acc_gain": evals[-1]["eval/strict_acc"] - evals[0]["eval/strict_acc"],
            "eval_curve": [[r["step"], round(r["eval/strict_acc"], 4), round(r["eval/format_rate"], 4)] for r in evals],
            "rm_score_curve": [[r["step"], round(r["rollout/rm_score"], 4), round(r["rollout/strict_acc"], 4),
-                               round(r["rollout/rm_rule_corr"], 4)] for r in train],
+                               round(r.get("rollout/rm_rule_corr", math.nan), 4)] for r in train],
            "rm_seconds_per_step": statistics.mean(r["time/reward_model"] for r in train),
            "seconds_per_step": statistics.mean(r["perf/step_s"] for r in train),
            "columns": {"eval_curve": ["updates", "held-out strict acc (greedy, by the rule)", "format rate"],

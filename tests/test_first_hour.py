@@ -470,3 +470,17 @@ def test_a_flag_that_needs_a_package_not_installed_says_which():
         assert "--track True must be given with wandb installed (pip install wandb; wandb login)" in str(e.value)
         assert ("--attn-implementation flash_attention_2 must be sdpa or eager: flash_attention_2 needs flash-attn "
                 "(pip install flash-attn)") in str(e.value)
+
+
+def test_a_checkpoint_folder_passed_for_a_model_names_its_model_folder(tiny_model_dir, tmp_path):
+    """runs/<run>/checkpoints/step_N given where its model/ belongs: the line names model/; a missing folder under
+    another flag than --model gets no hint to build a tiny causal LM."""
+    from preflight import InputError, check_model
+
+    step = tmp_path / "step_000002"
+    shutil.copytree(tiny_model_dir, step / "model")
+    with pytest.raises(InputError, match=f"--reward-model '{step}' is a checkpoint: pass its model folder, {step / 'model'}"):
+        check_model(str(step), "--reward-model")
+    with pytest.raises(InputError) as e:
+        check_model(str(tmp_path / "nothere"), "--reward-model")
+    assert "tiny_model.py" not in str(e.value) and "does not exist" in str(e.value)
