@@ -281,11 +281,13 @@ class Pair:
     group: str = ""           # the row's "group", if any (e.g. "number": the sides differ only in the number): metrics per group
 
 
-def load_pairs(path: str) -> tuple[list[Pair], dict[str, int]]:
-    """The pairs of a .jsonl or .parquet file, and how many rows were skipped: {"empty": a side is empty, "identical":
-    the two sides are the same}. A row without the fields stops with an error naming the file and the line."""
+def load_pairs(path: str, flag: str = "--dataset") -> tuple[list[Pair], dict[str, int]]:
+    """The pairs of a .jsonl or .parquet file (given as `flag`), and how many rows were skipped: {"empty": a side is
+    empty, "identical": the two sides are the same}. A row without the fields stops with an error naming the file and
+    the line."""
     if not os.path.isfile(path):
-        raise InputError(f"pairs file {path!r}: no such file ({os.path.abspath(path)})")
+        what = "is a folder: pass a .jsonl or .parquet file" if os.path.isdir(path) else f"no such file ({os.path.abspath(path)})"
+        raise InputError(f"{flag} {path!r}: {what}")
     rows, pairs, skipped = read_rows(path), [], {"empty": 0, "identical": 0}
     if not rows:
         raise InputError(f"{path} has no rows; each line needs {{\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}}")
@@ -304,7 +306,7 @@ def load_pairs(path: str) -> tuple[list[Pair], dict[str, int]]:
             pairs.append(Pair(prompt, chosen, rejected, group))
     if not pairs:
         raise InputError(f"{path}: all {len(rows)} pairs were skipped ({skipped['empty']} with an empty side, "
-                         f"{skipped['identical']} with identical sides): nothing to train on")
+                         f"{skipped['identical']} with identical sides): nothing to {'train on' if flag == '--dataset' else 'evaluate'}")
     return pairs, skipped
 
 

@@ -179,8 +179,10 @@ def main(args: Args):
     # ---- data: before the model loads, so a bad file fails fast ------------------------------------
     pairs, skipped = load_pairs(args.dataset)
     if args.eval_dataset:
-        held, skipped_eval = load_pairs(args.eval_dataset)
+        held, skipped_eval = load_pairs(args.eval_dataset, "--eval-dataset")
+        seen = {(str(p.prompt), p.chosen, p.rejected) for p in pairs}  # a pair also trained on measures no generalization
         held, note = held[:args.num_eval_pairs], f"eval pairs from {args.eval_dataset}"
+        note += f", {sum((str(p.prompt), p.chosen, p.rejected) in seen for p in held)} of them also in --dataset"
         skipped = {k: v + skipped_eval[k] for k, v in skipped.items()}
     else:
         pairs, held, note = split_pairs(pairs, seed=args.seed, num_eval=args.num_eval_pairs, where=args.dataset)

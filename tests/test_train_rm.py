@@ -94,6 +94,13 @@ def test_pairs_bad_rows_counted_bad_files_named_split_by_prompt(tmp_path):
         (tmp_path / "bad.jsonl").write_text(text)
         with pytest.raises(InputError, match=message):
             load_pairs(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(InputError, match=f"--dataset '{tmp_path}': is a folder: pass a .jsonl or .parquet file"):
+        load_pairs(str(tmp_path))
+    with pytest.raises(InputError, match="--eval-dataset 'nope.jsonl': no such file"):
+        load_pairs("nope.jsonl", "--eval-dataset")
+    (tmp_path / "same.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "b"}\n')
+    with pytest.raises(InputError, match="all 1 pairs were skipped .*: nothing to evaluate"):
+        load_pairs(str(tmp_path / "same.jsonl"), "--eval-dataset")
     (tmp_path / "null.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "group": null}\n' * 2)
     assert load_pairs(str(tmp_path / "null.jsonl"))[0][0].group == ""  # null: no group
     (tmp_path / "latin.jsonl").write_bytes('{"prompt": "caf\u00e9", "chosen": "a", "rejected": "b"}\n'.encode("latin-1"))
