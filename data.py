@@ -295,7 +295,7 @@ def load_pairs(path: str, flag: str = "--dataset") -> tuple[list[Pair], dict[str
         prompt, chosen, rejected, group = (row.get(k) for k in ("prompt", "chosen", "rejected", "group"))
         group = "" if group is None else group  # absent or null: no group; 0, false, [] are not text
         if not (isinstance(prompt, str) or is_chat(prompt)) or not all(isinstance(x, str) for x in (chosen, rejected, group)):
-            raise InputError(f"{path}, line {line_no}: needs a 'prompt' (text, or chat messages one of which has role 'user'), "
+            raise InputError(f"{path}, line {line_no}: needs a 'prompt' (text, or chat messages of text contents, one with role 'user'), "
                              f"'chosen' and 'rejected' texts and optionally a 'group' text; found "
                              f"{({k: type(v).__name__ for k, v in row.items()})}")
         if not chosen.strip() or not rejected.strip():

@@ -373,7 +373,7 @@ def actor_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, entropy_
     stats = {"clip_frac": (clipped.float() * m).sum(), "entropy": (entropy.detach() * m).sum(),
              "approx_kl": (kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum()}
     if tis_cap > 0:
-        weight = torch.exp(mb.old_logprobs - mb.rollout_logprobs)                                 # [b, t]
+        weight = torch.exp(mb.old_logprobs - mb.rollout_logprobs).nan_to_num(nan=0.0)  # [b, t]; a NaN log-prob weighs 0
         token_loss = token_loss * weight.clamp(max=tis_cap)  # both log-probs are constants: no gradient through it
         stats.update(tis_weight=(weight.clamp(max=tis_cap) * m).sum(), tis_capped=((weight > tis_cap).float() * m).sum())
     loss = ((token_loss - entropy_coef * entropy) * m).sum() / num_tokens

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ppo import Args, adaptive_kl_coef, check_args, clipped_value_loss, gae, masked_whiten, token_rewards
+from ppo import Args, actor_loss, adaptive_kl_coef, check_args, clipped_value_loss, gae, masked_whiten, token_rewards
 from preflight import InputError
 
 
@@ -113,3 +113,18 @@ def test_check_args(monkeypatch):
         check_args(Args(gamma=1.5), world_size=1)
     with pytest.raises(InputError, match="--prompts-per-step 32 must be >= 1 and divide by the 3 ranks"):
         check_args(Args(), world_size=3)
+
+
+def test_actor_loss_tis_weights_by_hand():
+    """tis_cap 2, old = new log-probs (ratio 1: PPO-clip's term is -A), sampler ratios p_old / p_sampler = [3, 0.5, NaN]:
+    weights [2 (capped), 0.5, 0 (a NaN sampler log-prob)], A = 1, no entropy: loss = -(2 + 0.5 + 0) / 3 tokens."""
+    from types import SimpleNamespace
+
+    old = torch.log(torch.tensor([[0.3, 0.2, 0.5]]))
+    sampler = torch.log(torch.tensor([[0.1, 0.4, 0.5]]))
+    sampler[0, 2] = math.nan
+    mb = SimpleNamespace(loss_mask=torch.ones(1, 3), old_logprobs=old, rollout_logprobs=sampler, advantages=torch.ones(1, 3))
+    loss, stats = actor_loss(old.clone(), torch.zeros(1, 3), mb, clip_low=0.2, clip_high=0.2, entropy_coef=0.0,
+                             num_tokens=3.0, tis_cap=2.0)
+    assert loss.item() == pytest.approx(-2.5 / 3) and stats["tis_capped"].item() == 1.0
+    assert stats["tis_weight"].item() == pytest.approx(2.5)
