@@ -351,10 +351,14 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
 
 
 def clipped_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: float):
-    """PPO-clip per token: max(-A r, -A clip(r, 1-clip_low, 1+clip_high)). Returns (loss, clipped), [B, T]."""
-    ratio = torch.exp(logp - old_logp)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    """PPO-clip per token: max(-A r, -A clip(r, 1-clip_low, 1+clip_high)), r = exp(logp - old_logp). Returns (loss,
+    clipped), [B, T]."""
+    return ppo_clip(torch.exp(logp - old_logp), advantages, clip_low, clip_high)
+
+
+def ppo_clip(ratio, advantages, clip_low: float, clip_high: float):
+    """max(-A r, -A clip(r, 1-clip_low, 1+clip_high)) of any ratio r (a token's, GSPO's). Returns (loss, clipped), [B, T]."""
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
@@ -367,8 +371,7 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_hig
     [B, T]; whole sequences are clipped or not (s is the same number on each of its tokens, bit for bit)."""
     log_s = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
     ratio = torch.exp(log_s.detach()) * torch.exp(logp - logp.detach())  # [B, T]: s times exactly 1
-    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
+    return ppo_clip(ratio, advantages, clip_low, clip_high)
 
 
 def cispo_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: float):
