@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 
-from preflight import InputError, RunFailed, check_writable
+from preflight import InputError, RunFailed, as_flags, check_writable
 
 
 def checkpoint_dir(out_dir: str, step: int) -> str:
@@ -82,16 +82,6 @@ HOW_IT_RUNS = {"steps", "resume", "output_dir", "run_name", "model", "critic_mod
                "reward_workers", "reward_timeout_s", "tool_workers", "tool_timeout_s", "python_sandbox", "rollout_engine",
                "rollout_tp", "rollout_mode", "rollout_url", "rollout_gpus", "rollout_timeout", "rollout_sync_backend",
                "rollout_sync_address", "sync_bucket_mb"}
-
-
-def as_flags(args: dict, names: list[str]) -> str:
-    """'--policy-loss cispo --correction-bounds 0.5 2.0 --no-scale-rewards': flags as a command line gives them."""
-    def one(k, v):
-        flag = k.replace("_", "-")
-        if isinstance(v, bool):
-            return f"--{'' if v else 'no-'}{flag}"
-        return f"--{flag} {' '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
-    return " ".join(one(k, args[k]) for k in names)
 
 
 def checkpoint_to_resume(run_dir: str, resume: bool, args=None) -> str | None:

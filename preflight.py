@@ -156,6 +156,16 @@ def given_flags(argv: list[str]) -> set[str]:
     return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
 
 
+def as_flags(args: dict, names: list[str]) -> str:
+    """'--policy-loss cispo --correction-bounds 0.5 2.0 --no-scale-rewards': flags as a command line gives them."""
+    def one(k, v):
+        flag = k.replace("_", "-")
+        if isinstance(v, bool):
+            return f"--{'' if v else 'no-'}{flag}"
+        return f"--{flag} {' '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+    return " ".join(one(k, args[k]) for k in names)
+
+
 def size_for_cpu(args, sizes: dict, script: str):
     """On a machine without a GPU, the GPU-sized defaults would take hours a step: use `sizes`
     for every field not given on the command line, and say so in one line."""
@@ -166,7 +176,7 @@ def size_for_cpu(args, sizes: dict, script: str):
     if torch.cuda.is_available():
         return args
     changed = {k: v for k, v in sizes.items() if k not in given_flags(sys.argv[1:])}
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in changed.items())
+    flags = as_flags(changed, list(changed))
     if os.environ.get("RANK", "0") == "0":
         where = ("generating with plain transformers (--rollout-engine hf) on the CPU"  # colocated rollout (grpo, ppo)
                  if getattr(args, "rollout_mode", None) == "colocate" else "training on the CPU")
