@@ -544,6 +544,21 @@ def variant_defaults(args: Args) -> Args:
     return replace(args, rollout_correction=correction, **{k: v for k, v in defaults.items() if k not in given})
 
 
+def variant_line(args: Args) -> str:
+    """The variant in force after variant_defaults, for the console. With one update a batch the old log-probs come
+    from the weights the loss sees: every ratio is 1, nothing clips, and ppo-clip, gspo and cispo take one step."""
+    correction = args.rollout_correction
+    if correction == "tis":
+        correction += f" (cap {args.tis_cap:g})"
+    elif correction != "none":  # mis, icepop, seq-mask
+        correction += " (bounds {:g} {:g})".format(*args.correction_bounds)
+    line = (f"algorithm: advantage {args.advantage} | policy loss {args.policy_loss} (clip {args.clip_low:g} / "
+            f"{args.clip_high:g}, {args.loss_agg}) | rollout correction {correction}")
+    if args.epochs * args.num_minibatches == 1:
+        line += " | one update a batch: every ratio 1, nothing clips (--num-minibatches N: the policy losses differ)"
+    return line
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -597,7 +612,7 @@ def main(args: Args):
         max_prompt_len=args.max_prompt_len, template=template, system_prompt=args.system_prompt, prompt_field=args.prompt_field,
         answer_field=args.answer_field, kind=args.answer_kind, context=context, tools=tool_specs)
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
-    print0(f"data: {data_line} | {world_size} ranks, engine {engine_kind}")
+    print0(f"data: {data_line} | {world_size} ranks, engine {engine_kind}\n{variant_line(args)}")
     random.seed(seed_for(args.seed, "rank", rank))
     np.random.seed(seed_for(args.seed, "rank", rank))
     torch.manual_seed(args.seed)  # same init on every rank

@@ -8,7 +8,8 @@ from torch.testing import assert_close
 
 from fsdp import lr_lambda
 from grpo import (Args, advantages, aggregate, check_args, cispo_policy_loss, clipped_policy_loss, group_advantages, grpo_loss,
-                  gspo_policy_loss, kl_penalty, reinforce_pp_advantages, rloo_advantages, rollout_correction, variant_defaults)
+                  gspo_policy_loss, kl_penalty, reinforce_pp_advantages, rloo_advantages, rollout_correction, variant_defaults,
+                  variant_line)
 from preflight import InputError
 
 # ----------------------------------------------------------------------------------------------
@@ -666,6 +667,19 @@ def test_variant_defaults_follow_the_papers_unless_given(monkeypatch):
     monkeypatch.setattr("sys.argv", ["grpo.py"])
     a = variant_defaults(Args())
     assert (a.clip_low, a.clip_high, a.rollout_correction, a.correction_bounds) == (0.2, 0.2, "none", None)
+
+
+def test_variant_line_names_the_settings_in_force(monkeypatch):
+    """The start-up line: each axis with the range it uses; one update a batch (ratio 1) said, not with 4."""
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--policy-loss", "gspo", "--rollout-correction", "icepop"])
+    line = variant_line(variant_defaults(Args(policy_loss="gspo", rollout_correction="icepop")))
+    assert line.startswith("algorithm: advantage grpo | policy loss gspo (clip 0.0003 / 0.0004, token-mean) | "
+                           "rollout correction icepop (bounds 0.5 5) | one update a batch: every ratio 1, nothing clips")
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--rollout-correction", "tis", "--num-minibatches", "4"])
+    line = variant_line(variant_defaults(Args(rollout_correction="tis", num_minibatches=4)))
+    assert line == "algorithm: advantage grpo | policy loss ppo-clip (clip 0.2 / 0.2, token-mean) | rollout correction tis (cap 2)"
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--advantage", "rloo", "--epochs", "2"])
+    assert variant_line(variant_defaults(Args(advantage="rloo", epochs=2))).endswith("rollout correction none")
 
 
 def test_async_rollout_still_corrects_with_tis_by_default(monkeypatch):
