@@ -48,8 +48,9 @@ class Args:
     """where to draw that comparison"""
     gpu: str | None = None
     """server: the GPU, for runs whose run_info.json did not come back (only metrics.jsonl)"""
-    task: Literal["addition", "tools"] = "addition"
-    """variants: run_variants.sh's addition runs, or its multiplication runs with the calculator"""
+    task: Literal["addition", "tools", "addition-mb4"] = "addition"
+    """variants: run_variants.sh's addition runs, its multiplication runs with the calculator, or the policy-loss
+    trio on addition with 4 updates a batch (the ratios move off 1: the clip ranges act)"""
     summary: str | None = None
     """variants: bench/results/summary.json, whose key `variants` gets this task's final accuracies"""
 
@@ -292,7 +293,8 @@ def rm(a: Args):
 
 VARIANT_RUNS = {"addition": ("add_grpo", "add_gspo", "add_cispo", "add_rloo", "add_reinforcepp", "add_tis", "add_mis",
                              "add_icepop", "add_seqmask"),
-                "tools": ("mul_ppoclip", "mul_gspo", "mul_cispo")}
+                "tools": ("mul_ppoclip", "mul_gspo", "mul_cispo"),
+                "addition-mb4": ("add_ppoclip_mb4", "add_gspo_mb4", "add_cispo_mb4")}
 
 
 def variants(a: Args):
@@ -322,8 +324,10 @@ def variants(a: Args):
             "gpu": info["gpu"], "date": info["date"], "command": info["command"]}
     if not runs:
         raise SystemExit(f"{a.run_dir}: none of {', '.join(VARIANT_RUNS[a.task])} has a metrics.jsonl (run bench/run_variants.sh first)")
-    first = next(iter(runs.values()))
-    out = {"gpu": first["gpu"], "date": first["date"], "task": a.task, "command": a.command, "note": a.note,
+    gpus = sorted({r["gpu"] for r in runs.values()})
+    gpu = gpus[0] if len(gpus) == 1 else "; ".join(  # runs finished on another machine: each GPU with its runs
+        f"{g} ({', '.join(name for name, r in runs.items() if r['gpu'] == g)})" for g in gpus)
+    out = {"gpu": gpu, "date": max(r["date"] for r in runs.values()), "task": a.task, "command": a.command, "note": a.note,
            "variants": {name: r["final_strict_acc"] for name, r in runs.items() if r["steps"] == r["of_steps"]},
            "unfinished": {name: f"{r['steps']} of {r['of_steps']} steps" for name, r in runs.items() if r["steps"] < r["of_steps"]},
            "columns": {"eval_curve": ["updates", "strict acc (greedy, held out)", "flexible acc (greedy, held out)"]},

@@ -4,6 +4,9 @@
 #   addition (9 runs)        add_grpo (today's default), add_gspo, add_cispo, add_rloo, add_reinforcepp,
 #                            add_tis, add_mis, add_icepop, add_seqmask (GRPO with each --rollout-correction)
 #   multiplication + --tools calculator (3 runs)   mul_ppoclip, mul_gspo, mul_cispo (the multi-turn masks under each loss)
+#   addition, 4 updates a batch (3 runs)   add_ppoclip_mb4, add_gspo_mb4, add_cispo_mb4 (--num-minibatches 4: with one
+#                            update a batch every ratio is 1 when the loss is computed, nothing clips and the three
+#                            losses take the same step; here the ratios move and each loss's clip range acts)
 # PARALLEL runs at once (default 3: six at once ran out of the H100's 80 GB, results/README.md), each with its own SGLang engine at --sglang-mem-fraction MEM (default 0.1: SGLang
 # sizes its KV cache from the memory free when it starts, so a small share fits beside the others; at 0.07 an engine refused
 # to start when another process allocated between its two memory readings), launched 30 s apart.
@@ -17,7 +20,8 @@
 #     --png bench/results/variants_addition.png --summary bench/results/summary.json      # and --task tools
 # Knobs (environment): PARALLEL, OMP_NUM_THREADS (cores / (PARALLEL + 1)), MEM, PROMPTS (32), GROUP (8), MB (micro-batch size, 16: the same update at any size), LR (1e-5), SEED (0).
 STEPS=${1:-60}; OUTDIR=${2:-runs/variants}
-RUNS=${3:-"add_grpo add_gspo add_cispo add_rloo add_reinforcepp add_tis add_mis add_icepop add_seqmask mul_ppoclip mul_gspo mul_cispo"}
+RUNS=${3:-"add_grpo add_gspo add_cispo add_rloo add_reinforcepp add_tis add_mis add_icepop add_seqmask mul_ppoclip mul_gspo mul_cispo
+            add_ppoclip_mb4 add_gspo_mb4 add_cispo_mb4"}
 PARALLEL=${PARALLEL:-3}; MEM=${MEM:-0.1}
 # torch's CPU threads: by default each process takes every core, and PARALLEL trainers beside their SGLang schedulers
 # oversubscribe the CPU (four runs on 16 cores: 28-31 s a step; capped at 3 threads each: 7-13 s, results/README.md)
@@ -38,6 +42,8 @@ flags() {  # the run's own flags: one axis changed from the default, or the task
     add_mis) echo --rollout-correction mis ;;
     add_icepop) echo --rollout-correction icepop ;;
     add_seqmask) echo --rollout-correction seq-mask ;;
+    add_*_mb4) loss=${1#add_}; loss=${loss%_mb4}; [ "$loss" = ppoclip ] && loss=ppo-clip
+               echo --num-minibatches 4 --policy-loss "$loss" ;;
     mul_*) loss=${1#mul_}; [ "$loss" = ppoclip ] && loss=ppo-clip
            echo --dataset multiplication --tools calculator --max-turns 3 --max-prompt-len 1024 --policy-loss "$loss" ;;
     *) echo "unknown run $1" >&2; return 1 ;;

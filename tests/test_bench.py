@@ -112,7 +112,7 @@ def test_arith_report_draws_its_curves_with_plot_py(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
-def fake_variant_run(folder, policy_loss, evals, step_s, mismatch_kl, corrected, of_steps=3):
+def fake_variant_run(folder, policy_loss, evals, step_s, mismatch_kl, corrected, of_steps=3, gpu="H"):
     """A run_variants.sh run folder: three steps of `of_steps`, evaluations at `evals` (step -> strict acc; flexible
     acc 0.1 more)."""
     os.makedirs(folder)
@@ -124,7 +124,7 @@ def fake_variant_run(folder, policy_loss, evals, step_s, mismatch_kl, corrected,
                                 "train/clip_frac": 0.1, "rollout/reward_mean": 0.5}) + "\n")
         for step, acc in evals.items():
             f.write(json.dumps({"step": step, "eval/strict_acc": acc, "eval/flexible_acc": acc + 0.1}) + "\n")
-    json.dump({"world_size": 1, "gpu": "H", "date": "d", "command": "c", "torch": "t"},
+    json.dump({"world_size": 1, "gpu": gpu, "date": "d", "command": "c", "torch": "t"},
               open(os.path.join(folder, "run_info.json"), "w"))
     json.dump({"policy_loss": policy_loss, "advantage": "grpo", "rollout_correction": "none", "clip_low": 0.2,
                "clip_high": 0.2, "steps": of_steps}, open(os.path.join(folder, "args.json"), "w"))
@@ -132,7 +132,8 @@ def fake_variant_run(folder, policy_loss, evals, step_s, mismatch_kl, corrected,
 
 def test_variants_report_one_row_per_run_and_the_summary_key(tmp_path):
     fake_variant_run(tmp_path / "runs" / "add_grpo", "ppo-clip", {0: 0.0, 3: 0.5}, 4.0, 0.001, 0.0)
-    fake_variant_run(tmp_path / "runs" / "add_cispo", "cispo", {0: 0.0, 2: 0.25}, 5.0, 0.002, 0.125, of_steps=4)  # stopped early
+    fake_variant_run(tmp_path / "runs" / "add_cispo", "cispo", {0: 0.0, 2: 0.25}, 5.0, 0.002, 0.125, of_steps=4,
+                     gpu="H2")  # stopped early, on another machine
     summary = tmp_path / "summary.json"
     summary.write_text(json.dumps({"other": {"value": 1}}))
     out, png = tmp_path / "variants.json", tmp_path / "variants.png"
@@ -141,6 +142,7 @@ def test_variants_report_one_row_per_run_and_the_summary_key(tmp_path):
     r = json.loads(out.read_text())
     assert r["variants"] == {"add_grpo": 0.5} and list(r["runs"]) == ["add_grpo", "add_cispo"]  # finished runs only
     assert r["unfinished"] == {"add_cispo": "3 of 4 steps"} and r["runs"]["add_grpo"]["final_flexible_acc"] == 0.6
+    assert r["gpu"] == "H (add_grpo); H2 (add_cispo)"  # each GPU with its runs
     cispo = r["runs"]["add_cispo"]
     assert (cispo["policy_loss"], cispo["final_eval_after"], cispo["seconds_per_step"]) == ("cispo", 2, 5.0)  # step 1 left out
     assert abs(cispo["mismatch_kl_mean"] - 0.004) < 1e-12 and cispo["mismatch_ratio_max"] == 4.0
