@@ -223,9 +223,9 @@ def looks_like_path(name: str) -> bool:
             or name.endswith((".json", ".jsonl", ".parquet", ".safetensors", ".bin")))
 
 
-def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True):
-    """Before anything starts: the model is a folder with config.json, weights and (with_tokenizer) a
-    tokenizer, or a hub id that is cached or reachable. Returns (tokenizer or None, context length or None)."""
+def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, raw_text: bool = True):
+    """Before anything starts: the model is a folder with config.json, weights and (with_tokenizer) a tokenizer, or a
+    hub id that is cached or reachable. Returns (tokenizer or None, context length or None); raw_text: said (no template)."""
     from transformers import AutoConfig, AutoTokenizer  # lazy: `import preflight` stays light
     from transformers.utils import logging
 
@@ -264,7 +264,7 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True):
         raise InputError(f"{flag} {name!r}: transformers could not load its config or tokenizer: {first}") from e
     context = getattr(config, "max_position_embeddings", None)
     if with_tokenizer and os.environ.get("RANK", "0") == "0":
-        template = "chat template" if tokenizer.chat_template else "no chat template: prompts go in as raw text"
+        template = "chat template" if tokenizer.chat_template else "no chat template" + ": prompts go in as raw text" * raw_text
         print(f"model {name}: {(config.architectures or ['?'])[0]}, context {context}, {template}", flush=True)
     return tokenizer, context
 

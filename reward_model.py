@@ -47,7 +47,7 @@ def check_reward_model(name: str | None, template: str | None = None, max_len: i
     if name is None:
         return None, None, None
     flag, roles = "--reward-model", ("system",) * system + ("user", "assistant") + ("tool", "assistant") * tools
-    tokenizer, context = check_model(name, flag)
+    tokenizer, context = check_model(name, flag, raw_text=False)
     config = AutoConfig.from_pretrained(name)
     heads = [a for a in config.architectures or [] if a.endswith("ForSequenceClassification")]
     if not heads:

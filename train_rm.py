@@ -168,7 +168,7 @@ def main(args: Args):
     run_name = args.run_name or f"rm-{os.path.basename(args.model.rstrip('/'))}-{source_name(args.dataset)}-s{args.seed}"
     run_dir = os.path.join(args.output_dir, run_name)
     resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
-    tokenizer, context = check_model(args.model)
+    tokenizer, context = check_model(args.model, raw_text=False)  # the template: chat_template below
     if context is not None and args.max_len > context:
         raise InputError(f"--max-len {args.max_len} is more than {args.model!r}'s context of {context} tokens: lower it")
     own_head = has_reward_head(args.model)  # a reward model already: its head is kept (a classifier: an error)
@@ -196,6 +196,7 @@ def main(args: Args):
                              f"raise --max-len (the responses differ only after it)")
         return kept, cut, len(part) - len(kept)
 
+    conversations = 2 * (len(pairs) + len(held))  # before the cut: a pair's chosen and rejected
     (train, cut, same), (held, held_cut, held_same) = tokenize(pairs, args.dataset), tokenize(held, args.eval_dataset or args.dataset)
     groups = sorted({g for _, _, g in held if g})  # held-out accuracy is also reported per group
     sampler = PromptSampler(len(train), args.seed)  # a seeded shuffle of the pairs, epoch after epoch, resumable
@@ -203,7 +204,7 @@ def main(args: Args):
     note += "".join(f", {g} {sum(x == g for _, _, x in held)}" for g in shown) + f", +{len(groups) - 8} groups" * (len(groups) > 8)
     print0(f"data: {len(train)} train pairs, {len(held)} eval pairs ({note}) | skipped {skipped['empty']} with an "
            f"empty side, {skipped['identical']} with identical sides | cut to --max-len {args.max_len}: "
-           f"{cut + held_cut} of {2 * (len(pairs) + len(held) + held_same)} conversations, {same + held_same} pairs "
+           f"{cut + held_cut} of {conversations} conversations, {same + held_same} pairs "
            f"the same after it, skipped | {world_size} ranks")
     random.seed(args.seed)
     np.random.seed(args.seed)

@@ -194,17 +194,21 @@ def test_a_bad_pairs_file_stops_in_one_line_writing_nothing(trained_tiny_model_d
 
 
 def test_what_the_model_or_its_template_cannot_read_stops_in_one_line(trained_tiny_model_dir, tmp_path):
-    """Before the model loads: a classifier of 2 labels as --model; a pair the chat template refuses (named by its
-    number); pairs the cut to --max-len leaves the same on both sides (every one: nothing to learn)."""
+    """Before the model loads: a classifier of 2 labels as --model; one without a chat template (never said to read
+    raw text first); a pair the chat template refuses (named by its number); pairs the cut to --max-len leaves the same
+    on both sides (every one: nothing to learn)."""
     from test_reward_model import build_reward_model
 
     data = write_pairs(tmp_path / "pairs.jsonl", prompts=10, bad=False)
     two = build_reward_model(trained_tiny_model_dir, str(tmp_path / "two"), num_labels=2)
+    bare = build_reward_model(trained_tiny_model_dir, str(tmp_path / "bare"), chat_template=False)
     refuses = "{% for m in messages %}{% if m['content'] == 'Hi' %}{{ raise_exception('no Hi') }}{% endif %}" \
               "{{ m['content'] }}{% endfor %}"
     (tmp_path / "hi.jsonl").write_text(open(data).read() + json.dumps({"prompt": "Hi", "chosen": "a", "rejected": "b"}) + "\n")
     for model, extra, message in [
         (two, ["--dataset", data], f"--model '{two}' is a classifier of 2 labels: a reward model has one"),
+        (bare, ["--dataset", data], f"--model '{bare}': its tokenizer has no chat template to read a conversation "
+                                    f"with: pass --chat-template FILE.jinja"),
         (trained_tiny_model_dir, ["--dataset", tmp_path / "hi.jsonl", "--chat-template", refuses],
          f"{tmp_path / 'hi.jsonl'}: a pair (roles user, assistant; it begins 'Hi'): the reward model's chat template "
          f"failed: TemplateError: no Hi"),
@@ -214,4 +218,4 @@ def test_what_the_model_or_its_template_cannot_read_stops_in_one_line(trained_ti
         proc = run_rm(model, tmp_path, *extra, expect_ok=False)
         last = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(last) == 1 and message in last[0], proc.stderr[-3000:]
-        assert not os.path.exists(tmp_path / "r")
+        assert not os.path.exists(tmp_path / "r") and "raw text" not in proc.stdout
