@@ -248,13 +248,21 @@ def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp
         assert os.listdir(tmp_path / "r" / "checkpoints") == [f"step_{done:06d}"]
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
-def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(trained_tiny_model_dir, tmp_path, script):
-    """Preemption: SIGTERM mid-run saves the finished steps, exit code 143; --resume's next step has
-    the numbers of a run that never stopped."""
+OTHER_FLAGS = {  # resumed with other algorithm flags: the refusal names them as saved and as given
+    "grpo.py": (["--beta", "0.02", "--policy-loss", "cispo"], "was trained with --policy-loss ppo-clip --clip-low 0.2 "
+                "--clip-high 0.2 --beta 0.01, this command gives --policy-loss cispo --clip-low 1.0 --clip-high 4.0 --beta 0.02"),
+    "ppo.py": (["--kl-coef", "0.1", "--adaptive-kl"], "was trained with --kl-coef 0.05, this command gives --kl-coef 0.1")}
+
+
+@pytest.mark.parametrize("script, algo", [("grpo.py", ["--beta", "0.01"]), ("ppo.py", ["--kl-coef", "0.05", "--adaptive-kl"])])
+def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(trained_tiny_model_dir, tmp_path, script, algo):
+    """Preemption: SIGTERM mid-run saves the finished steps, exit code 143. --resume with other algorithm flags is
+    refused in one line before anything loads; with the run's own, its next step has the numbers of a run that never
+    stopped (weights, optimizer, RNG, the data position, grpo's reference model, ppo's adaptive KL coefficient),
+    and no row is written twice."""
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
     args = ["--eval-every", "0", "--save-every", "100", "--log-samples-every", "0"]
-    proc = start(trained_tiny_model_dir, stopped, "--steps", "8", *args, script=script)
+    proc = start(trained_tiny_model_dir, stopped, "--steps", "8", *args, *algo, script=script)
     wait_for(stopped, "step 3 |", proc)
     seconds = stop_with(proc, signal.SIGTERM)
     lines = console_lines(stopped)
@@ -262,12 +270,24 @@ def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(trained_tiny_mode
     done = int(lines[-1].split("after step ")[1].split(";")[0])
     assert lines[-1].startswith("stopped by SIGTERM after step") and lines[-1].endswith("--resume")
     assert f"saved {stopped / 'r' / 'checkpoints' / f'step_{done:06d}'}" in "\n".join(lines)
-    run_grpo(trained_tiny_model_dir, stopped, "--steps", str(done + 1), "--resume", *args, script=script)
-    run_grpo(trained_tiny_model_dir, straight, "--steps", str(done + 1), *args, script=script)
+    other, said = OTHER_FLAGS[script]
+    saved_args = (stopped / "r" / "args.json").read_text()
+    refused = run_grpo(trained_tiny_model_dir, stopped, "--steps", str(done + 1), "--resume", *args, *other, script=script,
+                       expect_ok=False)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-3000:]
+    assert f"{said}: resume with the flags it started with" in refused.stderr
+    assert (stopped / "r" / "args.json").read_text() == saved_args
+    run_grpo(trained_tiny_model_dir, stopped, "--steps", str(done + 1), "--resume", *args, *algo, script=script)
+    run_grpo(trained_tiny_model_dir, straight, "--steps", str(done + 1), *args, *algo, script=script)
     keep = ("rollout/", "train/", "critic/")
     a = {k: v for k, v in rows(straight)[-1].items() if k.startswith(keep)}
     b = {k: v for k, v in rows(stopped)[-1].items() if k.startswith(keep)}
-    assert rows(stopped)[-1]["step"] == done + 1 and a == pytest.approx(b, rel=1e-6, abs=1e-9)
+    assert [r["step"] for r in rows(stopped)] == list(range(1, done + 2)) and a == pytest.approx(b, rel=1e-6, abs=1e-9)
+
+    def final_state(d):
+        return torch.load(d / "r" / "checkpoints" / f"step_{done + 1:06d}" / "trainer.pt", weights_only=False)
+
+    assert final_state(straight)["sampler"] == final_state(stopped)["sampler"]
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])

@@ -95,11 +95,13 @@ def test_readme_cpu_line_relative_folder(tiny_model_dir, tmp_path):
     (["model.safetensors"], "has no weights"),
 ])
 def test_model_folder_missing_files(tiny_model_dir, tmp_path, remove, missing):
+    """grpo.py, and evaluate.py for the first (the same check_model: once is enough)."""
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)
     for name in remove:
         (folder / name).unlink()
-    for script, out_flag in (("grpo.py", ["--output-dir", tmp_path / "runs"]), ("evaluate.py", ["--out", tmp_path / "e.json"])):
+    scripts = (("grpo.py", ["--output-dir", tmp_path / "runs"]), ("evaluate.py", ["--out", tmp_path / "e.json"]))
+    for script, out_flag in scripts[:1 + ("tokenizer_config.json" in remove)]:
         code, out, _ = run(script, "--model", folder, *out_flag, tmp=tmp_path)
         assert_clean_failure(code, out, f"--model '{folder}' {missing}")
     assert not (tmp_path / "runs").exists() and not (tmp_path / "e.json").exists()

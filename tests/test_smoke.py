@@ -171,35 +171,6 @@ def test_two_nodes_without_a_shared_folder_stop_clearly(trained_tiny_model_dir, 
     assert not (tmp_path / "r" / "checkpoints" / "step_000001").exists()
 
 
-def test_resume_continues_exactly(trained_tiny_model_dir, tmp_path):
-    """Save at step 2, resume to step 3: same data position and the same step-3 numbers as a run
-    that never stopped (weights, optimizer state, RNG and sampler all restored)."""
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    args = ["--eval-every", "0", "--save-every", "2", "--beta", "0.01"]
-    run_grpo(trained_tiny_model_dir, straight, "--steps", "3", *args)
-    run_grpo(trained_tiny_model_dir, stopped, "--steps", "2", *args)
-    # resumed with other algorithm flags: refused before anything loads, naming them as saved and as given
-    other = run_grpo(trained_tiny_model_dir, stopped, "--steps", "3", "--resume", *args[:4], "--beta", "0.02",
-                     "--policy-loss", "cispo", expect_ok=False)
-    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1, other.stderr[-3000:]
-    assert ("was trained with --policy-loss ppo-clip --clip-low 0.2 --clip-high 0.2 --beta 0.01, this command gives "
-            "--policy-loss cispo --clip-low 1.0 --clip-high 4.0 --beta 0.02: resume with the flags it started with") in other.stderr
-    assert json.load(open(stopped / "r" / "args.json"))["beta"] == 0.01
-    proc = run_grpo(trained_tiny_model_dir, stopped, "--steps", "3", "--resume", *args)
-    assert "resumed from" in proc.stdout and "step 2, data epoch 0 index 8" in proc.stdout
-
-    def final_state(d):
-        return torch.load(d / "r" / "checkpoints" / "step_000003" / "trainer.pt", weights_only=False)
-
-    assert final_state(straight)["sampler"] == final_state(stopped)["sampler"]
-    assert final_state(straight)["step"] == final_state(stopped)["step"] == 3
-    keep = ("rollout/", "train/")
-    a = {k: v for k, v in metrics(straight)[0][2].items() if k.startswith(keep)}
-    b = {k: v for k, v in metrics(stopped)[0][2].items() if k.startswith(keep)}
-    assert a == pytest.approx(b, rel=1e-6, abs=1e-9)
-    assert len(metrics(stopped)[0]) == 3  # no duplicated rows for the redone step
-
-
 def test_existing_run_is_not_overwritten(trained_tiny_model_dir, tmp_path):
     run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", "--eval-every", "0")
     before = sorted(os.listdir(tmp_path / "r" / "checkpoints"))
@@ -258,19 +229,6 @@ def test_ppo_torchrun_two_ranks(trained_tiny_model_dir, tmp_path):
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(r["rollout/logprob_abs_diff"] < 0.05 for r in train)
     assert any(r["train/kl_per_response"] != 0 for r in train[1:])
-
-
-def test_ppo_resume_continues_exactly(trained_tiny_model_dir, tmp_path):
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    args = ["--eval-every", "0", "--save-every", "2", "--kl-coef", "0.05", "--adaptive-kl"]
-    run_grpo(trained_tiny_model_dir, straight, "--steps", "3", *args, script="ppo.py")
-    run_grpo(trained_tiny_model_dir, stopped, "--steps", "2", *args, script="ppo.py")
-    proc = run_grpo(trained_tiny_model_dir, stopped, "--steps", "3", "--resume", *args, script="ppo.py")
-    assert "resumed from" in proc.stdout
-    keep = ("rollout/", "train/", "critic/")
-    a = {k: v for k, v in metrics(straight)[0][2].items() if k.startswith(keep)}
-    b = {k: v for k, v in metrics(stopped)[0][2].items() if k.startswith(keep)}
-    assert a == pytest.approx(b, rel=1e-6, abs=1e-9)
 
 
 def test_evaluate_script_on_a_checkpoint(trained_tiny_model_dir, tmp_path):
@@ -332,11 +290,11 @@ def test_fsdp_sums_gradients_over_ranks(tiny_model_dir):
 def test_two_cpu_ranks_leave_no_fsdp_module_for_the_interpreter_teardown(tiny_model_dir):
     """gloo: FSDP2 modules still alive at interpreter exit hold the process group's work, and freeing them
     there aborted 1 in 10 to 1 in 3 two-rank runs (exit -6; once in CI at the end of test_grpo_two_nodes).
-    friendly_errors collects main's cycles when main returns: none is left, and each run exits 0."""
-    for _ in range(3):
-        proc = torchrun_check("tests/gloo_exit_check.py", tiny_model_dir)
-        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-        assert proc.stdout.count("FSDP2 modules left at exit: 0") == 2, proc.stdout
+    friendly_errors collects main's cycles when main returns: none is left (counted, so one run shows it; the abort
+    itself came by chance), and the run exits 0."""
+    proc = torchrun_check("tests/gloo_exit_check.py", tiny_model_dir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count("FSDP2 modules left at exit: 0") == 2, proc.stdout
 
 
 def test_own_task_and_math_mixed_with_a_reward_file(trained_tiny_model_dir, tmp_path):

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from data import Sample, collate
+from data import collate
 from rollout import Sampling, ToolUse, generate, mismatch_stats, tool_reply_ids
 from tools import TOOLS, calculator, call_tool, parse_tool_calls, tool_call_stop_ids, tools_prompt
 
@@ -271,24 +271,30 @@ def step_rows(out_dir, key="tools/turns_mean"):
     return [r for r in map(json.loads, open(os.path.join(out_dir, "r", "metrics.jsonl"))) if key in r]
 
 
-@pytest.mark.parametrize("script, nproc", [("grpo.py", 1), ("grpo.py", 2), ("ppo.py", 1)])
-def test_a_run_with_tools_trains_on_the_models_tokens(tool_model_dir, tmp_path, script, nproc):
-    """Every sample calls the calculator, gets its reply and goes on; the trainer's log-probs of the
-    model's tokens match the sampler's (the masks line up with the engine's per-turn log-probs)."""
-    proc = tool_run(tool_model_dir, tmp_path, "--steps", "2", "--eval-every", "2", script=script, nproc=nproc)
-    rows = step_rows(tmp_path)
+def assert_trained_on_the_models_tokens(proc, out_dir):
+    """Steps 1 and 2 of a tool run: every sample called the calculator, got its reply and went on; the trainer's
+    log-probs of the model's tokens match the sampler's (the masks line up with the engine's per-turn log-probs)."""
+    rows = step_rows(out_dir)
     assert [r["step"] for r in rows] == [1, 2], proc.stdout[-2000:]
     for r in rows:
         assert r["tools/calls_per_sample"] == 1.0 and r["tools/used_frac"] == 1.0 and r["tools/errors"] == 0
         assert r["tools/turns_mean"] >= 1.5 and r["rollout/logprob_abs_diff"] < 0.05
     assert "| turns 2" in proc.stdout or "| turns 1." in proc.stdout
     assert "dropped as longer than 256 tokens: 0 train, 0 eval; before each, the tools' prompt: " in proc.stdout
-    evals = step_rows(tmp_path, "eval/strict_acc")  # greedy evaluation after step 2, its share of tool use
+    evals = step_rows(out_dir, "eval/strict_acc")  # greedy evaluation after step 2, its share of tool use
     assert [(r["step"], r["eval/tool_used_frac"]) for r in evals] == [(2, 1.0)] and "used a tool 1.000" in proc.stdout
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("script, nproc", [("grpo.py", 2), ("ppo.py", 1)])
+def test_a_run_with_tools_trains_on_the_models_tokens(tool_model_dir, tmp_path, script, nproc):
+    proc = tool_run(tool_model_dir, tmp_path, "--steps", "2", "--eval-every", "2", script=script, nproc=nproc)
+    assert_trained_on_the_models_tokens(proc, tmp_path)
+
+
 def test_a_run_with_tools_resumes(tool_model_dir, tmp_path):
+    """grpo.py in one process (two ranks above): a step, then --resume to step 2; both steps pass the same checks."""
     tool_run(tool_model_dir, tmp_path, "--steps", "1", "--eval-every", "0")
-    proc = tool_run(tool_model_dir, tmp_path, "--steps", "2", "--eval-every", "0", "--resume")
-    assert "resumed from" in proc.stdout and [r["step"] for r in step_rows(tmp_path)] == [1, 2]
+    proc = tool_run(tool_model_dir, tmp_path, "--steps", "2", "--eval-every", "2", "--resume")
+    assert "resumed from" in proc.stdout
+    assert_trained_on_the_models_tokens(proc, tmp_path)
