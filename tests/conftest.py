@@ -43,29 +43,37 @@ def gloo():
     dist.destroy_process_group()
 
 
+def one_model(tmp_path_factory, name: str, **how) -> str:
+    """A tiny model built once per test session: under pytest-xdist (-n 2) the workers' temp folders share this
+    session's parent, and a lock makes one build it while the other waits (each built its own: 150 SFT steps, twice)."""
+    from filelock import FileLock
+    from tiny_model import build_tiny_model
+
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    with FileLock(f"{folder}.lock"):
+        if not folder.exists():  # built beside it, then renamed: a folder there is whole
+            os.rename(build_tiny_model(f"{folder}.building", **how), folder)
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A 2-layer Llama + BPE tokenizer with a chat template, untrained (sft_steps=0: a few seconds)."""
-    from tiny_model import build_tiny_model
-
-    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-model")), sft_steps=0)
+    return one_model(tmp_path_factory, "tiny-model", sft_steps=0)
 
 
 @pytest.fixture(scope="session")
 def trained_tiny_model_dir(tmp_path_factory) -> str:
     """The tiny model after a few seconds of SFT on addition answers: it answers in the '#### N'
     format with mostly wrong numbers, so GRPO rewards vary within groups and gradients are real."""
-    from tiny_model import build_tiny_model
-
-    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-model-sft")), sft_steps=150)
+    return one_model(tmp_path_factory, "tiny-model-sft", sft_steps=150)
 
 
 @pytest.fixture(scope="session")
 def tool_model_dir(tmp_path_factory) -> str:
     """The SFT'd tiny model with a 2048-token context: the tools' system prompt alone is ~600 of its tokens."""
-    from tiny_model import build_tiny_model
-
-    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-model-tools")), sft_steps=150, context=2048)
+    return one_model(tmp_path_factory, "tiny-model-tools", sft_steps=150, context=2048)
 
 
 def install_fake_sglang(monkeypatch, engine_class):

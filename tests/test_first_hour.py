@@ -216,18 +216,27 @@ def test_uncached_bytecode_is_named_with_its_cost(monkeypatch, capsys, tmp_path,
 # Flags: checked before anything is loaded or written, in grpo.py, ppo.py and evaluate.py alike
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
-@pytest.mark.parametrize("flag, value, message", [
+BAD_FLAGS = [  # (flag, value, what the run says)
     ("--lr", "-1e-4", "--lr -0.0001 must be > 0"),
     ("--max-new-tokens", "0", "--max-new-tokens 0 must be >= 1"),
     ("--prompts-per-step", "0", "--prompts-per-step 0 must be >= 1"),
     ("--micro-batch-size", "0", "--micro-batch-size 0 must be >= 1"),
     ("--steps", "0", "--steps 0 must be >= 1 (to only evaluate a model: python evaluate.py)"),
-])
-def test_bad_flag_fails_before_anything_loads(tmp_path, script, flag, value, message):
-    """The model does not even exist: the flag is reported first, and no run folder appears."""
-    code, out, seconds = run(script, "--model", tmp_path / "no-model", flag, value, "--output-dir", tmp_path / "runs")
-    assert_clean_failure(code, out, message)
+]
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+def test_bad_flags_fail_before_anything_loads(tmp_path, script):
+    """The model does not even exist: one bad flag is our last line; several are reported at once, a line each, under
+    'bad arguments:' (one process for all: each is a check_args rule); no run folder appears."""
+    flag, value, message = BAD_FLAGS[0]
+    code, out, _ = run(script, "--model", tmp_path / "no-model", flag, value, "--output-dir", tmp_path / "runs")
+    assert_clean_failure(code, out, f"{script}: {message}")
+    code, out, _ = run(script, "--model", tmp_path / "no-model", *[x for f, v, _ in BAD_FLAGS for x in (f, v)],
+                       "--output-dir", tmp_path / "runs")
+    assert code == 2 and "Traceback" not in out, out[-3000:]
+    lines = out.strip().splitlines()[-len(BAD_FLAGS) - 1:]
+    assert lines[0] == f"{script}: bad arguments:" and all(any(m in x for x in lines[1:]) for _, _, m in BAD_FLAGS), lines
     assert not (tmp_path / "runs").exists()
 
 
