@@ -48,15 +48,10 @@ def check_reward_model(name: str | None, template: str | None = None, max_len: i
         return None, None, None
     flag, roles = "--reward-model", ("system",) * system + ("user", "assistant") + ("tool", "assistant") * tools
     tokenizer, context = check_model(name, flag, raw_text=False)
-    config = AutoConfig.from_pretrained(name)
-    heads = [a for a in config.architectures or [] if a.endswith("ForSequenceClassification")]
-    if not heads:
+    if not has_reward_head(name, flag, fix="pass a reward model"):
         raise InputError(f"{flag} {name!r} is not a reward model: its config.json names no *ForSequenceClassification "
-                         f"head (architectures: {config.architectures}); pass one (train_rm.py writes one) or a rule "
-                         f"reward, --reward FILE.py:function")
-    if config.num_labels != 1:
-        raise InputError(f"{flag} {name!r} has {config.num_labels} labels ({heads[0]}); a reward model scores with "
-                         f"one (num_labels 1): pass a reward model, not a classifier")
+                         f"head (architectures: {AutoConfig.from_pretrained(name).architectures}); pass one (train_rm.py "
+                         f"writes one) or a rule reward, --reward FILE.py:function")
     if context and max_len > context:
         if "reward_model_max_len" in given_flags(sys.argv[1:]):
             raise InputError(f"--reward-model-max-len {max_len} is more than {name!r}'s context of {context} tokens: "
@@ -93,17 +88,16 @@ def chat_template(tokenizer, name: str, template: str | None, *, flag: str, temp
     return template
 
 
-def has_reward_head(name: str) -> bool:
-    """train_rm.py's --model: a reward model already (a one-label *ForSequenceClassification head: kept), or a language
-    model (it gets a fresh one-output head); a classifier of several labels is an error, before anything loads."""
+def has_reward_head(name: str, flag: str, fix: str) -> bool:
+    """Whether config.json names a *ForSequenceClassification head (train_rm.py keeps it; --reward-model needs it);
+    one of several labels is a classifier, not a reward model: an error naming `fix`, before anything loads."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(name)
     if not any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
         return False
     if config.num_labels != 1:
-        raise InputError(f"--model {name!r} is a classifier of {config.num_labels} labels: a reward model has one; pass "
-                         f"a language model (it gets a one-output head) or a reward model")
+        raise InputError(f"{flag} {name!r} is a classifier of {config.num_labels} labels: a reward model has one; {fix}")
     return True
 
 

@@ -171,7 +171,7 @@ def main(args: Args):
     tokenizer, context = check_model(args.model, raw_text=False)  # the template: chat_template below
     if context is not None and args.max_len > context:
         raise InputError(f"--max-len {args.max_len} is more than {args.model!r}'s context of {context} tokens: lower it")
-    own_head = has_reward_head(args.model)  # a reward model already: its head is kept (a classifier: an error)
+    own_head = has_reward_head(args.model, "--model", fix="pass a language model (it gets a one-output head) or a reward model")
     # PLUMBING: the template conversations are read with, kept by the exported tokenizer, so grpo.py reads them alike
     tokenizer.chat_template = chat_template(tokenizer, args.model, args.chat_template, flag="--model",
                                             template_flag="--chat-template")

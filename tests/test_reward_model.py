@@ -111,7 +111,7 @@ def test_bad_reward_models_fail_in_one_line(tiny_model_dir, tmp_path):
     with pytest.raises(InputError, match="is not a reward model: its config.json names no .*ForSequenceClassification"):
         check_reward_model(tiny_model_dir)
     two = build_reward_model(tiny_model_dir, str(tmp_path / "two"), num_labels=2)
-    with pytest.raises(InputError, match="has 2 labels"):
+    with pytest.raises(InputError, match="is a classifier of 2 labels: a reward model has one; pass a reward model"):
         check_reward_model(two)
     bare = build_reward_model(tiny_model_dir, str(tmp_path / "bare"), chat_template=False)
     with pytest.raises(InputError, match="no chat template .* --reward-model-template FILE.jinja"):
