@@ -202,10 +202,10 @@ def main(args: Args):
     sampler = PromptSampler(len(train), args.seed)  # a seeded shuffle of the pairs, epoch after epoch, resumable
     shown = groups[:8]  # the console's (metrics.jsonl has every group's accuracy): a group per prompt would fill lines
     note += "".join(f", {g} {sum(x == g for _, _, x in held)}" for g in shown) + f", +{len(groups) - 8} groups" * (len(groups) > 8)
-    print0(f"data: {len(train)} train pairs, {len(held)} eval pairs ({note}) | skipped {skipped['empty']} with an "
-           f"empty side, {skipped['identical']} with identical sides | cut to --max-len {args.max_len}: "
-           f"{cut + held_cut} of {conversations} conversations, {same + held_same} pairs "
-           f"the same after it, skipped | {world_size} ranks")
+    print0(f"data: {len(train)} train pairs, {len(held)} eval pairs ({note}) | skipped{' (both files)' * bool(args.eval_dataset)} "
+           f"{skipped['empty']} with an empty side, {skipped['identical']} with identical sides | cut to --max-len "
+           f"{args.max_len}: {cut + held_cut} of {conversations} conversations, {same + held_same} pairs the same after it, "
+           f"skipped | {world_size} ranks")
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
