@@ -121,10 +121,14 @@ class Args:
     G-1 samples of its group (leave-one-out); reinforce++: minus the group's mean, then whitened over the whole batch"""
     scale_rewards: bool = True
     """with --advantage grpo: divide group-centred rewards by the group's std (--no-scale-rewards: Dr.GRPO)"""
-    policy_loss: Literal["ppo-clip", "gspo", "cispo"] = "ppo-clip"
+    policy_loss: Literal["ppo-clip", "gspo", "cispo", "sapo"] = "ppo-clip"
     """ppo-clip: a ratio per token, clipped (GRPO, DAPO); gspo: one ratio per sequence (the geometric mean of its
     tokens'), clipped per sequence; cispo: the clipped ratio as a constant weight on -A log p: clipped tokens keep a
-    gradient. Each brings its paper's clip range (--clip-low/--clip-high not given): gspo 3e-4/4e-4, cispo 1/4"""
+    gradient; sapo: no clip, a sigmoid gate of the ratio (--sapo-tau). Each brings its paper's clip range
+    (--clip-low/--clip-high not given): gspo 3e-4/4e-4, cispo 1/4"""
+    sapo_tau: tuple[float, float] = (1.0, 1.05)
+    """--policy-loss sapo's gate temperatures for positive and negative advantages (the paper's; larger: a ratio's
+    gradient fades sooner as it leaves 1)"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """token-mean: over all tokens of the mini-batch; seq-mean-token-mean: mean per sequence, then over
     sequences (original GRPO, and GSPO's); seq-mean-token-sum-norm: token sum / (sequences * max_new_tokens) (Dr.GRPO)"""
@@ -384,6 +388,16 @@ def cispo_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: fl
     return -weight * advantages * logp, weight != ratio
 
 
+def sapo_policy_loss(logp, old_logp, advantages, tau_pos: float, tau_neg: float):
+    """SAPO (Qwen team 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347): no clip; loss = -A * sigmoid(tau (r - 1)) * 4 / tau, r the
+    token's ratio, tau = tau_pos where A > 0, else tau_neg. d loss / d log p = -A * 4 s (1 - s) r with s the sigmoid:
+    -A at r = 1 (PPO's), fading smoothly as r leaves 1 instead of dropping to 0 at a band's edge. Returns (loss,
+    clipped), [B, T]; nothing is clipped."""
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)                                          # [B, T] or [B, 1]
+    gate = torch.sigmoid(tau * (torch.exp(logp - old_logp) - 1)) * 4 / tau
+    return -advantages * gate, torch.zeros_like(logp, dtype=torch.bool)
+
+
 def rollout_correction(old_logp, sampler_logp, mask, kind: str, *, tis_cap: float, bounds: tuple[float, float] | None):
     """The sampler is not the policy that computed old_logp: SGLang's bf16 kernels differ from the trainer's even with
     the same weights, and with --async-rollout its weights are one update older. With r = p_old / p_sampler per token
@@ -430,7 +444,8 @@ def aggregate(values, mask, mode: str, num_seqs: float, num_tokens: float, max_l
 
 
 def grpo_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, kl_coef: float, kl_estimator: str,
-              loss_agg: str, num_seqs: float, num_tokens: float, max_len: int, policy_loss: str = "ppo-clip"):
+              loss_agg: str, num_seqs: float, num_tokens: float, max_len: int, policy_loss: str = "ppo-clip",
+              sapo_tau: tuple[float, float] = (1.0, 1.05)):
     """One micro-batch's loss: the policy loss (--policy-loss) on the advantages, each token weighted by the rollout
     correction's weight where it has one (mb.is_weight: tis, icepop; its masks are in mb.loss_mask already), plus
     kl_coef * KL to the reference model (0: no KL in the loss), reduced by `aggregate`. logp, entropy [b, t]: the
@@ -442,8 +457,10 @@ def grpo_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, kl_coef: 
         token_loss, clipped = gspo_policy_loss(logp, mb.old_logprobs, mb.advantages, m, clip_low, clip_high)
     elif policy_loss == "cispo":
         token_loss, clipped = cispo_policy_loss(logp, mb.old_logprobs, mb.advantages, clip_low, clip_high)
+    elif policy_loss == "sapo":
+        token_loss, clipped = sapo_policy_loss(logp, mb.old_logprobs, mb.advantages, *sapo_tau)
     else:
-        raise ValueError(f"--policy-loss {policy_loss!r} is unknown; use ppo-clip, gspo or cispo")
+        raise ValueError(f"--policy-loss {policy_loss!r} is unknown; use ppo-clip, gspo, cispo or sapo")
     stats = {"clip_frac": (clipped.float() * m).sum(), "entropy": (entropy * m).sum(), "tokens": m.sum(),
              "approx_kl": (kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum()}  # KL(old || now)
     if mb.is_weight is not None:
@@ -485,6 +502,8 @@ def check_args(args: Args, world_size: int):
          "with --advantage grpo (rloo and reinforce++ divide by no group's std)"),
         ("--clip-low", a.clip_low, 0 <= a.clip_low <= 1, "in [0, 1] (1: no lower bound)"),
         ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
+        ("--sapo-tau", a.sapo_tau, 0 < min(a.sapo_tau) <= max(a.sapo_tau) < math.inf and (a.policy_loss == "sapo" or
+         a.sapo_tau == (1.0, 1.05)), "POS NEG, finite and > 0, with --policy-loss sapo"),
         ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap > 0 or (a.tis_cap == 0 and a.rollout_correction != "tis"),
          "> 0 (0: no tis with --async-rollout, which turns it on)"),
         ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap == 0 or a.rollout_correction == "tis" or
@@ -552,8 +571,8 @@ def variant_line(args: Args) -> str:
         correction += f" (cap {args.tis_cap:g})"
     elif correction != "none":  # mis, icepop, seq-mask
         correction += " (bounds {:g} {:g})".format(*args.correction_bounds)
-    line = (f"algorithm: advantage {args.advantage} | policy loss {args.policy_loss} (clip {args.clip_low:g} / "
-            f"{args.clip_high:g}, {args.loss_agg}) | rollout correction {correction}")
+    gate = "tau {:g} / {:g}".format(*args.sapo_tau) if args.policy_loss == "sapo" else f"clip {args.clip_low:g} / {args.clip_high:g}"
+    line = f"algorithm: advantage {args.advantage} | policy loss {args.policy_loss} ({gate}, {args.loss_agg}) | rollout correction {correction}"
     if args.epochs * args.num_minibatches == 1:
         line += " | one update a batch: every ratio 1, nothing clips (--num-minibatches N: the policy losses differ)"
     return line
@@ -852,7 +871,7 @@ def main(args: Args):
                                                            with_entropy=True, packed=max_tokens > 0)   # [b, t-1] each
                             loss, stats = grpo_loss(logp, entropy, mb, policy_loss=args.policy_loss, clip_low=args.clip_low,
                                                     clip_high=args.clip_high, kl_coef=0.0 if args.kl_in_reward else args.beta,
-                                                    kl_estimator=args.kl_estimator, loss_agg=args.loss_agg,
+                                                    kl_estimator=args.kl_estimator, loss_agg=args.loss_agg, sapo_tau=args.sapo_tau,
                                                     num_seqs=num_seqs, num_tokens=num_tokens, max_len=args.max_new_tokens)
                             loss.backward()
                             for k, v in stats.items():

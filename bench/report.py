@@ -294,7 +294,7 @@ def rm(a: Args):
 VARIANT_RUNS = {"addition": ("add_grpo", "add_gspo", "add_cispo", "add_rloo", "add_reinforcepp", "add_tis", "add_mis",
                              "add_icepop", "add_seqmask"),
                 "tools": ("mul_ppoclip", "mul_gspo", "mul_cispo"),
-                "addition-mb4": ("add_ppoclip_mb4", "add_gspo_mb4", "add_cispo_mb4")}
+                "addition-mb4": ("add_ppoclip_mb4", "add_gspo_mb4", "add_cispo_mb4", "add_sapo_mb4")}
 
 
 def variants(a: Args):

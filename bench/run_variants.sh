@@ -4,7 +4,7 @@
 #   addition (9 runs)        add_grpo (today's default), add_gspo, add_cispo, add_rloo, add_reinforcepp,
 #                            add_tis, add_mis, add_icepop, add_seqmask (GRPO with each --rollout-correction)
 #   multiplication + --tools calculator (3 runs)   mul_ppoclip, mul_gspo, mul_cispo (the multi-turn masks under each loss)
-#   addition, 4 updates a batch (3 runs)   add_ppoclip_mb4, add_gspo_mb4, add_cispo_mb4 (--num-minibatches 4: with one
+#   addition, 4 updates a batch (4 runs)   add_ppoclip_mb4, add_gspo_mb4, add_cispo_mb4, add_sapo_mb4 (--num-minibatches 4: with one
 #                            update a batch every ratio is 1 when the loss is computed, nothing clips and the three
 #                            losses take the same step; here the ratios move and each loss's clip range acts)
 # PARALLEL runs at once (default 3: six at once ran out of the H100's 80 GB, results/README.md), each with its own SGLang engine at --sglang-mem-fraction MEM (default 0.1: SGLang
@@ -21,7 +21,7 @@
 # Knobs (environment): PARALLEL, OMP_NUM_THREADS (cores / (PARALLEL + 1)), MEM, PROMPTS (32), GROUP (8), MB (micro-batch size, 16: the same update at any size), LR (1e-5), SEED (0).
 STEPS=${1:-60}; OUTDIR=${2:-runs/variants}
 RUNS=${3:-"add_grpo add_gspo add_cispo add_rloo add_reinforcepp add_tis add_mis add_icepop add_seqmask mul_ppoclip mul_gspo mul_cispo
-            add_ppoclip_mb4 add_gspo_mb4 add_cispo_mb4"}
+            add_ppoclip_mb4 add_gspo_mb4 add_cispo_mb4 add_sapo_mb4"}
 PARALLEL=${PARALLEL:-3}; MEM=${MEM:-0.1}
 # torch's CPU threads: by default each process takes every core, and PARALLEL trainers beside their SGLang schedulers
 # oversubscribe the CPU (four runs on 16 cores: 28-31 s a step; capped at 3 threads each: 7-13 s, results/README.md)

@@ -8,8 +8,8 @@ from torch.testing import assert_close
 
 from fsdp import lr_lambda
 from grpo import (Args, advantages, aggregate, check_args, cispo_policy_loss, clipped_policy_loss, group_advantages, grpo_loss,
-                  gspo_policy_loss, kl_penalty, reinforce_pp_advantages, rloo_advantages, rollout_correction, variant_defaults,
-                  variant_line)
+                  gspo_policy_loss, kl_penalty, reinforce_pp_advantages, rloo_advantages, rollout_correction, sapo_policy_loss,
+                  variant_defaults, variant_line)
 from preflight import InputError
 
 # ----------------------------------------------------------------------------------------------
@@ -511,7 +511,23 @@ def test_cispo_ratio_exactly_at_the_bound_is_not_clipped():
     assert_close(loss, torch.tensor([[1.4]])) and clipped.tolist() == [[False]]  # -1 * 2 * -0.7
 
 
-@pytest.mark.parametrize("policy_loss", ["ppo-clip", "gspo", "cispo"])
+def test_sapo_gates_the_ratio_softly():
+    """loss = -A * 4 s / tau with s = sigmoid(tau (r - 1)); tau 1 where A > 0, 1.05 where A < 0 (the paper's); the
+    gradient d loss / d log p = -A * 4 s (1 - s) r.
+      sequence 0, A = +1, r = 1.5, 1.0, 0.8: s = sigmoid(0.5) = 0.622459, 0.5, sigmoid(-0.2) = 0.450166
+        loss -2.489837, -2.0, -1.800664; gradient -1.410022, -1.0, -0.792053
+      sequence 1, A = -1, r = 0.5, 1.25: s = sigmoid(-0.525) = 0.371684, sigmoid(0.2625) = 0.565251
+        loss 4 s / 1.05 = 1.415938, 2.153336; gradient 4 s (1 - s) r = 0.467070, 1.228712
+    At r = 1 the gradient is -A, PPO-clip's; at r = 1.5 PPO-clip gives none (clipped), SAPO -1.41. Nothing is clipped."""
+    logp = P_NOW.log().requires_grad_()
+    loss, clipped = sapo_policy_loss(logp, P_OLD.log(), ADV, 1.0, 1.05)
+    assert_close(loss * SEQ_MASK, torch.tensor([[-2.489837, -2.0, -1.800664], [1.415938, 2.153336, 0.0]]), atol=1e-6, rtol=0)
+    (loss * SEQ_MASK).sum().backward()
+    assert_close(logp.grad, torch.tensor([[-1.410022, -1.0, -0.792053], [0.467070, 1.228712, 0.0]]), atol=1e-6, rtol=0)
+    assert not clipped.any()
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo-clip", "gspo", "cispo", "sapo"])
 def test_grpo_loss_picks_the_policy_loss(policy_loss):
     """grpo_loss = the chosen policy loss, reduced by aggregate (token-mean over the 5 loss tokens)."""
     from types import SimpleNamespace
@@ -521,7 +537,8 @@ def test_grpo_loss_picks_the_policy_loss(policy_loss):
                             loss_agg="token-mean", num_seqs=2.0, num_tokens=5.0, max_len=3, policy_loss=policy_loss)
     token_loss, clipped = {"ppo-clip": lambda: clipped_policy_loss(P_NOW.log(), P_OLD.log(), ADV, 0.2, 0.2),
                            "gspo": lambda: gspo_policy_loss(P_NOW.log(), P_OLD.log(), ADV, SEQ_MASK, 0.2, 0.2),
-                           "cispo": lambda: cispo_policy_loss(P_NOW.log(), P_OLD.log(), ADV, 0.2, 0.2)}[policy_loss]()
+                           "cispo": lambda: cispo_policy_loss(P_NOW.log(), P_OLD.log(), ADV, 0.2, 0.2),
+                           "sapo": lambda: sapo_policy_loss(P_NOW.log(), P_OLD.log(), ADV, 1.0, 1.05)}[policy_loss]()
     assert_close(loss, (token_loss * SEQ_MASK).sum() / 5)
     assert_close(stats["clip_frac"], (clipped.float() * SEQ_MASK).sum())
     with pytest.raises(ValueError, match="reinforce"):
@@ -678,6 +695,9 @@ def test_variant_line_names_the_settings_in_force(monkeypatch):
     monkeypatch.setattr("sys.argv", ["grpo.py", "--rollout-correction", "tis", "--num-minibatches", "4"])
     line = variant_line(variant_defaults(Args(rollout_correction="tis", num_minibatches=4)))
     assert line == "algorithm: advantage grpo | policy loss ppo-clip (clip 0.2 / 0.2, token-mean) | rollout correction tis (cap 2)"
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--policy-loss", "sapo"])
+    assert variant_line(variant_defaults(Args(policy_loss="sapo"))).startswith(
+        "algorithm: advantage grpo | policy loss sapo (tau 1 / 1.05, token-mean) | rollout correction none | one update")
     monkeypatch.setattr("sys.argv", ["grpo.py", "--advantage", "rloo", "--epochs", "2"])
     assert variant_line(variant_defaults(Args(advantage="rloo", epochs=2))).endswith("rollout correction none")
 
@@ -714,3 +734,7 @@ def test_check_args_variant_flags():
         check_args(Args(rollout_correction="tis", tis_cap=0.0), world_size=1)
     with pytest.raises(InputError, match=r"--correction-bounds \(0.0, inf\) must be LO HI with 0 <= LO <= 1 <= HI < inf"):
         check_args(Args(rollout_correction="icepop", correction_bounds=(0.0, math.inf)), world_size=1)
+    check_args(Args(policy_loss="sapo", sapo_tau=(1.0, 2.0)), world_size=1)
+    for bad in (Args(sapo_tau=(1.0, 2.0)), Args(policy_loss="sapo", sapo_tau=(0.0, 1.0))):
+        with pytest.raises(InputError, match=r"--sapo-tau \(.*\) must be POS NEG, finite and > 0, with --policy-loss sapo"):
+            check_args(bad, world_size=1)
