@@ -565,7 +565,7 @@ def variant_defaults(args: Args) -> Args:
 
 def variant_line(args: Args) -> str:
     """The variant in force after variant_defaults, for the console. With one update a batch the old log-probs come
-    from the weights the loss sees: every ratio is 1, nothing clips, and ppo-clip, gspo and cispo take one step."""
+    from the weights the loss sees: every ratio is 1, nothing clips, and ppo-clip, gspo, cispo and sapo take one step."""
     correction = args.rollout_correction
     if correction == "tis":
         correction += f" (cap {args.tis_cap:g})"

@@ -71,12 +71,15 @@ def test_grpo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
 
 def test_grpo_torchrun_two_ranks_all_variants(trained_tiny_model_dir, tmp_path):
     """Two gloo ranks with the reference model, dynamic sampling, overlong filtering, offload,
-    two mini-batches, clip-higher, a different loss aggregation, REINFORCE++'s whitening over both
+    two mini-batches, SAPO's gate, a different loss aggregation, REINFORCE++'s whitening over both
     ranks' samples and MIS's token mask all on at once."""
-    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "2", "--beta", "0.05",
-             "--dynamic-sampling", "--overlong-filter", "--offload", "--num-minibatches", "2",
-             "--clip-high", "0.28", "--loss-agg", "seq-mean-token-mean", "--kl-estimator", "k2",
-             "--advantage", "reinforce++", "--rollout-correction", "mis", nproc=2)
+    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "2", "--beta", "0.05",
+                    "--dynamic-sampling", "--overlong-filter", "--offload", "--num-minibatches", "2",
+                    "--policy-loss", "sapo", "--sapo-tau", "1.0", "2.0", "--loss-agg", "seq-mean-token-mean",
+                    "--kl-estimator", "k2", "--advantage", "reinforce++", "--rollout-correction", "mis", nproc=2)
+    assert ("algorithm: advantage reinforce++ | policy loss sapo (tau 1 / 2, seq-mean-token-mean) | rollout correction "
+            "mis (bounds 0.5 2)\n") in proc.stdout  # two mini-batches: no 'one update a batch'
+    assert all(math.isfinite(r["train/loss"]) for r in metrics(tmp_path)[0])
     rows = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
     steps = [r for r in rows if "rollout/reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]  # a step dynamic sampling skips is still logged
