@@ -389,10 +389,10 @@ def cispo_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: fl
 
 
 def sapo_policy_loss(logp, old_logp, advantages, tau_pos: float, tau_neg: float):
-    """SAPO (Qwen team 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347): no clip; loss = -A * sigmoid(tau (r - 1)) * 4 / tau, r the
-    token's ratio, tau = tau_pos where A > 0, else tau_neg. d loss / d log p = -A * 4 s (1 - s) r with s the sigmoid:
-    -A at r = 1 (PPO's), fading smoothly as r leaves 1 instead of dropping to 0 at a band's edge. Returns (loss,
-    clipped), [B, T]; nothing is clipped."""
+    """SAPO (Qwen team 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347): no clip; loss = -A * 4 s / tau
+    with s = sigmoid(tau (r - 1)), r the token's ratio, tau = tau_pos where A > 0, else tau_neg. d loss / d log p =
+    -A * 4 s (1 - s) r: -A at r = 1 (PPO's), fading smoothly as r leaves 1 instead of dropping to 0 at a band's edge
+    (an infinite r: s = 1, a finite loss). Returns (loss, clipped), [B, T]; nothing is clipped."""
     tau = torch.where(advantages > 0, tau_pos, tau_neg)                                          # [B, T] or [B, 1]
     gate = torch.sigmoid(tau * (torch.exp(logp - old_logp) - 1)) * 4 / tau
     return -advantages * gate, torch.zeros_like(logp, dtype=torch.bool)
