@@ -49,8 +49,8 @@ class Args:
     gpu: str | None = None
     """server: the GPU, for runs whose run_info.json did not come back (only metrics.jsonl)"""
     task: Literal["addition", "tools", "addition-mb4"] = "addition"
-    """variants: run_variants.sh's addition runs, its multiplication runs with the calculator, or the policy-loss
-    trio on addition with 4 updates a batch (the ratios move off 1: the clip ranges act)"""
+    """variants: run_variants.sh's addition runs, its multiplication runs with the calculator, or the policy losses
+    on addition with 4 updates a batch (the ratios move off 1: the clip ranges act)"""
     summary: str | None = None
     """variants: bench/results/summary.json, whose key `variants` gets this task's final accuracies"""
 

@@ -5,7 +5,7 @@
 #                            add_tis, add_mis, add_icepop, add_seqmask (GRPO with each --rollout-correction)
 #   multiplication + --tools calculator (3 runs)   mul_ppoclip, mul_gspo, mul_cispo (the multi-turn masks under each loss)
 #   addition, 4 updates a batch (4 runs)   add_ppoclip_mb4, add_gspo_mb4, add_cispo_mb4, add_sapo_mb4 (--num-minibatches 4: with one
-#                            update a batch every ratio is 1 when the loss is computed, nothing clips and the three
+#                            update a batch every ratio is 1 when the loss is computed, nothing clips and the
 #                            losses take the same step; here the ratios move and each loss's clip range acts)
 # PARALLEL runs at once (default 3: six at once ran out of the H100's 80 GB, results/README.md), each with its own SGLang engine at --sglang-mem-fraction MEM (default 0.1: SGLang
 # sizes its KV cache from the memory free when it starts, so a small share fits beside the others; at 0.07 an engine refused
