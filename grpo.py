@@ -126,9 +126,9 @@ class Args:
     tokens'), clipped per sequence; cispo: the clipped ratio as a constant weight on -A log p: clipped tokens keep a
     gradient; sapo: no clip, a sigmoid gate of the ratio (--sapo-tau). Each brings its paper's clip range
     (--clip-low/--clip-high not given): gspo 3e-4/4e-4, cispo 1/4"""
-    sapo_tau: tuple[float, float] = (1.0, 1.05)
-    """--policy-loss sapo's gate temperatures for positive and negative advantages (the paper's; larger: a ratio's
-    gradient fades sooner as it leaves 1)"""
+    sapo_tau: tuple[float, float] | None = None
+    """--policy-loss sapo's gate temperatures for positive and negative advantages (None: 1 1.05, the paper's; larger:
+    a ratio's gradient fades sooner as it leaves 1)"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """token-mean: over all tokens of the mini-batch; seq-mean-token-mean: mean per sequence, then over
     sequences (original GRPO, and GSPO's); seq-mean-token-sum-norm: token sum / (sequences * max_new_tokens) (Dr.GRPO)"""
@@ -299,6 +299,7 @@ KL_EXP_CLAMP = 20.0   # k3's exponent is clamped to +-this: one outlier token ca
 # each variant's own defaults, from its paper, for --clip-low/--clip-high/--correction-bounds not given (variant_defaults)
 VARIANT_DEFAULTS = {"gspo": {"clip_low": 3e-4, "clip_high": 4e-4},  # Zheng et al. 2025: the sequence ratio's range
                     "cispo": {"clip_low": 1.0, "clip_high": 4.0},   # MiniMax-M1: no lower bound; upper 5 (SkyRL's)
+                    "sapo": {"sapo_tau": (1.0, 1.05)},              # SAPO's tau_pos, tau_neg
                     "mis": {"correction_bounds": (0.5, 2.0)},       # verl's token rejection: 2 and its reciprocal
                     "icepop": {"correction_bounds": (0.5, 5.0)},    # IcePop's alpha, beta (OpenRLHF's default)
                     "seq-mask": {"correction_bounds": (0.999, 1.001)}}  # verl's geometric rejection (geo_rs)
@@ -445,7 +446,7 @@ def aggregate(values, mask, mode: str, num_seqs: float, num_tokens: float, max_l
 
 def grpo_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, kl_coef: float, kl_estimator: str,
               loss_agg: str, num_seqs: float, num_tokens: float, max_len: int, policy_loss: str = "ppo-clip",
-              sapo_tau: tuple[float, float] = (1.0, 1.05)):
+              sapo_tau: tuple[float, float] = VARIANT_DEFAULTS["sapo"]["sapo_tau"]):
     """One micro-batch's loss: the policy loss (--policy-loss) on the advantages, each token weighted by the rollout
     correction's weight where it has one (mb.is_weight: tis, icepop; its masks are in mb.loss_mask already), plus
     kl_coef * KL to the reference model (0: no KL in the loss), reduced by `aggregate`. logp, entropy [b, t]: the
@@ -502,8 +503,8 @@ def check_args(args: Args, world_size: int):
          "with --advantage grpo (rloo and reinforce++ divide by no group's std)"),
         ("--clip-low", a.clip_low, 0 <= a.clip_low <= 1, "in [0, 1] (1: no lower bound)"),
         ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
-        ("--sapo-tau", a.sapo_tau, 0 < min(a.sapo_tau) <= max(a.sapo_tau) < math.inf and (a.policy_loss == "sapo" or
-         a.sapo_tau == (1.0, 1.05)), "POS NEG, finite and > 0, with --policy-loss sapo"),
+        ("--sapo-tau", a.sapo_tau, a.sapo_tau is None or (0 < min(a.sapo_tau) <= max(a.sapo_tau) < math.inf and
+         a.policy_loss == "sapo"), "POS NEG, finite and > 0, with --policy-loss sapo"),
         ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap > 0 or (a.tis_cap == 0 and a.rollout_correction != "tis"),
          "> 0 (0: no tis with --async-rollout, which turns it on)"),
         ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap == 0 or a.rollout_correction == "tis" or

@@ -27,8 +27,9 @@ RM_LINE = [("rm", "rollout/rm_score", ".3f"), ("rm s", "time/reward_model", ".1f
 
 def rm_flag_rules(a) -> list[tuple[str, object, bool, str]]:
     """check_flags' rules for grpo.py's and ppo.py's --reward-model flags: the others only with it."""
+    given = given_flags(sys.argv[1:]) if not a.reward_model else set()
     lone = [k for k in ("reward_weights", "reward_model_norm", "reward_model_max_len", "reward_model_micro_batch_size",
-                        "reward_model_template") if k in given_flags(sys.argv[1:]) and not a.reward_model]
+                        "reward_model_template") if k in given]
     return [("--reward-model-max-len", a.reward_model_max_len, a.reward_model_max_len >= 2, ">= 2"),
             ("--reward-model-micro-batch-size", a.reward_model_micro_batch_size, a.reward_model_micro_batch_size >= 1, ">= 1"),
             ("--reward-weights", a.reward_weights, all(map(math.isfinite, a.reward_weights)) and any(a.reward_weights),

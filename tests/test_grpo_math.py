@@ -681,9 +681,11 @@ def test_variant_defaults_follow_the_papers_unless_given(monkeypatch):
     monkeypatch.setattr("sys.argv", ["grpo.py", "--policy-loss", "cispo", "--clip-high", "0.28"])
     a = variant_defaults(Args(policy_loss="cispo", clip_high=0.28))
     assert (a.clip_low, a.clip_high, a.rollout_correction) == (1.0, 0.28, "none")  # given: kept
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--policy-loss", "sapo", "--sapo-tau", "1", "2"])
+    assert variant_defaults(Args(policy_loss="sapo", sapo_tau=(1.0, 2.0))).sapo_tau == (1.0, 2.0)  # given: kept
     monkeypatch.setattr("sys.argv", ["grpo.py"])
     a = variant_defaults(Args())
-    assert (a.clip_low, a.clip_high, a.rollout_correction, a.correction_bounds) == (0.2, 0.2, "none", None)
+    assert (a.clip_low, a.clip_high, a.rollout_correction, a.correction_bounds, a.sapo_tau) == (0.2, 0.2, "none", None, None)
 
 
 def test_variant_line_names_the_settings_in_force(monkeypatch):
