@@ -43,6 +43,10 @@ def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int, torch.dev
         device = torch.device("cpu")
     backend = "nccl" if use_cuda else "gloo"
     timeout = datetime.timedelta(minutes=timeout_minutes)
+    # SGLang runs NCCL with NCCL_CUMEM_ENABLE=0 unless it is exported; a rollout server and this process share the
+    # weight sync's NCCL group, whose two ends must agree, and NCCL reads it once, at its first communicator: so
+    # here, before any (a value the user exported is kept; server.check_nccl_memory checks it against the servers)
+    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     if "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
     else:  # plain python: a one-process group, no port needed

@@ -40,7 +40,8 @@ class EngineStartFailed(RunFailed):
 
 
 class Interrupted(BaseException):
-    """A signal cut a wait short (start-up or generation); args[0] is the signal number (stop.py).
+    """A signal cut a wait short (start-up, generation, a weight sync that never ended); args[0] is the signal number
+    (stop.py), args[1] what it cut short where that is not start-up.
     A BaseException, like KeyboardInterrupt: library code that catches Exception (an optional import
     in SGLang's 20 s of imports, say) must not swallow it."""
 
@@ -61,9 +62,10 @@ def friendly_errors(script: str, oom_hint: str = OOM_HINT, engine_hint: str = EN
         # main's reference cycles freed now, not at interpreter exit, where a gloo process group's work held by
         # FSDP2's modules aborted 1 in 10 to 1 in 3 two-rank CPU runs ("terminate called ...", tests/gloo_exit_check.py)
         gc.collect()
-    except Interrupted as e:  # a signal during start-up: nothing was trained, nothing to save
+    except Interrupted as e:  # a signal during start-up (nothing to save), or during a weight sync that never ended
         leave_process_group()
-        report(f"{script}: stopped by {signal.Signals(e.args[0]).name} during start-up", wait=False)
+        during = e.args[1] + "; --resume continues from the last checkpoint" if len(e.args) > 1 else "start-up"
+        report(f"{script}: stopped by {signal.Signals(e.args[0]).name} during {during}", wait=False)
         raise SystemExit(128 + e.args[0]) from None
     except (InputError, RunFailed) as e:
         if os.environ.get("RL_DEBUG"):
@@ -223,9 +225,10 @@ def looks_like_path(name: str) -> bool:
             or name.endswith((".json", ".jsonl", ".parquet", ".safetensors", ".bin")))
 
 
-def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, raw_text: bool = True):
+def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, raw_text: bool = True, rollout_tp: int = 1):
     """Before anything starts: the model is a folder with config.json, weights and (with_tokenizer) a tokenizer, or a
-    hub id that is cached or reachable. Returns (tokenizer or None, context length or None); raw_text: said (no template)."""
+    hub id that is cached or reachable, and SGLang can split it over `rollout_tp` GPUs. Returns (tokenizer or None,
+    context length or None); raw_text: said (no template)."""
     from transformers import AutoConfig, AutoTokenizer  # lazy: `import preflight` stays light
     from transformers.utils import logging
 
@@ -262,11 +265,30 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, r
     except (OSError, ValueError, ImportError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(f"{flag} {name!r}: transformers could not load its config or tokenizer: {first}") from e
+    if problem := tp_problem(config, rollout_tp):
+        raise InputError(f"--rollout-tp {rollout_tp} can't split {flag} {name} over {rollout_tp} GPUs: {problem}")
     context = getattr(config, "max_position_embeddings", None)
     if with_tokenizer and os.environ.get("RANK", "0") == "0":
         template = "chat template" if tokenizer.chat_template else "no chat template" + ": prompts go in as raw text" * raw_text
         print(f"model {name}: {(config.architectures or ['?'])[0]}, context {context}, {template}", flush=True)
     return tokenizer, context
+
+
+def tp_problem(config, tp: int) -> str | None:
+    """Why SGLang's tensor parallelism over `tp` GPUs can't split this model (its attention heads and MLP split
+    evenly; KV heads split evenly or are copied to each GPU: tp a multiple of them), None if it can."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    mlp = getattr(config, "intermediate_size", None)
+    if tp == 1 or heads is None:
+        return None
+    if heads % tp:
+        return f"it has {heads} attention heads (SGLang needs a --rollout-tp that divides them)"
+    if kv % tp if kv >= tp else tp % kv:
+        return f"it has {kv} key-value heads (SGLang needs a --rollout-tp that divides them or is a multiple of them)"
+    if mlp is not None and mlp % tp:
+        return f"its MLP is {mlp} wide (SGLang needs a --rollout-tp that divides it)"
+    return None
 
 
 def weights_problem(folder: str) -> str | None:

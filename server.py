@@ -43,12 +43,15 @@ import torch
 import torch.distributed as dist
 
 from fsdp import without_agent_store
-from preflight import InputError, RunFailed
+from preflight import InputError, Interrupted, RunFailed
 from rollout import SGLangOptions
-from stop import kill
+from stop import kill, requested
 
 SHAPES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 LAUNCH_HINT = "start it with: python -m sglang.launch_server --model-path <the policy's model> --port <port>"
+STUCK_S = 10.0  # a /health_generate 503 this slow is SGLang's failed health check (20 s), not a server starting
+SIGNAL_GRACE_S = 5.0  # a weight sync under way when a signal comes gets this long to finish: a server left
+# inside a broadcast that never ends is stuck until it is restarted
 
 
 class ServerError(RunFailed):
@@ -94,19 +97,26 @@ def in_thread(fn, *args, **kwargs) -> Future:
 
 
 def wait_healthy(url: str, timeout_s: float, every_s: float = 2.0, process: "ServerProcess | None" = None):
-    """Wait until the server generates (`/health_generate`: 503 while it starts, 200 once it can
+    """Wait until the server generates (`/health_generate`: 503 at once while it starts, 200 once it can
     produce a token). Not up within `timeout_s` -> ServerError saying how to start one; a `process`
-    of ours that exits meanwhile -> ServerError with the end of its log, at once."""
+    of ours that exits meanwhile -> ServerError with the end of its log, at once. A 503 that took
+    STUCK_S or more is SGLang's own health check failing on a server that is up (its scheduler did not
+    answer a one-token request for 20 s): it will not recover by waiting -> ServerError at once."""
     deadline, last = time.time() + timeout_s, "no answer"
     while True:
         if process is not None and process.poll() is not None:
             raise ServerError(f"the rollout server {url} (GPUs {process.gpus}) exited with code {process.returncode} while "
                               f"starting; the end of its log {process.log}:\n{tail(process.log)}")
-        try:
-            with urllib.request.urlopen(url + "/health_generate", timeout=max(1.0, min(every_s * 5, timeout_s))) as answer:
+        t0 = time.time()
+        try:  # SGLang answers within its 20 s health-check limit: a longer wait than that is no answer
+            with urllib.request.urlopen(url + "/health_generate", timeout=max(1.0, min(30.0, timeout_s))) as answer:
                 if answer.status == 200:
                     return
         except urllib.error.HTTPError as e:
+            if e.code == 503 and time.time() - t0 >= STUCK_S:
+                raise ServerError(f"rollout server {url} is up but its scheduler did not generate one token in "
+                                  f"{time.time() - t0:.0f} s (SGLang's health check failed): it is stuck, e.g. waiting "
+                                  f"inside a weight sync whose trainer died mid-way, and will not recover: restart it") from None
             last = f"HTTP {e.code}"  # starting
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             last = str(getattr(e, "reason", e))
@@ -149,6 +159,9 @@ class ServerEngine:
                 check_same_model(url, info, model, self.timeout_s)
         if sync_backend == "auto":
             sync_backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if sync_backend == "nccl":
+            check_nccl_memory(self.urls, infos)
+        self.backend = sync_backend
         self.group = self.join_weight_sync(infos, sync_backend, sync_address) if sync_backend else None
 
     def generate(self, input_ids: list[list[int]], sampling_params: list[dict], return_logprob: bool = False) -> list[dict]:
@@ -192,19 +205,8 @@ class ServerEngine:
         # (it cannot reach address:port, say) must not leave us waiting for the whole timeout
         joined = in_thread(join_group, address=address, port=port, world_size=world, rank=0, group_name=self.group_name,
                            backend=backend, timeout_s=self.timeout_s)
-        deadline = time.time() + self.timeout_s
-        while not joined.done() and time.time() < deadline:
-            for r in requests:
-                if r.done() and r.exception():
-                    raise r.exception()
-            time.sleep(0.1)
-        if not joined.done() or joined.exception():
-            wait([joined], timeout=10)  # its store connect times out now too: not inside it at exit (an abort)
-            raise ServerError(f"the weight-update group did not form within --rollout-timeout {self.timeout_s:g} s "
-                              f"({joined.exception() if joined.done() else 'no answer'}): can the servers reach this machine "
-                              f"at {address}:{port}? (--rollout-sync-address)")
-        for r in requests:
-            r.result()
+        self.settle(joined, requests, what="forming the weight-update group",
+                    late=f"can the servers reach this machine at {address}:{port}? (--rollout-sync-address)")
         return joined.result()
 
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True):
@@ -215,14 +217,51 @@ class ServerEngine:
                    "load_format": "flattened_bucket"}
         requests = [in_thread(post, url, "/update_weights_from_distributed", payload, self.timeout_s) for url in self.urls]
         flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named_tensors])  # [bytes]
-        try:
-            dist.broadcast(flat, src=0, group=self.group)
-        except RuntimeError as e:  # a member gone mid-broadcast (gloo says so; NCCL's watchdog ends the process)
-            raise ServerError(f"sending the weights to the rollout servers {', '.join(self.urls)} failed "
-                              f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
-                              f"is every server still running?") from None
+        self.settle(in_thread(broadcast, flat, self.group), requests, what="the weight sync",
+                    late="is every server still running?")
+
+    def settle(self, work: Future, requests: list[Future], *, what: str, late: str):
+        """Wait for this process's side of a collective (`work`, in a thread of its own) and every server's answer to
+        its part (`requests`, one per URL), polling: the main thread never sits in a collective. The first error on
+        either side, --rollout-timeout, or a signal (after SIGNAL_GRACE_S for the sync to finish) ends the wait, and
+        the group is aborted: a collective cut short leaves it unusable."""
+        deadline, signalled = time.time() + self.timeout_s, None
+        while not (work.done() and all(r.done() for r in requests)):
+            errors = [r.exception() for r in requests if r.done() and r.exception()]  # the server's own words first
+            if errors or (work.done() and work.exception()):
+                self.abort()
+                raise ServerError(f"{what} failed: {errors[0]}{self.hint(str(errors[0]))}" if errors else
+                                  f"{what} to the rollout servers {', '.join(self.urls)} failed ({first_line(work.exception())}); "
+                                  f"{late}") from None
+            signalled = signalled or (time.time() if requested() else None)
+            if signalled and time.time() > signalled + SIGNAL_GRACE_S:
+                self.abort()
+                raise Interrupted(requested(), f"{what} to the rollout servers, which had not finished {SIGNAL_GRACE_S:g} s later")
+            if time.time() > deadline:
+                silent = [url for url, r in zip(self.urls, requests) if not r.done()]
+                self.abort()
+                raise ServerError(f"{what} did not finish within --rollout-timeout {self.timeout_s:g} s (no answer from "
+                                  f"{', '.join(silent) if silent else 'this side'}): {late}")
+            time.sleep(0.005)
         for r in requests:
-            r.result()  # each server has loaded the bucket (or its error is raised here)
+            r.result()
+
+    def hint(self, error: str) -> str:
+        """What a failed sync's server error most likely means, where it names NCCL."""
+        if "NCCL" not in error or self.backend != "nccl":
+            return ""
+        return (f"\n  the trainer's and the servers' NCCL must agree on NCCL_CUMEM_ENABLE (this trainer's: "
+                f"{os.environ.get('NCCL_CUMEM_ENABLE')}; SGLang sets 0 where it starts unless it is exported there); a "
+                f"server whose earlier sync was cut short (its trainer killed mid-sync) may need a restart")
+
+    def abort(self):
+        """Abort the weight-update group after a failed collective (NCCL: frees a kernel still waiting on it), not
+        waiting long for it. The servers keep their side: one stuck inside a broadcast needs a restart."""
+        group, self.group = self.group, None
+        if group is not None:
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            wait([in_thread(_abort_process_group, group)], timeout=5)
 
     def flush_cache(self):
         """The prefix cache holds KV computed with the old weights."""
@@ -328,6 +367,34 @@ def check_same_model(url: str, info: dict, model: str, timeout_s: float):
     if diff:
         raise ServerError(f"rollout server {url} serves {info['model_path']}, whose shapes are not the policy's "
                           f"(--model {model}): {', '.join(diff)}; {fix}")
+
+
+def broadcast(flat: torch.Tensor, group):
+    """Rank 0's side of one bucket, run in a thread of its own (NCCL's first broadcast also connects the
+    group, which blocks the calling thread until every member does); returns once the bytes are sent."""
+    work = dist.broadcast(flat, src=0, group=group, async_op=True)
+    while not work.is_completed():  # NCCL: the GPU's kernel finished; gloo: the transfer ended
+        time.sleep(0.001)
+    work.wait()  # raises a failed transfer's error
+
+
+def first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def check_nccl_memory(urls: list[str], infos: list[dict]):
+    """Both ends of the NCCL weight-update group must map GPU memory alike (NCCL_CUMEM_ENABLE), or the first sync fails
+    on the server's side with "unhandled cuda error". SGLang sets it to 0 where it starts unless it is exported there,
+    and to 1 with --enable-symm-mem (/server_info says); fsdp.init_distributed sets 0 in the trainer the same way."""
+    ours = os.environ.get("NCCL_CUMEM_ENABLE")
+    for url, info in zip(urls, infos):
+        if info.get("enable_symm_mem") and ours != "1":
+            raise ServerError(f"rollout server {url} runs with --enable-symm-mem, which sets NCCL_CUMEM_ENABLE=1 in its "
+                              f"processes, and this trainer's is {ours}: export NCCL_CUMEM_ENABLE=1 before starting the "
+                              f"trainer, or start the server without --enable-symm-mem")
+    if ours != "0" and not all(info.get("enable_symm_mem") for info in infos) and os.environ.get("RANK", "0") == "0":
+        print(f"weight sync: NCCL_CUMEM_ENABLE={ours} is exported here; SGLang servers use 0 unless it is exported where "
+              f"they start too: export the same value there, or the first sync fails", flush=True)
 
 
 def reachable_address(host: str) -> str:

@@ -6,7 +6,11 @@ rollout.HFEngine on the CPU: tests run the client end to end without a GPU.
     server.stop()
 
 `starting`: how many /health_generate calls answer 503 first; `delay_s`: how long each /generate
-waits before answering (a stalled server).
+waits before answering (a stalled server). A weight sync that goes wrong on the server's side:
+`sync_fail_at=N`: the Nth bucket is refused at once (400 and SGLang's message, nothing received);
+`sync_hang_at=N`: the Nth bucket is never received nor answered, and from then on the server is stuck
+as SGLang's is inside a broadcast that never ends: /health_generate answers 503 after `health_check_s`
+(SGLang's health check, 20 s).
 
 It also takes weights as SGLang does (/init_weights_update_group, /update_weights_from_distributed
 in the "flattened_bucket" format), over gloo. Two members of one group cannot live in one
@@ -37,8 +41,11 @@ GENERATE = threading.Lock()  # one generation at a time in this process: torch's
 
 
 class StandInServer:
-    def __init__(self, model_dir: str, *, starting: int = 0, delay_s: float = 0.0, seed: int = 0, port: int = 0):
+    def __init__(self, model_dir: str, *, starting: int = 0, delay_s: float = 0.0, seed: int = 0, port: int = 0,
+                 sync_fail_at: int = 0, sync_hang_at: int = 0, health_check_s: float = 20.0):
         self.engine, self.starting, self.delay_s = HFEngine(model_dir, seed=seed), starting, delay_s
+        self.sync_fail_at, self.sync_hang_at, self.health_check_s = sync_fail_at, sync_hang_at, health_check_s
+        self.buckets, self.stuck = 0, threading.Event()
         self.requests = []  # the /generate payloads received
         self.info = {"model_path": model_dir, "tp_size": 1, "dp_size": 1}  # /server_info (SGLang's has many more)
         self.group, self.syncs = None, 0
@@ -69,6 +76,9 @@ class StandInServer:
                 if stand_in.starting > 0:
                     stand_in.starting -= 1
                     return self.answer(503, {"error": "starting"})
+                if stand_in.stuck.is_set():  # SGLang's scheduler inside a broadcast: its health check times out
+                    time.sleep(stand_in.health_check_s)
+                    return self.answer(503, {})
                 self.answer(200, {})
 
             def do_POST(self):
@@ -103,6 +113,14 @@ class StandInServer:
     def receive(self, payload: dict) -> tuple[int, dict]:
         """One bucket: a flat byte tensor from rank 0, cut back into the announced tensors."""
         assert payload["load_format"] == "flattened_bucket", payload["load_format"]
+        self.buckets += 1
+        if self.buckets == self.sync_fail_at:
+            return 400, {"success": False, "message": "Failed to update parameter online: NCCL error in: broadcast, "
+                                                      "unhandled cuda error (stand-in). The full weights of the ModelRunner "
+                                                      "are partially updated. Please discard the whole weights."}
+        if self.buckets == self.sync_hang_at:
+            self.stuck.set()
+            time.sleep(10**6)
         shaped = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in zip(payload["dtypes"], payload["shapes"])]
         flat = torch.empty(sum(t.numel() * t.element_size() for t in shaped), dtype=torch.uint8)
         dist.broadcast(flat, src=0, group=self.group)
@@ -133,7 +151,11 @@ if __name__ == "__main__":  # python tests/stand_in_server.py MODEL_DIR [--port 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-path")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--sync-fail-at", type=int, default=0)
+    parser.add_argument("--sync-hang-at", type=int, default=0)
+    parser.add_argument("--health-check-s", type=float, default=20.0)
     cli, rest = parser.parse_known_args()  # the rest of launch_servers' flags mean nothing on a CPU
-    server = StandInServer(cli.model_path or rest[0], port=cli.port)
+    server = StandInServer(cli.model_path or rest[0], port=cli.port, sync_fail_at=cli.sync_fail_at,
+                           sync_hang_at=cli.sync_hang_at, health_check_s=cli.health_check_s)
     print(f"ready {server.url}", flush=True)
     server.http.serve_forever()

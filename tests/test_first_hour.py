@@ -495,3 +495,26 @@ def test_a_checkpoint_folder_passed_for_a_model_names_its_model_folder(tiny_mode
     with pytest.raises(InputError) as e:
         check_model(str(tmp_path / "nothere"), "--reward-model")
     assert "tiny_model.py" not in str(e.value) and "does not exist" in str(e.value)
+
+
+def test_a_rollout_tp_the_model_cant_split_is_refused_before_loading(tiny_model_dir):
+    """SGLang splits attention heads and the MLP evenly over --rollout-tp GPUs, and KV heads evenly or by copies
+    (tp a multiple of them); a tp that does not fit was an assert deep in SGLang's start, blamed on its memory."""
+    from types import SimpleNamespace
+
+    from preflight import InputError, check_model, tp_problem
+
+    def shape(heads, kv, mlp):
+        return SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=mlp)
+
+    smollm2, qwen1p5b, qwen7b = shape(9, 3, 1536), shape(12, 2, 8960), shape(28, 4, 18944)
+    assert tp_problem(smollm2, 1) is None and tp_problem(smollm2, 3) is None
+    assert tp_problem(smollm2, 2) == "it has 9 attention heads (SGLang needs a --rollout-tp that divides them)"
+    assert [tp for tp in (2, 3, 4, 6, 8) if tp_problem(qwen1p5b, tp) is None] == [2, 4]  # 3, 6: 2 KV heads; 8: 12 heads
+    assert tp_problem(qwen1p5b, 3).startswith("it has 2 key-value heads")
+    assert [tp for tp in (2, 4, 7, 8) if tp_problem(qwen7b, tp) is None] == [2, 4]  # 7: 4 KV heads; 8: 28 heads
+    assert tp_problem(shape(8, 8, 100), 8) == "its MLP is 100 wide (SGLang needs a --rollout-tp that divides it)"
+    with pytest.raises(InputError, match=rf"--rollout-tp 3 can't split --model {tiny_model_dir} over 3 GPUs: it has 4 "
+                                         r"attention heads \(SGLang needs a --rollout-tp that divides them\)"):
+        check_model(tiny_model_dir, rollout_tp=3)
+    check_model(tiny_model_dir, rollout_tp=4)  # 4 heads, 2 KV heads copied twice

@@ -5,6 +5,7 @@ weights over a gloo group; generation ahead (--async-rollout); grpo.py against t
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from memory import sync_weights
 from rollout import HFEngine, SGLangOptions, Sampling, generate, send
-from server import ServerEngine, ServerError, launch_servers, post, wait_healthy
+from server import ServerEngine, ServerError, ServerInputError, check_nccl_memory, in_thread, launch_servers, post, wait_healthy
 from stop import EngineWatch, stop_engine
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
@@ -89,15 +90,27 @@ def test_a_server_that_went_away_is_named(tiny_model_dir):
 
 
 @pytest.fixture
-def server_process(tiny_model_dir):
+def stand_in(tiny_model_dir):
+    """Start stand-in servers in processes of their own: stand_in(*flags, model=...) -> (URL, process)."""
+    started = []
+
+    def start(*flags, model=tiny_model_dir):
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "stand_in_server.py"), model, *flags],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        started.append(proc)
+        line = proc.stdout.readline()
+        assert line.startswith("ready "), line
+        return line.split()[1], proc
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def server_process(stand_in):
     """A stand-in server in its own process: (its URL, the process)."""
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "stand_in_server.py"), tiny_model_dir],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("ready "), line
-    yield line.split()[1], proc
-    proc.kill()
-    proc.wait()
+    return stand_in()
 
 
 def events(url: str) -> list:
@@ -166,7 +179,8 @@ def test_the_weight_sync_group_is_not_split_from_a_bound_default_group(gloo, mon
 def test_a_group_that_cannot_form_fails_within_the_timeout(server_process):
     url, _ = server_process
     t0 = time.time()  # the server is told to join at an address nobody listens on
-    with pytest.raises(ServerError, match=r"weight-update group did not form within --rollout-timeout 3 s.*--rollout-sync-address"):
+    with pytest.raises(ServerError, match=r"forming the weight-update group did not finish within --rollout-timeout 3 s "
+                                          rf"\(no answer from {url}\).*--rollout-sync-address"):
         ServerEngine([url], timeout_s=3, sync_backend="gloo", sync_address="192.0.2.1")
     assert time.time() - t0 < 10
 
@@ -330,3 +344,85 @@ def test_ppo_async_against_a_server(server_process, trained_tiny_model_dir, tmp_
     train, _ = metrics(tmp_path)
     assert [r["rollout/staleness"] for r in train] == [0, 1, 1] and all("train/tis_weight" in r for r in train)
     assert [e[2] for e in events(url) if e[0] == "generate"] == [1, 1, 2]
+
+
+# ----------------------------------------------------------------------------------------------
+# A weight sync that goes wrong on the server's side: the run ends, in time, naming the server (issue 37)
+
+
+@pytest.mark.parametrize("case", ["refused", "no answer", "SIGTERM"])
+def test_a_sync_that_fails_on_the_servers_side_never_hangs_the_run(stand_in, tiny_model_dir, tmp_path, case):
+    """The server refuses the second sync's bucket with its error, or never takes it (a server stuck in its side of the
+    broadcast): the run ends with exit code 1 and one last line naming the server and what it said, within
+    --rollout-timeout; a SIGTERM while it waits ends the run within seconds. The main thread never sits in the
+    collective; what step 1 wrote stays."""
+    from test_failures import console_lines, start, wait_for
+
+    url, _ = stand_in("--sync-fail-at" if case == "refused" else "--sync-hang-at", "2")
+    timeout = "600" if case == "SIGTERM" else "8"
+    proc = start(tiny_model_dir, tmp_path, "--rollout-mode", "server", "--rollout-url", url, "--steps", "5",
+                 "--eval-every", "0", "--save-every", "1", "--rollout-timeout", timeout)
+    wait_for(tmp_path, "step 1 |", proc, timeout=240)
+    t0 = time.time()
+    if case == "SIGTERM":
+        time.sleep(1.0)  # the second sync is under way: the server has taken the announcement, not the bytes
+        proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    seconds, lines = time.time() - t0, console_lines(tmp_path)
+    assert not any("Traceback" in x for x in lines), lines[-8:]
+    if case == "refused":
+        assert proc.returncode == 1 and seconds < 15, (seconds, lines[-3:])
+        assert lines[-1].startswith(f"grpo.py: the weight sync failed: rollout server {url}/update_weights_from_distributed "
+                                    f"answered 400: ") and "Failed to update parameter online: NCCL error" in lines[-1]
+    elif case == "no answer":
+        assert proc.returncode == 1 and 7 < seconds < 20, (seconds, lines[-3:])
+        assert lines[-1] == (f"grpo.py: the weight sync did not finish within --rollout-timeout 8 s (no answer from {url}): "
+                             f"is every server still running?")
+    else:
+        assert proc.returncode == 143 and seconds < 1.0 + 5 + 8, (seconds, lines[-3:])  # the grace, then out
+        assert lines[-1] == ("grpo.py: stopped by SIGTERM during the weight sync to the rollout servers, which had not "
+                             "finished 5 s later; --resume continues from the last checkpoint")
+    assert [r["step"] for r in metrics(tmp_path)[0]] == [1]
+    assert os.path.isdir(tmp_path / "r" / "checkpoints" / "step_000001")
+
+
+def test_a_server_stuck_in_a_dead_trainers_sync_is_named_at_start(stand_in, monkeypatch):
+    """A trainer killed mid-sync leaves an SGLang server inside a broadcast that never ends: its health check then
+    fails after 20 s (503) and it never recovers. The next trainer says so at once and how to mend it (restart it),
+    instead of waiting --rollout-timeout for a server that looks like it is still starting."""
+    import server
+
+    url, _ = stand_in("--sync-hang-at", "1", "--health-check-s", "1.5")
+    in_thread(post, url, "/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[4]],
+                                                               "group_name": "dead", "load_format": "flattened_bucket"}, 60)
+    time.sleep(0.5)  # the announcement is in: the stand-in waits for bytes that never come
+    monkeypatch.setattr(server, "STUCK_S", 1.0)
+    t0 = time.time()
+    with pytest.raises(ServerInputError, match=rf"rollout server {url} is up but its scheduler did not generate one token "
+                                               r"in 2 s .*trainer died mid-way.*restart it"):
+        ServerEngine([url], timeout_s=600)
+    assert time.time() - t0 < 5
+
+
+def test_nccl_memory_mode_must_agree_with_the_servers(monkeypatch, capsys):
+    """A server started with --enable-symm-mem runs NCCL with cuMem (NCCL_CUMEM_ENABLE=1): a trainer with 0 is
+    refused in one line naming both fixes; a value exported here that SGLang servers don't share by default is said."""
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")
+    with pytest.raises(ServerError, match=r"rollout server http://a:1 runs with --enable-symm-mem, .* this trainer's is 0: "
+                                          r"export NCCL_CUMEM_ENABLE=1 .* or start the server without --enable-symm-mem"):
+        check_nccl_memory(["http://b:2", "http://a:1"], [{}, {"enable_symm_mem": True}])
+    check_nccl_memory(["http://b:2"], [{"enable_symm_mem": False}])
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
+    check_nccl_memory(["http://b:2"], [{}])
+    assert "NCCL_CUMEM_ENABLE=1 is exported here; SGLang servers use 0 unless" in capsys.readouterr().out
+
+
+def test_the_trainer_takes_sglangs_nccl_memory_mode_before_its_first_communicator():
+    """fsdp.init_distributed sets NCCL_CUMEM_ENABLE=0 (SGLang's) where nothing set it, and keeps a user's value."""
+    code = "import os, fsdp; fsdp.init_distributed(); print(os.environ['NCCL_CUMEM_ENABLE'])"
+    env = {k: v for k, v in os.environ.items() if k != "NCCL_CUMEM_ENABLE"}
+    for preset, expected in ((None, "0"), ("1", "1")):
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             env={**env, **({"NCCL_CUMEM_ENABLE": preset} if preset else {})})
+        assert run.stdout.split() == [expected], run.stderr[-2000:]
