@@ -263,8 +263,7 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, r
             # transformers ignores it for BPE tokenizers and warns at every decode: say False outright
             tokenizer.clean_up_tokenization_spaces = False
     except (OSError, ValueError, ImportError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise InputError(f"{flag} {name!r}: transformers could not load its config or tokenizer: {first}") from e
+        raise InputError(f"{flag} {name!r}: transformers could not load its config or tokenizer: {first_line(e)}") from e
     if problem := tp_problem(config, rollout_tp):
         raise InputError(f"--rollout-tp {rollout_tp} can't split {flag} {name} over {rollout_tp} GPUs: {problem}")
     context = getattr(config, "max_position_embeddings", None)
@@ -272,6 +271,11 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, r
         template = "chat template" if tokenizer.chat_template else "no chat template" + ": prompts go in as raw text" * raw_text
         print(f"model {name}: {(config.architectures or ['?'])[0]}, context {context}, {template}", flush=True)
     return tokenizer, context
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's first line of text, or its type's name where it has none."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def tp_problem(config, tp: int) -> str | None:

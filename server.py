@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp import without_agent_store
-from preflight import InputError, Interrupted, RunFailed
+from preflight import InputError, Interrupted, RunFailed, first_line
 from rollout import SGLangOptions
 from stop import kill, requested
 
@@ -73,7 +73,7 @@ def post(url: str, path: str, payload: dict, timeout_s: float):
             body = answer.read()
             return json.loads(body) if body[:1] in (b"{", b"[") else body.decode()
     except urllib.error.HTTPError as e:  # the server answered with an error: its message is the useful part
-        raise ServerError(f"rollout server {url}{path} answered {e.code}: {e.read().decode(errors='replace')[:500]}") from None
+        raise ServerError(f"rollout server {url}{path} answered {e.code}: {error_text(e.read())}") from None
     except TimeoutError:
         raise ServerError(f"rollout server {url}{path} did not answer within --rollout-timeout {timeout_s:g} s") from None
     except (urllib.error.URLError, ConnectionError) as e:
@@ -200,7 +200,7 @@ class ServerEngine:
         self.group_name = f"weight_sync_{address}_{port}"  # a new name for each trainer: a server outlives restarts
         requests = [in_thread(post, url, "/init_weights_update_group", {
             "master_address": address, "master_port": port, "rank_offset": 1 + sum(sizes[:i]), "world_size": world,
-            "group_name": self.group_name, "backend": backend}, self.timeout_s) for i, url in enumerate(self.urls)]
+            "group_name": self.group_name, "backend": backend}, self.timeout_s + 5) for i, url in enumerate(self.urls)]
         # rank 0 joins in a thread, watched together with the requests: a server that fails its side
         # (it cannot reach address:port, say) must not leave us waiting for the whole timeout
         joined = in_thread(join_group, address=address, port=port, world_size=world, rank=0, group_name=self.group_name,
@@ -215,7 +215,7 @@ class ServerEngine:
         payload = {"names": [n for n, _ in named_tensors], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
                    "shapes": [list(t.shape) for _, t in named_tensors], "group_name": self.group_name, "flush_cache": flush_cache,
                    "load_format": "flattened_bucket"}
-        requests = [in_thread(post, url, "/update_weights_from_distributed", payload, self.timeout_s) for url in self.urls]
+        requests = [in_thread(post, url, "/update_weights_from_distributed", payload, self.timeout_s + 5) for url in self.urls]
         flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named_tensors])  # [bytes]
         self.settle(in_thread(broadcast, flat, self.group), requests, what="the weight sync",
                     late="is every server still running?")
@@ -224,7 +224,8 @@ class ServerEngine:
         """Wait for this process's side of a collective (`work`, in a thread of its own) and every server's answer to
         its part (`requests`, one per URL), polling: the main thread never sits in a collective. The first error on
         either side, --rollout-timeout, or a signal (after SIGNAL_GRACE_S for the sync to finish) ends the wait, and
-        the group is aborted: a collective cut short leaves it unusable."""
+        the group is aborted: a collective cut short leaves it unusable. The requests' own HTTP timeout is 5 s longer,
+        so that for a server that says nothing this deadline speaks, with `late`'s hint."""
         deadline, signalled = time.time() + self.timeout_s, None
         while not (work.done() and all(r.done() for r in requests)):
             errors = [r.exception() for r in requests if r.done() and r.exception()]  # the server's own words first
@@ -378,8 +379,14 @@ def broadcast(flat: torch.Tensor, group):
     work.wait()  # raises a failed transfer's error
 
 
-def first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+def error_text(body: bytes) -> str:
+    """An error answer's words: SGLang's {"success": false, "message": ...} as its message's first line, else the text."""
+    text = body.decode(errors="replace")
+    try:
+        text = json.loads(text)["message"]
+    except (ValueError, TypeError, KeyError):
+        pass
+    return text.strip().splitlines()[0][:500] if text.strip() else "(no message)"
 
 
 def check_nccl_memory(urls: list[str], infos: list[dict]):

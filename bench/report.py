@@ -48,6 +48,8 @@ class Args:
     """where to draw that comparison"""
     gpu: str | None = None
     """server: the GPU, for runs whose run_info.json did not come back (only metrics.jsonl)"""
+    model_name: str | None = None
+    """server: the model as the figure's title names it (default: the runs' --model folder name)"""
     task: Literal["addition", "tools", "addition-mb4"] = "addition"
     """variants: run_variants.sh's addition runs, its multiplication runs with the calculator, or the policy losses
     on addition with 4 updates a batch (the ratios move off 1: the clip ranges act)"""
@@ -134,6 +136,7 @@ def tools(a: Args):
             "logprob_abs_diff_max": max(r["rollout/logprob_abs_diff"] for r in train),
             "rollout_tokens_per_s": statistics.mean(r["perf/rollout_tokens_per_s"] for r in timed),
             "seconds_per_step": statistics.mean(r["perf/step_s"] for r in timed),
+            "median_seconds_per_step": statistics.median(r["perf/step_s"] for r in timed),
             "tool_errors": sum(r.get("tools/errors", 0) for r in train), "tool_timeouts": sum(r.get("tools/timeouts", 0) for r in train),
             "tool_seconds_per_step": statistics.mean(r.get("tools/seconds", 0.0) for r in train),
             "gpu": info["gpu"], "date": info["date"], "command": info["command"]}
@@ -164,7 +167,7 @@ def tools(a: Args):
         fig.savefig(a.png, dpi=110)
 
 
-SERVER_RUNS = ("colocate", "colocate_x2", "server_sync", "server_async")
+SERVER_RUNS = ("colocate", "colocate_x2", "server_sync", "server_async", "injob_async")
 
 
 def server(a: Args):
@@ -189,8 +192,11 @@ def server(a: Args):
             "logprob_abs_diff_max": max(r["rollout/logprob_abs_diff"] for r in train),
             "staleness_mean": statistics.mean(r.get("rollout/staleness", 0.0) for r in train),
             "seconds_per_step": statistics.mean(r["perf/step_s"] for r in timed),
+            "median_seconds_per_step": statistics.median(r["perf/step_s"] for r in timed),
             "seconds_per_phase": {k[len("time/"):]: statistics.mean(r.get(k, 0.0) for r in timed)
                                   for k in ("time/generate", "time/sync_weights", "time/logprob", "time/update")},
+            "median_seconds_per_phase": {k[len("time/"):]: statistics.median(r.get(k, 0.0) for r in timed)
+                                         for k in ("time/generate", "time/sync_weights", "time/logprob", "time/update")},
             "startup_to_first_step_s": train[0].get("time/startup_to_first_step_s"),
             "gpu": info["gpu"], "date": info["date"], "command": info["command"]}
     if not runs:
@@ -207,26 +213,35 @@ def server(a: Args):
         out["server_logprob_gap_max"] = runs["server_sync"]["logprob_abs_diff_max"]
     if "server_sync" in runs and "server_async" in runs:
         out["async_speedup"] = runs["server_sync"]["seconds_per_step"] / runs["server_async"]["seconds_per_step"]
+    if "colocate_x2" in runs:  # the same 2 GPUs, colocated: the baseline a 2-GPU placement must beat (median steps)
+        out["speedup_over_colocate_x2"] = {n: round(runs["colocate_x2"]["median_seconds_per_step"] / r["median_seconds_per_step"], 3)
+                                           for n, r in runs.items() if n not in ("colocate", "colocate_x2")}
     out["runs"] = runs
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))
     if a.png:
-        fig, ax = subplots(1, 2, figsize=(11, 4))
-        for name, r in runs.items():
-            line, = ax[0].plot([e[0] for e in r["eval_curve"]], [e[2] for e in r["eval_curve"]], "o-", label=f"{name} flexible")
-            ax[0].plot([e[0] for e in r["eval_curve"]], [e[1] for e in r["eval_curve"]], "x:", color=line.get_color(),
+        evaluated = any(r["eval_curve"] for r in runs.values())  # no accuracy panel for runs that never evaluated
+        if evaluated:
+            fig, (acc_ax, time_ax) = subplots(1, 2, figsize=(11, 4))
+        else:
+            fig, time_ax = subplots(1, 1, figsize=(6, 4))
+        for name, r in runs.items() if evaluated else ():
+            line, = acc_ax.plot([e[0] for e in r["eval_curve"]], [e[2] for e in r["eval_curve"]], "o-", label=f"{name} flexible")
+            acc_ax.plot([e[0] for e in r["eval_curve"]], [e[1] for e in r["eval_curve"]], "x:", color=line.get_color(),
                        label=f"{name} strict")
         names = list(runs)
         bottom = [0.0] * len(names)
         for phase in ("generate", "sync_weights", "logprob", "update"):
             height = [runs[n]["seconds_per_phase"][phase] for n in names]
-            ax[1].bar(names, height, bottom=bottom, label=phase)
+            time_ax.bar(names, height, bottom=bottom, label=phase)
             bottom = [b + h for b, h in zip(bottom, height)]
-        ax[1].plot(names, [runs[n]["seconds_per_step"] for n in names], "k_", markersize=30, label="step (all of it)")
-        ax[0].set_xlabel("updates"), ax[0].set_ylabel("held-out accuracy (greedy)"), ax[0].set_ylim(-0.02, 1.02), ax[0].legend()
-        ax[1].set_ylabel("seconds per step (mean, step 1 left out)"), ax[1].legend(loc="lower center", fontsize=8, framealpha=0.9)
-        fig.suptitle(f"GRPO on addition, SmolLM2-135M-Instruct: colocated engine vs SGLang server ({out['gpu']})")
+        time_ax.plot(names, [runs[n]["seconds_per_step"] for n in names], "k_", markersize=30, label="step (all of it)")
+        if evaluated:
+            acc_ax.set_xlabel("updates"), acc_ax.set_ylabel("held-out accuracy (greedy)"), acc_ax.set_ylim(-0.02, 1.02), acc_ax.legend()
+        time_ax.set_ylabel("seconds per step (mean, step 1 left out)"), time_ax.legend(loc="lower center", fontsize=8, framealpha=0.9)
+        model = a.model_name or os.path.basename(json.load(open(os.path.join(a.run_dir, names[0], "args.json")))["model"].rstrip("/"))
+        fig.suptitle(f"GRPO on addition, {model}: colocated engine vs SGLang server ({out['gpu']})")
         fig.tight_layout()
         fig.savefig(a.png, dpi=110)
 
@@ -317,6 +332,7 @@ def variants(a: Args):
             "final_strict_acc": evals[-1]["eval/strict_acc"], "final_flexible_acc": evals[-1]["eval/flexible_acc"],
             "eval_curve": [[r["step"], round(r["eval/strict_acc"], 4), round(r["eval/flexible_acc"], 4)] for r in evals],
             "seconds_per_step": statistics.mean(r["perf/step_s"] for r in timed),
+            "median_seconds_per_step": statistics.median(r["perf/step_s"] for r in timed),
             "mismatch_kl_mean": mean("rollout/mismatch_kl"), "mismatch_ratio_max": max(r["rollout/mismatch_ratio_max"] for r in train),
             "logprob_abs_diff_max": max(r["rollout/logprob_abs_diff"] for r in train),
             "correction_frac_mean": mean("rollout/correction_frac"), "clip_frac_mean": mean("train/clip_frac"),

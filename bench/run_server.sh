@@ -49,5 +49,5 @@ for run in $RUNS; do
   "${limit[@]}" "${launch[@]}" grpo.py --steps "$steps" "${common[@]}" "${extra[@]}" "${resume[@]}" --run-name "$run" >> "$OUTDIR/$run.log" 2>&1
   echo "=== exit $?" >> "$OUTDIR/$run.log"
 done
-pkill -f "sglang[.]launch_server"
+stop_server  # only this script's server: a machine may run other servers (a `pkill` of all of them ended another bench's)
 tail -n 3 "$OUTDIR"/*.log

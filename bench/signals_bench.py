@@ -53,7 +53,7 @@ def start_helper(case: str, args: "Args", log_dir: str):
     """What a case needs running beside the run: a process holding the GPU's memory, or the SGLang server."""
     if case == "engine_no_memory":
         cmd = [sys.executable, "-c", HOG]
-    elif "server" in case or "sync" in case:
+    elif case in SERVER_CASES or case == "killed_server":
         return shared_server(args)
     else:
         return None
@@ -163,7 +163,7 @@ def children(pid: int) -> list[tuple[int, str]]:
 def run_case(case: str, args: Args, index: int) -> dict:
     out_dir = os.path.join(args.logs, f"{index}-{case}")
     os.makedirs(out_dir, exist_ok=True)
-    served = "server" in case or "sync" in case
+    served = case in SERVER_CASES or case == "killed_server"
     steps = "2" if case in ("normal_end", "server_sync_ok", "after_sigkill") else "500"
     model = args.server_model or args.model if served else args.model
     cmd = [sys.executable, "grpo.py", "--model", model, "--steps", steps, "--lr", "1e-5", "--micro-batch-size", "128",
