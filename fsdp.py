@@ -111,16 +111,31 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, gradient_che
     finally:
         loader_log.removeFilter(new_by_design)
     model.config.use_cache = False  # training forwards never use the KV cache
-    for module in model.modules():
-        # Dropout off: the old log-probs, the values and the update must see the same function
-        # (token-classification heads, used as critics, come with dropout 0.1).
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    dropout_off(model)
     if gradient_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2: each layer's activations are recomputed
         # in backward, trading ~30% more compute for activations of one layer instead of all.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def dropout_off(model: torch.nn.Module):
+    """Every dropout the model can apply, off: the old log-probs, the values and the update must see one function,
+    in training mode too (policy.train() stays on). nn.Dropout modules (token-classification heads, used as critics,
+    come with 0.1), and the rates modules copy from the config and apply functionally while training (Llama's, Qwen2's
+    and Mistral's attention: config.attention_dropout), wherever a module or config holds a rate."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        zero_rates(module)  # attention_dropout, dropout, attn_pdrop, ...
+    for config in [model.config] + [v for v in vars(model.config).values() if hasattr(v, "to_dict")]:  # text_config, ...
+        zero_rates(config)  # for code that reads the config as it runs (a checkpoint saves it so)
+
+
+def zero_rates(obj):
+    for name, value in list(vars(obj).items()):
+        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float) and value > 0:
+            setattr(obj, name, 0.0)
 
 
 # A CPU multiplies bf16 fast only with instructions of its own, AVX512_BF16 (Zen 4, Cooper Lake on) or AMX; without them

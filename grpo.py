@@ -12,7 +12,7 @@ rewards within each group into advantages, and take PPO-clip steps on the policy
 Variants, all flags (README: GRPO variants): the advantage (--advantage grpo, rloo, reinforce++; --no-scale-rewards
 + --loss-agg seq-mean-token-sum-norm: Dr.GRPO), the policy loss (--policy-loss ppo-clip, gspo, cispo; --clip-high 0.28:
 DAPO's clip-higher), the sampler-trainer mismatch (--rollout-correction tis, mis, icepop, seq-mask; logged every step
-whatever the choice), --dynamic-sampling, --overlong-filter, --beta > 0 with --kl-estimator k1/k2/k3 in the loss or
+whatever the choice), --dynamic-sampling, --overlong-filter, --beta > 0 with --kl-estimator k2/k3 in the loss or
 (--kl-in-reward) in the reward.
 What it simplifies: every rank loads the full checkpoint on CPU before sharding; sequences are
 right-padded per micro-batch unless --max-tokens-per-micro-batch packs them; one Adam for the whole model.
@@ -131,7 +131,8 @@ class Args:
     a ratio's gradient fades sooner as it leaves 1)"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """token-mean: over all tokens of the mini-batch; seq-mean-token-mean: mean per sequence, then over
-    sequences (original GRPO, and GSPO's); seq-mean-token-sum-norm: token sum / (sequences * max_new_tokens) (Dr.GRPO)"""
+    sequences (original GRPO, and GSPO's: gspo's default unless given); seq-mean-token-sum-norm: token sum /
+    (sequences * max_new_tokens) (Dr.GRPO)"""
     clip_low: float = 0.2
     """ratio clipped below at 1 - clip_low (1: no lower bound); not given: 3e-4 with gspo, 1 with cispo"""
     clip_high: float = 0.2
@@ -149,8 +150,10 @@ class Args:
     beta: float = 0.0
     """KL coefficient to the reference model; 0 loads no reference model at all"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """per-token KL(policy || ref) estimator, with r = ref/policy probability of the sampled token:
-    k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (Schulman's; unbiased and >= 0)"""
+    """per-token estimate of KL(policy || ref) in the loss, r = ref/policy probability of the sampled token: k2 =
+    (log r)^2 / 2, k3 = r - 1 - log r (Schulman's; its value unbiased and >= 0). As a loss on the policy's own samples
+    their gradients follow two KLs: k2's that of KL(policy || ref), k3's that of KL(ref || policy) (tests/test_grpo_math.py
+    works both out); k1 = -log r has zero expected gradient there and is refused (k1 belongs in the reward: --kl-in-reward)"""
     kl_in_reward: bool = False
     """subtract beta * sum of k1 over the response from the reward instead of adding KL to the loss"""
     dynamic_sampling: bool = False
@@ -297,7 +300,8 @@ CORRECTION_CONSOLE = [("mismatch kl", "rollout/mismatch_kl", ".1e"), ("corrected
 ADVANTAGE_EPS = 1e-6  # added to a group's reward std: a group of near-equal rewards stays finite
 KL_EXP_CLAMP = 20.0   # k3's exponent is clamped to +-this: one outlier token can't overflow the loss
 # each variant's own defaults, from its paper, for --clip-low/--clip-high/--correction-bounds not given (variant_defaults)
-VARIANT_DEFAULTS = {"gspo": {"clip_low": 3e-4, "clip_high": 4e-4},  # Zheng et al. 2025: the sequence ratio's range
+VARIANT_DEFAULTS = {"gspo": {"clip_low": 3e-4, "clip_high": 4e-4,  # Zheng et al. 2025: the sequence ratio's range
+                             "loss_agg": "seq-mean-token-mean"},    # and its objective: a mean per sequence
                     "cispo": {"clip_low": 1.0, "clip_high": 4.0},   # MiniMax-M1: no lower bound; upper 5 (SkyRL's)
                     "sapo": {"sapo_tau": (1.0, 1.05)},              # SAPO's tau_pos, tau_neg
                     "mis": {"correction_bounds": (0.5, 2.0)},       # verl's token rejection: 2 and its reciprocal
@@ -497,6 +501,8 @@ def check_args(args: Args, world_size: int):
         ("--num-minibatches", a.num_minibatches, a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
          f">= 1 and divide the {per_rank} samples per rank"),
         ("--beta", a.beta, a.beta >= 0, ">= 0"),
+        ("--kl-estimator", a.kl_estimator, a.kl_estimator != "k1" or a.beta == 0 or a.kl_in_reward, "k2 or k3 in the "
+         "loss (--beta > 0): k1's gradient there is that of log p, zero in expectation; k1 belongs in the reward (--kl-in-reward)"),
         ("--temperature", a.temperature, a.temperature > 0, "> 0"),
         ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
         ("--scale-rewards", a.scale_rewards, a.scale_rewards or a.advantage == "grpo",

@@ -133,7 +133,9 @@ class Args:
     kl_coef: float = 0.001
     """per-token KL penalty in the reward (initial value with --adaptive-kl); 0 without --adaptive-kl: no reference model"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """per-token KL(actor || ref) estimate in the reward penalty (see grpo.py)"""
+    """per-token KL(actor || ref) estimate in the reward penalty (see grpo.py). As a reward the policy gradient
+    E[grad log p * (-kl)] is exact with k1, the default (the gradient of KL(actor || ref)); k2 and k3 bias it (a penalty
+    that grows with the log-ratio, not the KL's gradient: tests/test_ppo_math.py)"""
     adaptive_kl: bool = False
     """adjust kl_coef each step toward --target-kl (Ziegler et al. 2019)"""
     target_kl: float = 1.0

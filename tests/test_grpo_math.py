@@ -692,7 +692,7 @@ def test_variant_line_names_the_settings_in_force(monkeypatch):
     """The start-up line: each axis with the range it uses; one update a batch (ratio 1) said, not with 4."""
     monkeypatch.setattr("sys.argv", ["grpo.py", "--policy-loss", "gspo", "--rollout-correction", "icepop"])
     line = variant_line(variant_defaults(Args(policy_loss="gspo", rollout_correction="icepop")))
-    assert line.startswith("algorithm: advantage grpo | policy loss gspo (clip 0.0003 / 0.0004, token-mean) | "
+    assert line.startswith("algorithm: advantage grpo | policy loss gspo (clip 0.0003 / 0.0004, seq-mean-token-mean) | "
                            "rollout correction icepop (bounds 0.5 5) | one update a batch: every ratio 1, nothing clips")
     monkeypatch.setattr("sys.argv", ["grpo.py", "--rollout-correction", "tis", "--num-minibatches", "4"])
     line = variant_line(variant_defaults(Args(rollout_correction="tis", num_minibatches=4)))
@@ -740,3 +740,89 @@ def test_check_args_variant_flags():
     for bad in (Args(sapo_tau=(1.0, 2.0)), Args(policy_loss="sapo", sapo_tau=(0.0, 1.0))):
         with pytest.raises(InputError, match=r"--sapo-tau \(.*\) must be POS NEG, finite and > 0, with --policy-loss sapo"):
             check_args(bad, world_size=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The math audit (issue 38)
+
+
+@pytest.mark.parametrize("kind", ["policy", "critic", "reward model"])
+def test_no_dropout_survives_loading_even_from_the_config(tiny_model_dir, tmp_path, kind):
+    """Llama applies config.attention_dropout functionally whenever the module is in training mode, and policy.train()
+    stays on: the old log-probs and the update saw dropout noise (1.16 nats apart in the audit). A model whose config
+    sets every dropout it has, loaded as the policy, a critic (token classification) or a reward model, gives the
+    same outputs in training mode twice and in eval mode; transformers' own load does not."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    from fsdp import load_model
+
+    folder = tmp_path / "dropout-model"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(attention_dropout=0.3, classifier_dropout=0.3, num_labels=1)
+    (folder / "config.json").write_text(json.dumps(config))
+    model_class = {"policy": AutoModelForCausalLM, "critic": AutoModelForTokenClassification,
+                   "reward model": AutoModelForSequenceClassification}[kind]
+    ids = torch.tensor([[5, 17, 42, 9, 33, 7, 21, 12]])
+
+    def outputs(model):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            model.train()
+            first, second = model(ids).logits, model(ids).logits
+            model.eval()
+            return first, second, model(ids).logits
+
+    plain = model_class.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    first, second, _ = outputs(plain)
+    assert not torch.equal(first, second)  # the hazard is real: training mode samples dropout
+    loaded = load_model(str(folder), torch.device("cpu"), torch.float32, attn_implementation="eager",
+                        model_class=model_class, new_head=kind != "policy")
+    first, second, evaluated = outputs(loaded)
+    assert torch.equal(first, second) and torch.equal(first, evaluated)
+    assert loaded.config.attention_dropout == 0.0 and loaded.model.layers[0].self_attn.attention_dropout == 0.0
+
+
+def test_what_each_kl_estimators_gradient_follows_in_the_loss():
+    """A 3-token policy and a reference, expectations taken exactly (each token weighted by its probability, held
+    fixed: the loss sees the policy's own samples). k1 = log(p/ref): E_p[grad log p] = sum_x p_x (e_x - p) = 0. k2's
+    expected gradient is that of KL(p || ref); k3's, (1 - ref/p) grad log p in expectation, is that of KL(ref || p)."""
+    ref_logp = torch.log_softmax(torch.tensor([0.0, 0.4, -0.1]), -1)
+    theta = torch.tensor([0.3, -0.2, 0.5], requires_grad=True)
+
+    def grad_of(loss_fn):
+        return torch.autograd.grad(loss_fn(torch.log_softmax(theta, -1)), theta)[0]
+
+    def expected_grad(estimator):
+        return grad_of(lambda logp: (logp.exp().detach() * kl_penalty(logp, ref_logp, estimator)).sum())
+
+    kl_p_ref = grad_of(lambda logp: (logp.exp() * (logp - ref_logp)).sum())   # grad KL(p || ref)
+    kl_ref_p = grad_of(lambda logp: (ref_logp.exp() * (ref_logp - logp)).sum())  # grad KL(ref || p) = -sum ref grad log p
+    assert (kl_p_ref - kl_ref_p).abs().max() > 0.02  # the two differ here: the test tells them apart
+    assert_close(expected_grad("k1"), torch.zeros(3), atol=1e-7, rtol=0)
+    assert_close(expected_grad("k2"), kl_p_ref, atol=1e-6, rtol=0)
+    assert_close(expected_grad("k3"), kl_ref_p, atol=1e-6, rtol=0)
+
+
+def test_k1_in_the_loss_is_refused_and_k1_in_the_reward_is_not():
+    with pytest.raises(InputError, match=r"--kl-estimator k1 must be k2 or k3 in the loss \(--beta > 0\): k1's gradient "
+                                         r"there is that of log p, zero in expectation; k1 belongs in the reward \(--kl-in-reward\)"):
+        check_args(Args(beta=0.04, kl_estimator="k1"), world_size=1)
+    check_args(Args(beta=0.04, kl_estimator="k1", kl_in_reward=True), world_size=1)
+    check_args(Args(beta=0.0, kl_estimator="k1"), world_size=1)  # no KL at all: nothing to refuse
+    check_args(Args(beta=0.04, kl_estimator="k2"), world_size=1)
+
+
+def test_gspo_defaults_to_its_papers_objective_a_mean_per_sequence(monkeypatch):
+    """GSPO's objective averages each sequence's tokens, then the sequences: seq-mean-token-mean, gspo's default now
+    (token-mean's gradient was 29-35% off it in the audit); --loss-agg given keeps its value; the algorithm line says it."""
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--policy-loss", "gspo"])
+    args = variant_defaults(Args(policy_loss="gspo"))
+    assert args.loss_agg == "seq-mean-token-mean" and "seq-mean-token-mean" in variant_line(args)
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--policy-loss", "gspo", "--loss-agg", "token-mean"])
+    assert variant_defaults(Args(policy_loss="gspo", loss_agg="token-mean")).loss_agg == "token-mean"
+    monkeypatch.setattr("sys.argv", ["grpo.py"])
+    assert variant_defaults(Args()).loss_agg == "token-mean"

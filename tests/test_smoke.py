@@ -103,6 +103,7 @@ def test_grpo_variants(trained_tiny_model_dir, tmp_path, variant, clip):
     assert all(r["rollout/mismatch_kl"] >= 0 and 0 <= r["rollout/correction_frac"] <= 1 for r in train)
     args = json.loads((tmp_path / "r" / "args.json").read_text())
     assert [args["clip_low"], args["clip_high"]] == clip and "| corrected " in proc.stdout
+    assert args["loss_agg"] == ("seq-mean-token-mean" if "gspo" in variant else "token-mean")  # gspo's paper's objective
 
 
 def test_grpo_rollout_tp_group(trained_tiny_model_dir, tmp_path):
