@@ -18,6 +18,7 @@ import datetime
 import logging
 import math
 import os
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -332,22 +333,25 @@ def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, max_toke
     return [rows[torch.tensor(b, dtype=torch.long)] for b in bins]
 
 
-def balance(items: list, weights: list[float], world_size: int) -> list:
-    """Every rank's `items` dealt out again over the ranks, each rank keeping as many as it had, so that their
-    summed `weights` (tokens) are as even as LPT makes them: heaviest first, each to the lightest rank with room.
+def balance(items: list, weights: list[float], world_size: int, share: int | None = None) -> list:
+    """Every rank's `items` dealt out again over the ranks, each rank keeping as many as it had (or `share` each: the
+    pool cut to share x world_size first, in rank order, whatever the weights), so that their summed `weights`
+    (tokens) are as even as LPT makes them: heaviest first, each to the lightest rank with room.
 
     PLUMBING: every rank runs as many micro-batches (micro_batches), so the rank whose rollouts ran longest
     sets every rank's pace. All ranks gather all items (all_gather_object: token ids, a few MB) and compute
     the same deal; each keeps its share, in the gathered order. Each item moves whole (grpo.py: a group).
     """
     if world_size == 1:
-        return items
+        return items if share is None else items[:share]
     gathered = [None] * world_size
     dist.all_gather_object(gathered, list(zip(weights, items)))
     pool = [x for part in gathered for x in part]                      # rank by rank: the same list on every rank
+    room = [len(part) if share is None else share for part in gathered]
+    pool = pool[:sum(room)]
     loads, shares = [0.0] * world_size, [[] for _ in range(world_size)]
     for i in sorted(range(len(pool)), key=lambda i: -pool[i][0]):
-        r = min((r for r in range(world_size) if len(shares[r]) < len(gathered[r])), key=lambda r: loads[r])
+        r = min((r for r in range(world_size) if len(shares[r]) < room[r]), key=lambda r: loads[r])
         loads[r] += pool[i][0]
         shares[r].append(i)
     return [pool[i][1] for i in sorted(shares[dist.get_rank()])]
@@ -377,15 +381,24 @@ def batch_logprobs(model, batch, micro_batch_size: int, temperature: float, devi
 
 def clip_and_step(model, optimizer, scheduler, max_grad_norm: float) -> float:
     """Clip the gradient to max_grad_norm, step the optimizer and its LR schedule, zero the
-    gradient. A NaN/inf norm (a NaN loss or reward) skips the step: it never reaches the weights.
-    Returns the norm before clipping (a CPU-GPU sync point: once per optimizer step)."""
+    gradient. A NaN/inf norm (a NaN loss or reward) skips the step: it never reaches the weights,
+    and the schedule moves on as if it had (it counts the steps the run plans: steps x epochs x
+    mini-batches). Returns the norm before clipping (a CPU-GPU sync point: once per optimizer step)."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
     if math.isfinite(norm):
         optimizer.step()
-        scheduler.step()
+    skip_schedule(scheduler, 1)
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+def skip_schedule(scheduler, n: int):
+    """Move the LR schedule on by n optimizer steps, taken or skipped (an update dynamic sampling skipped whole)."""
+    with warnings.catch_warnings():  # torch warns of a schedule stepped before its optimizer: a first step skipped
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        for _ in range(n):
+            scheduler.step()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, source_name,
                   task_prompts)
 from fsdp import (all_reduce, all_reduce_dict, balance, batch_logprobs, clip_and_step, compute_dtype, init_distributed, load_model,
-                  lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
+                  lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, skip_schedule, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, given_flags, package_rules, size_for_cpu
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
@@ -86,7 +86,9 @@ class Args:
     temperature: float = 1.0
     """sampling temperature (log-probs are computed at the same temperature)"""
     top_p: float = 1.0
-    """nucleus sampling; < 1 makes the sampler's distribution differ from the trained one"""
+    """nucleus sampling; < 1 makes the sampler's distribution differ from the trained one. Both engines report the
+    whole vocabulary's log-probs at the temperature, as the trainer computes them (SGLang 0.5.16 and the HF engine
+    alike), so the mismatch metrics and corrections compare one quantity; none corrects for the truncation itself"""
     # --- optimization
     steps: int = 200
     """training steps (one rollout batch each)"""
@@ -801,12 +803,11 @@ def main(args: Args):
                 if args.dynamic_sampling:  # ALGO: a group of equal rewards has zero advantage: no signal
                     groups = [g for g in groups if len({s.reward for s in g}) > 1]
                 kept += groups
-                short = all_reduce(max(local_prompts - len(kept), 0), dist.ReduceOp.MAX)
-                if not args.dynamic_sampling or short == 0 or rounds == args.max_sampling_rounds:
+                kept_total = int(all_reduce(len(kept)))  # pooled below: one rank's surplus fills another's gap
+                if not args.dynamic_sampling or kept_total >= args.prompts_per_step or rounds == args.max_sampling_rounds:
                     break
-            # every rank must train on the same number of groups (FSDP collectives must match)
-            n_groups = int(all_reduce(min(len(kept), local_prompts), dist.ReduceOp.MIN))
-            kept = kept[:n_groups]
+            # every rank trains on as many groups (FSDP's collectives must match), dealt from all ranks' kept (balance)
+            n_groups = min(kept_total // world_size, local_prompts)
         if signum := agreed_signal():  # a signal during generation: stop before anything is trained on
             stop_now(signum, step - 1, sampler_state)
         if args.async_rollout and step < args.steps:  # ALGO: one step off-policy: the next batch is sampled
@@ -822,14 +823,17 @@ def main(args: Args):
         metrics["rollout/staleness"] = float(pending.ahead)  # updates between the sampling weights and the trained ones
         if tools:
             metrics.update(tool_stats(seen))
-        metrics.update({"rollout/kept_groups": all_reduce(len(kept)), "rollout/sampling_rounds": rounds})
-        if not kept:  # dynamic sampling found no group with differing rewards: nothing to learn from
-            print0(f"step {step} | no group with differing rewards after {rounds} rounds: update skipped")
+        metrics.update({"rollout/kept_groups": n_groups * world_size, "rollout/sampling_rounds": rounds})
+        if not n_groups:  # dynamic sampling found too few groups with differing rewards: nothing to learn from
+            print0(f"step {step} | {kept_total or 'no'} groups with differing rewards after {rounds} rounds"
+                   + f" (every one of the {world_size} ranks needs one)" * bool(kept_total) + ": update skipped")
             metrics["train/skipped"] = 1.0
+            skip_schedule(scheduler, args.epochs * args.num_minibatches)  # the LR follows the steps, not the updates
         else:
             # -- 4. the batch: old log-probs from the training model, reference log-probs if beta > 0
-            # PLUMBING: whole groups change ranks, as many on each, evening out the ranks' tokens (fsdp.balance)
-            kept = balance(kept, [sum(len(s.prompt_ids) + len(s.response_ids) for s in g) for g in kept], world_size)
+            # PLUMBING: whole groups change ranks, n_groups to each, evening out the ranks' tokens (fsdp.balance)
+            tokens_per_group = [sum(len(s.prompt_ids) + len(s.response_ids) for s in g) for g in kept]
+            kept = balance(kept, tokens_per_group, world_size, share=n_groups)
             flat = [s for g in kept for s in g]
             batch = collate(flat, pad_id)
             lengths = batch.attention_mask.sum(-1)                                           # [B] real tokens
@@ -867,7 +871,8 @@ def main(args: Args):
                 for epoch in range(args.epochs):
                     shuffle = torch.Generator().manual_seed(seed_for(args.seed, "update", step, epoch))
                     order = torch.randperm(len(batch), generator=shuffle)
-                    for mini in order.chunk(args.num_minibatches):  # the rows of one optimizer step
+                    for mini in order.tensor_split(args.num_minibatches):  # the rows of one optimizer step: as many
+                        # as the LR schedule counts, also when dynamic sampling shrank the batch (6 rows: 2, 2, 1, 1)
                         # global counts, once per mini-batch: every rank normalizes by the whole mini-batch
                         num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
                         num_seqs = float(all_reduce((batch.loss_mask[mini].sum(-1) > 0).sum()))  # filtered rows don't count

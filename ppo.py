@@ -88,7 +88,9 @@ class Args:
     temperature: float = 1.0
     """sampling temperature (log-probs are computed at the same temperature)"""
     top_p: float = 1.0
-    """nucleus sampling; < 1 makes the sampler's distribution differ from the trained one"""
+    """nucleus sampling; < 1 makes the sampler's distribution differ from the trained one. Both engines report the
+    whole vocabulary's log-probs at the temperature, as the trainer computes them (SGLang 0.5.16 and the HF engine
+    alike), so the mismatch metrics and corrections compare one quantity; none corrects for the truncation itself"""
     # --- optimization
     steps: int = 200
     """training steps (one rollout batch each)"""

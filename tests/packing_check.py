@@ -69,6 +69,13 @@ assert sorted(x for part in everyone for x in part) == [(r, k, w) for r, ws in e
                                                         for k, w in enumerate(ws)]  # each group once
 assert all(len(part) == 4 for part in everyone) and max(loads) - min(loads) <= 900, loads  # was 2650 vs 290
 assert balance(groups, [w for _, _, w in groups], world) == mine  # the same deal again
+# dynamic sampling's kept groups, uneven: rank 0 kept 3, rank 1 none. Each rank trains on 3 // 2 = 1 (grpo.py's
+# n_groups), dealt from the pool in rank order whatever the tokens: rank 0's first two, not the heaviest two
+kept = [[(0, 0, 50), (0, 1, 10), (0, 2, 900)], []][rank]
+dealt = balance(kept, [w for _, _, w in kept], world, share=3 // world)
+everyone = [None] * world
+dist.all_gather_object(everyone, dealt)
+assert sorted(x for part in everyone for x in part) == [(0, 0, 50), (0, 1, 10)] and [len(p) for p in everyone] == [1, 1], everyone
 if rank == 0:
     print(f"balanced tokens per rank: {loads}", flush=True)
     print(f"packed matches padded: {int(counts[0])} micro-batches per rank, {stand_ins} stand-in(s)", flush=True)

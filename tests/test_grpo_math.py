@@ -826,3 +826,55 @@ def test_gspo_defaults_to_its_papers_objective_a_mean_per_sequence(monkeypatch):
     assert variant_defaults(Args(policy_loss="gspo", loss_agg="token-mean")).loss_agg == "token-mean"
     monkeypatch.setattr("sys.argv", ["grpo.py"])
     assert variant_defaults(Args()).loss_agg == "token-mean"
+
+
+def test_the_samplers_log_probs_under_top_p_are_the_full_distributions_as_the_trainers(tiny_model_dir):
+    """--top-p < 1 samples from the nucleus, but the HF engine reports log_softmax(logits / T) of the whole
+    vocabulary, as the trainer computes it and as SGLang 0.5.16 does (its sampler returns log(softmax(logits / T))
+    before the top-p filter, which sorts a copy): TIS/MIS compare one quantity on either engine. The nucleus'
+    own (renormalized) log-prob is larger, and every sampled token lies inside the nucleus."""
+    from rollout import HFEngine, Sampling, stop_token_ids
+    from transformers import AutoTokenizer
+
+    engine = HFEngine(tiny_model_dir)
+    stop = stop_token_ids(AutoTokenizer.from_pretrained(tiny_model_dir), tiny_model_dir)
+    prompt, T, top_p = [5, 17, 42, 9], 0.7, 0.5
+    out = engine.generate([prompt], [Sampling(max_new_tokens=12, stop_ids=stop, temperature=T, top_p=top_p).params(3)],
+                          return_logprob=True)[0]
+    response = out["output_ids"]
+    reported = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])           # [N]
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float()  # [N, V]
+    full = torch.log_softmax(logits / T, -1)                                                          # [N, V]
+    tokens = torch.tensor(response)
+    assert_close(reported, full.gather(-1, tokens[:, None]).squeeze(-1), atol=1e-4, rtol=0)
+    probs, order = full.exp().sort(-1, descending=True)
+    inside = (probs.cumsum(-1) - probs) < top_p                                                       # the nucleus
+    nucleus_mass = (probs * inside).sum(-1)                                                           # [N]
+    rank = (order == tokens[:, None]).float().argmax(-1)
+    assert inside.gather(-1, rank[:, None]).all()  # sampled from the nucleus ...
+    assert (reported < full.gather(-1, tokens[:, None]).squeeze(-1) - nucleus_mass.log() - 1e-3).any()  # ... not its log-prob
+
+
+def test_the_lr_schedule_counts_the_optimizer_steps_the_run_plans():
+    """The schedule spans steps x epochs x --num-minibatches optimizer steps. Dynamic sampling's shrunken batch still
+    makes --num-minibatches of them (torch.chunk made 3 of 6 rows in 4), and an update skipped whole (no group with
+    differing rewards) or a NaN gradient moves the schedule on as if it had stepped: the LR follows the run's steps."""
+    import warnings
+
+    from fsdp import clip_and_step, skip_schedule
+
+    rows = torch.arange(6)
+    assert [len(m) for m in rows.tensor_split(4)] == [2, 2, 1, 1] and len(rows.chunk(4)) == 3
+    layer = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / 10)  # 1.0, 0.9, 0.8, ...
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        skip_schedule(scheduler, 4)  # a step of 4 optimizer steps skipped whole: 1 - 4/10
+        assert scheduler.get_last_lr() == pytest.approx([0.6])
+        before = [p.detach().clone() for p in layer.parameters()]
+        (layer(torch.ones(1, 2)).sum() * float("nan")).backward()
+        assert math.isnan(clip_and_step(layer, optimizer, scheduler, 1.0))
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))  # the NaN never reached the weights
+    assert scheduler.get_last_lr() == pytest.approx([0.5]) and not caught  # ... and the schedule moved on, quietly
