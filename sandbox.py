@@ -31,11 +31,13 @@ What the jail holds (`bwrap`), and why each part: the boundary is the kernel's, 
   /proc can be read (kernel layout, not the trainer's data), and the kernel waives RLIMIT_NPROC for
   root, so only a cgroup caps processes there; without one a fork bomb runs until `seconds`.
 - On the trainer's side: output read with a deadline, each stream's first `output_chars` bytes kept
-  and the rest discarded; at the deadline the jail is killed (its pid namespace takes every
-  descendant with it, a daemon or a new session included) and the call returns.
+  and the rest discarded; at the deadline the jail's pid 1 is killed by its host pid (it may have
+  cleared the parent-death signal bwrap gave it), and its pid namespace takes every descendant with
+  it, a daemon or a new session included, with or without a cgroup; then the call returns. The
+  jail's processes run at the lowest CPU priority (nice 19, which no process there may lower).
 What it does not hold: kernel bugs (a jail shares the kernel; SandboxFusion's service puts programs
-on other machines), CPU time taken from the trainer within `seconds` (the cgroup caps memory and
-processes, not CPU share), and whatever a user's own tool does (tools.py: those run in a thread).
+on other machines), CPU time taken from the trainer within `seconds` (lowest priority, no CPU share
+of its own), and whatever a user's own tool does (tools.py: those run in a thread).
 """
 
 import functools
@@ -98,7 +100,7 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
     lim = {**LIMITS, **(limits or {})}
     if sandbox.startswith(("http://", "https://")):
         return run_on_service(code, sandbox, lim)
-    with tempfile.TemporaryDirectory(prefix="sandbox-", ignore_cleanup_errors=True) as host_dir:  # process: its folder
+    with tempfile.TemporaryDirectory(prefix=f"sandbox-{os.getpid()}-", ignore_cleanup_errors=True) as host_dir:  # whose
         cpu_s = math.ceil(lim["seconds"]) + 1  # a busy loop meets the wall-clock limit first
         if sandbox == "bwrap":
             files = [_memfd("main.py", code.encode()), _memfd("seccomp", seccomp_filter())]
@@ -113,6 +115,7 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
         groups = make_cgroups(lim)
         if sandbox == "bwrap":
             cmd = outside_user() + cmd
+        cmd = NICEST + cmd  # the lowest CPU priority, inherited by every process of the program: the trainer's threads first
         if groups:  # the shell joins the cgroups (as this process's user), then becomes the command
             cmd = ["/bin/sh", "-c", 'for p in $0; do echo $$ > "$p"; done; exec "$@"',
                    " ".join(os.path.join(g, "cgroup.procs") for g in groups), *cmd]
@@ -125,18 +128,56 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
         try:
             out, err, dropped, finished = read_bounded(proc, seconds=lim["seconds"], keep=lim["output_chars"])
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)  # bwrap (the jail dies with it) or the program's process group
-            proc.wait()
+            # the jail's pid 1 by its host pid first: it may have cleared the parent-death signal bwrap gave it, and
+            # outlive bwrap with its children where no cgroup holds them. Its death ends every process of its pid
+            # namespace. Then bwrap, or the process sandbox's group (start_new_session)
+            for pid in descendants(proc.pid):
+                kill(pid)
+            os.killpg(proc.pid, signal.SIGKILL)
+            cpu_used = reap(proc)
             remove_cgroups(groups)
     if not finished:
         raise TimeoutError(f"the program ran longer than {lim['seconds']:g} s and was stopped")
+    # bwrap exits 128 + n for a program killed by signal n, and also when the program exits with that code itself
+    # (152 = 128 + SIGXCPU): RLIMIT_CPU's kill is told by the CPU time the kernel counted
     killed_by = -proc.returncode if proc.returncode < 0 else proc.returncode - 128 if sandbox == "bwrap" and proc.returncode > 128 else 0
-    if killed_by == signal.SIGXCPU:
+    if killed_by == signal.SIGXCPU and cpu_used >= cpu_s - 0.5:
         raise TimeoutError(f"the program used more than {cpu_s} s of CPU time and was stopped")
+    killed_by = 0 if killed_by == signal.SIGXCPU else killed_by
     note = f"(killed by {signal.strsignal(killed_by) or killed_by}" if killed_by else ""  # SIGSYS: a refused ABI
     note += f": over its {lim['memory_mb']} MB of memory?)" if killed_by == signal.SIGKILL else ")" * bool(note)
     return reply_text(out.decode(errors="replace"), err.decode(errors="replace"), dropped=dropped, note=note,
                       cut=lim["output_chars"])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid`, parents before children (/proc/PID/task/*/children)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:  # it exited
+            continue
+        for task in tasks:
+            for child in map(int, _read(f"/proc/{parent}/task/{task}/children").split()):
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+def kill(pid: int):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # gone; or no longer ours (its pid taken again)
+        pass
+
+
+def reap(proc) -> float:
+    """Wait for `proc` (a Popen) and return the CPU seconds it and the descendants it waited for used."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_utime + usage.ru_stime
 
 
 def reply_text(out: str, err: str, *, dropped: int, note: str, cut: int) -> str:
@@ -146,8 +187,10 @@ def reply_text(out: str, err: str, *, dropped: int, note: str, cut: int) -> str:
     return text[:cut] + f"\n... ({more} more characters cut)" if more else text
 
 
+NICEST = [shutil.which("nice"), "-n", "19"] if shutil.which("nice") else []  # nobody raises it back: no CAP_SYS_NICE
 JAIL_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1"}  # thread pools reserve memory that RLIMIT_AS counts
+            "OPENBLAS_NUM_THREADS": "1",  # thread pools reserve memory that RLIMIT_AS counts
+            "SANDBOX_OWNER": str(os.getpid())}  # whose jail a process is (ps, tests; several trainers on a host)
 
 
 def jail_command(*, code_fd: int, seccomp_fd: int, lim: dict) -> list[str]:
@@ -205,7 +248,9 @@ def seccomp_filter() -> bytes:
         f.add_rule(pyseccomp.ERRNO(1), name)  # EPERM
     f.add_rule(pyseccomp.ERRNO(38), "clone3")  # ENOSYS: use clone
     f.add_rule(pyseccomp.ERRNO(1), "clone", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0x10000000, 0x10000000))  # CLONE_NEWUSER
-    f.add_rule(pyseccomp.ERRNO(1), "socket", pyseccomp.Arg(0, pyseccomp.EQ, 40))  # AF_VSOCK: network namespaces don't hold it
+    # AF_VSOCK (network namespaces don't hold it). socket's domain is an int: the kernel reads the low 32 bits of the
+    # 64-bit argument, so the rule compares those alone, or (1 << 32) | 40 would pass it and open a vsock
+    f.add_rule(pyseccomp.ERRNO(1), "socket", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0xFFFFFFFF, 40))
     fd = _memfd("seccomp", b"")
     with os.fdopen(fd, "w+b") as file:
         f.export_bpf(file)
@@ -319,10 +364,7 @@ def remove_cgroups(paths: list[str]):
         for _ in range(200):  # a killed process leaves its cgroup a moment later
             pids = _read(os.path.join(path, "cgroup.procs")).split()
             for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                kill(int(pid))
             try:
                 os.rmdir(path)
                 break

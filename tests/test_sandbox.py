@@ -128,20 +128,22 @@ def rss_mb() -> float:
 
 
 def jail_pids() -> set[int]:
-    """Live processes a jail could have left: those in another pid namespace than this test's (every process
-    a program starts is in its jail's), and any running the bootstrap or bwrap. Compared before and after
-    a call, so a process that was there before (another container's) never counts; a marker in the
-    program's argv would miss what it execs, and a parent-pid walk misses what re-parents to init.
-    Zombies don't count: a jail killed at its deadline leaves its pid 1 dead, for the host's init to reap
-    (this machine's init takes ~2 s), holding no memory and running nothing."""
-    mine, found = os.readlink("/proc/self/ns/pid"), set()
+    """Live processes this test process's jails could have left: those in another pid namespace than this test's
+    (every process a program starts is in its jail's), and any running the bootstrap or bwrap, less those whose
+    environment names another owner (SANDBOX_OWNER: another test worker's or another trainer's jails). Compared
+    before and after a call, so a process that was there before (another container's) never counts; a marker in
+    the program's argv would miss what it execs, and a parent-pid walk misses what re-parents to init. Zombies
+    don't count: a jail killed at its deadline leaves its pid 1 dead, for the host's init to reap (this machine's
+    init takes ~2 s), holding no memory and running nothing."""
+    mine, owner, found = os.readlink("/proc/self/ns/pid"), f"SANDBOX_OWNER={os.getpid()}".encode(), set()
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             cmdline = open(f"/proc/{name}/cmdline", "rb").read()
             zombie = open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()[0] in "ZX"
-            if zombie:
+            environ = open(f"/proc/{name}/environ", "rb").read().split(b"\0")
+            if zombie or any(e.startswith(b"SANDBOX_OWNER=") and e != owner for e in environ):
                 continue
             if os.readlink(f"/proc/{name}/ns/pid") != mine or b"sys.addaudithook(hook)" in cmdline or cmdline.startswith(b"bwrap"):
                 found.add(int(name))
@@ -158,7 +160,7 @@ def host_pwned(secret_dir: str) -> list[str]:
 
 
 def leftover_folders() -> set[str]:
-    return {f for f in os.listdir(tempfile.gettempdir()) if f.startswith("sandbox-")}
+    return {f for f in os.listdir(tempfile.gettempdir()) if f.startswith(f"sandbox-{os.getpid()}-")}  # this process's
 
 
 def run_jailed(code: str, trainer: dict, **limits) -> tuple[str | TimeoutError, float]:
@@ -429,6 +431,10 @@ TRAINER = [  # route 2: reach the trainer's secrets, processes, files and networ
                  "address = b'\\1\\0' + b'\\0ABSTRACT'  # sockaddr_un: AF_UNIX, then the abstract name; libc's connect: no audit hook\n"
                  "print('abstract', libc.connect(s.fileno(), address, len(address)), ctypes.get_errno())",
                  says("abstract -1 111"), id="abstract_unix_socket"),
+    pytest.param("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nnr = {'x86_64': 41, 'aarch64': 198}[os.uname().machine]\n"
+                 "for name, domain in (('vsock', 40), ('vsock_bit32', (1 << 32) | 40), ('vsock_high', 0xFFFFFFFF00000028)):\n"
+                 "    print(name, libc.syscall(nr, ctypes.c_ulong(domain), 1, 0), ctypes.get_errno())  # the kernel reads an int",
+                 says("vsock -1 1", "vsock_bit32 -1 1", "vsock_high -1 1"), id="vsock_socket_with_high_bits"),
     pytest.param(ATTEMPT + UNHOOK + "import socket\nattempt('dns', socket.getaddrinfo, 'huggingface.co', 443)\n"
                  "attempt('udp_53', socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto, b'x', ('8.8.8.8', 53))\n"
                  "attempt('tcp_out', socket.socket().sendto, b'x', socket.MSG_FASTOPEN, ('1.1.1.1', 443))  # a connect no hook sees\n"
@@ -454,6 +460,8 @@ TIME = [  # route 3: outlive `seconds`; each must return within seconds + 1 and 
     pytest.param("import os, time\nif os.fork():\n    os._exit(0)\ntime.sleep(60)", "", id="fork_then_parent_exits"),
     pytest.param("import os, time\nos.close(1); os.close(2)\ntime.sleep(60)", None, id="closes_pipes_then_sleeps"),
     pytest.param("import os\nif os.fork() == 0:\n    while True: pass\nos.wait()", None, id="child_spins_parent_waits"),
+    pytest.param("import ctypes, os, time\nctypes.CDLL(None).prctl(1, 0)  # PR_SET_PDEATHSIG 0: outlive bwrap\n"
+                 "if os.fork() == 0:\n    ctypes.CDLL(None).prctl(1, 0)\ntime.sleep(60)", None, id="clears_parent_death_signal"),
 ]
 
 FORGED = [  # route 5: text shaped like chat-template turns comes back as text (the tokenizer side is tested elsewhere)
@@ -474,6 +482,31 @@ def test_program_is_contained(code, contained, trainer):
 
 @pytest.mark.parametrize("code, printed", TIME)
 def test_program_cannot_outlive_its_limit(code, printed, trainer):
+    outlive_the_limit(code, printed, trainer)
+
+
+@pytest.mark.parametrize("code, printed", [p for p in TIME if p.id in ("clears_parent_death_signal", "double_fork_daemon",
+                                                                     "ignores_sigterm_sighup", "child_spins_parent_waits")])
+def test_without_a_cgroup_the_deadline_still_ends_every_process(code, printed, trainer, monkeypatch):
+    """Where the trainer may make no cgroup (an ordinary user's job), the deadline must end the jail's whole pid
+    namespace from outside: its pid 1, killed by host pid, takes every process of the namespace with it."""
+    monkeypatch.setattr(sandbox, "make_cgroups", lambda lim: [])
+    outlive_the_limit(code, printed, trainer)
+
+
+def test_an_exit_code_is_not_taken_for_a_signal(trainer):
+    """bwrap exits 128 + n for a program killed by signal n, and 152 for one that exits 152 itself: that program's
+    output comes back, not 'used more than N s of CPU time' (the kernel's CPU count tells RLIMIT_CPU's kill)."""
+    reply, _ = run_jailed("import os; print('answer 42', flush=True); os._exit(152)", trainer)
+    assert reply == "answer 42\n", reply
+
+
+def test_the_program_runs_at_the_lowest_cpu_priority_and_cannot_raise_it(trainer):
+    reply, _ = run_jailed(ATTEMPT + "import os\nprint('nice', os.nice(0))\nattempt('raise', os.nice, -1)", trainer)
+    assert says("nice 19")(reply) and refused("raise")(reply), reply
+
+
+def outlive_the_limit(code, printed, trainer):
     reply, took = run_jailed(code, trainer, seconds=2)
     assert took < 3, f"the call took {took:.1f} s with seconds=2"
     if printed is None:  # still running at the deadline
