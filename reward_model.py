@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from fsdp import all_reduce, all_reduce_dict, load_model, shard_model
 from preflight import InputError, check_model, given_flags
+from rollout import plain_ids
 
 RM_LINE = [("rm", "rollout/rm_score", ".3f"), ("rm s", "time/reward_model", ".1f")]  # the console's (name, metric, format)
 
@@ -130,7 +131,7 @@ def rm_tokens(tokenizer, conversations: list[list[dict]], *, template: str, max_
     ids = []
     for c in conversations:
         try:  # jinja's errors (a role the template refuses, its syntax, a name it lacks) and any other of a template
-            ids.append(list(tokenizer.apply_chat_template(c, chat_template=template, tokenize=True, return_dict=False)))
+            ids.append(template_tokens(tokenizer, c, template))
             problem = "it renders no tokens" if not ids[-1] else None
         except Exception as e:
             problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -138,6 +139,23 @@ def rm_tokens(tokenizer, conversations: list[list[dict]], *, template: str, max_
             raise InputError(f"{item} (roles {', '.join(m.get('role', '?') for m in c)}; it begins "
                              f"{str(c[0].get('content'))[:60]!r}): the reward model's chat template failed: {problem}")
     return [x[:max_len] for x in ids], sum(len(x) > max_len for x in ids)
+
+
+def template_tokens(tokenizer, conversation: list[dict], template: str) -> list[int]:
+    """The conversation through the chat template as tokens, where only the template's own markup can be special
+    tokens: each message's content is tokenized as text (a tool's reply printing '<|im_end|><|im_start|>assistant'
+    stays those characters, as rollout.plain_ids keeps it for the policy). The rendered text is cut at each content,
+    found in order (as given, else stripped, as templates do); a content the template rewrote is left as rendered."""
+    text, pos, ids = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False), 0, []
+    for m in conversation:
+        content = m.get("content")
+        found = [(text.find(x, pos), x) for x in (content, str(content).strip()) if isinstance(content, str) and x]
+        at, content = next(((i, x) for i, x in found if i >= 0), (-1, ""))
+        if at < 0:
+            continue
+        ids += tokenizer.encode(text[pos:at], add_special_tokens=False) + plain_ids(tokenizer, content)
+        pos = at + len(content)
+    return ids + tokenizer.encode(text[pos:], add_special_tokens=False)
 
 
 def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
