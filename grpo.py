@@ -598,7 +598,8 @@ def main(args: Args):
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
     args = variant_defaults(args)  # gspo's and cispo's clip ranges, a correction's bounds, tis with --async-rollout
-    tools = select_tools(args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s)  # its sandbox checked
+    tools = select_tools(args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s,
+                         workers=args.tool_workers)  # its sandbox checked, its memory said
     run_name = args.run_name or f"grpo-{os.path.basename(args.model.rstrip('/'))}-{'+'.join(map(source_name, args.dataset))}-s{args.seed}"
     run_dir = os.path.join(args.output_dir, run_name)
     resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
@@ -707,7 +708,8 @@ def main(args: Args):
         return bool(args.eval_every) and done % args.eval_every == 0 and (done > 0 or args.eval_before_train)
 
     allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
-    info = run_info(world_size, engine_kind, python_sandbox=args.python_sandbox if "python" in tools else None)
+    info = run_info(world_size, engine_kind, python_sandbox=args.python_sandbox if "python" in tools else None,
+                    tool_workers=args.tool_workers)
     log = RunLog(run_dir, config=asdict(args), start_step=start_step, info=info, track=args.track,
                  project=args.wandb_project, run_name=run_name, eval_redone=start_step < args.steps and eval_due(start_step))
     last_saved, nonfinite = start_step, NonFinite(args.max_nonfinite_steps)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from plot import parse_row, write_curves
+from sandbox import memory_bound
 
 
 class RunLog:
@@ -116,12 +117,13 @@ def launch_time() -> float:
         return time.time()
 
 
-def run_info(world_size: int, engine: str, python_sandbox: str | None = None) -> dict:
-    """What ran where: for reports (and where the python tool ran programs, 'process' marked weaker)."""
+def run_info(world_size: int, engine: str, python_sandbox: str | None = None, tool_workers: int = 1) -> dict:
+    """What ran where: for reports (and where the python tool ran programs, 'process' marked weaker, and the most
+    memory its programs can hold)."""
     cuda = torch.cuda.is_available()
     return {"command": " ".join(sys.argv), "world_size": world_size, "engine": engine,
             "gpu": torch.cuda.get_device_name() if cuda else "cpu",
             "gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30 if cuda else None,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            **({"python_sandbox": python_sandbox + " (warning: a plain subprocess, not a jail)" * (python_sandbox == "process")}
-               if python_sandbox else {})}
+            **({"python_sandbox": python_sandbox + " (warning: a plain subprocess, not a jail)" * (python_sandbox == "process"),
+                "python_sandbox_memory": memory_bound(tool_workers)} if python_sandbox else {})}

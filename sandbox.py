@@ -21,7 +21,9 @@ What the jail holds (`bwrap`), and why each part: the boundary is the kernel's, 
 - A seccomp filter (libseccomp through pyseccomp) refusing what no program here needs and what
   widens the kernel's surface: ptrace, other processes' memory, pidfds, namespaces and mounts, bpf,
   io_uring, keyrings, modules, kexec, perf, userfaultfd, vsock (a VM's host side, which network
-  namespaces don't separate), files in memory (outside the disk cap).
+  namespaces don't separate), files in memory (outside the disk cap), SysV shared memory and message
+  queues (kernel memory outside every rlimit), inotify and flock (a per-uid quota, a whole file: one
+  call starving the others). Int arguments are compared on their low 32 bits, as the kernel reads them.
 - Limits: rlimits set before the program runs (address space, CPU, file size, processes, open
   files; a program can lower them, never raise them), and where this process may make cgroups, one
   per call capping the memory (tmpfs included) and processes of the whole jail.
@@ -91,7 +93,9 @@ DENIED_SYSCALLS = (
     "add_key", "request_key", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
     "perf_event_open", "userfaultfd", "open_by_handle_at", "name_to_handle_at", "swapon", "swapoff", "reboot",
     "syslog", "acct", "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "uselib", "vhangup",
-    "memfd_create", "memfd_secret")  # files in memory: outside the disk cap
+    "memfd_create", "memfd_secret",  # files in memory: outside the disk cap
+    "shmget", "msgget",  # SysV shared memory and message queues: kernel memory outside every rlimit (3 GiB in one process)
+    "inotify_init", "inotify_init1", "flock")  # per host uid (128 instances) or a whole file: one call starving others
 
 
 def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None) -> str:
@@ -148,6 +152,19 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
     note += f": over its {lim['memory_mb']} MB of memory?)" if killed_by == signal.SIGKILL else ")" * bool(note)
     return reply_text(out.decode(errors="replace"), err.decode(errors="replace"), dropped=dropped, note=note,
                       cut=lim["output_chars"])
+
+
+def memory_bound(workers: int, limits: dict | None = None) -> str:
+    """The most memory the python tool's programs can hold, `workers` calls at once, as one start-up line."""
+    lim = {**LIMITS, **(limits or {})}
+    if any(f in ("memory.max", "memory.limit_in_bytes") for _, files in cgroup_parents() for f in files):
+        per_call, how = lim["memory_mb"], "a memory cgroup holds each call's jail, its tmpfs included"
+    else:  # RLIMIT_AS is per process: a call of `processes` processes, each at its cap, and both tmpfs full
+        per_call = lim["processes"] * lim["memory_mb"] + 2 * lim["disk_mb"]
+        how = (f"no memory cgroup here (root or a delegated cgroup makes one): {lim['memory_mb']} MiB caps each process "
+               f"of a call, not the call: {lim['processes']} processes and two tmpfs of {lim['disk_mb']} MiB")
+    return (f"python tool: at most {per_call / 1024:.1f} GiB a call ({how}), {workers} calls at once (--tool-workers): "
+            f"{workers * per_call / 1024:.1f} GiB of host memory at worst")
 
 
 def descendants(pid: int) -> list[int]:

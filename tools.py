@@ -23,7 +23,7 @@ import time
 from data import ask
 from preflight import InputError
 from runlog import print0
-from sandbox import run_program, sandbox_problem
+from sandbox import memory_bound, run_program, sandbox_problem
 
 # ----------------------------------------------------------------------------------------------
 # The tools
@@ -86,10 +86,11 @@ TOOLS = {"calculator": calculator, "python": python}
 PYTHON_SANDBOX = {"sandbox": "bwrap", "limits": {}}
 
 
-def select_tools(names: str, *, python_sandbox: str = "bwrap", seconds: float = 10.0) -> dict:
+def select_tools(names: str, *, python_sandbox: str = "bwrap", seconds: float = 10.0, workers: int = 1) -> dict:
     """The tools named in `names` ('calculator,python'), by name. With python, its programs run in
     `python_sandbox` for at most `seconds`; a sandbox that can't run stops here (InputError: the cause,
-    the fix), before anything loads, and 'process' is said as a warning."""
+    the fix), before anything loads, 'process' is said as a warning, and the memory `workers` calls at once
+    can hold at most, said in one line."""
     tools = {name: TOOLS[name] for name in names.split(",") if name}
     if "python" in tools:
         problem = sandbox_problem(python_sandbox)
@@ -99,6 +100,8 @@ def select_tools(names: str, *, python_sandbox: str = "bwrap", seconds: float = 
             print0("warning: --python-sandbox process: model-written programs run as plain subprocesses of the trainer, "
                    "which they can read, signal or exhaust (README: the python tool)")
         PYTHON_SANDBOX.update(sandbox=python_sandbox, limits={"seconds": seconds})
+        if not python_sandbox.startswith(("http://", "https://")):  # a service's memory is its own
+            print0(memory_bound(workers))
     return tools
 
 

@@ -431,6 +431,13 @@ TRAINER = [  # route 2: reach the trainer's secrets, processes, files and networ
                  "address = b'\\1\\0' + b'\\0ABSTRACT'  # sockaddr_un: AF_UNIX, then the abstract name; libc's connect: no audit hook\n"
                  "print('abstract', libc.connect(s.fileno(), address, len(address)), ctypes.get_errno())",
                  says("abstract -1 111"), id="abstract_unix_socket"),
+    pytest.param("import ctypes, fcntl, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                 "print('shmget', libc.shmget(0, 1 << 30, 0o1600), ctypes.get_errno())  # IPC_PRIVATE, IPC_CREAT | 0600\n"
+                 "print('msgget', libc.msgget(0, 0o1600), ctypes.get_errno())\n"
+                 "print('inotify', libc.inotify_init1(0), ctypes.get_errno())\n"
+                 "try:\n    fcntl.flock(os.open('/usr/bin/env', os.O_RDONLY), fcntl.LOCK_EX)\n    print('flock DONE')\n"
+                 "except OSError as e:\n    print('flock', e.errno)",
+                 says("shmget -1 1", "msgget -1 1", "inotify -1 1", "flock 1"), id="kernel_memory_and_shared_quotas"),
     pytest.param("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nnr = {'x86_64': 41, 'aarch64': 198}[os.uname().machine]\n"
                  "for name, domain in (('vsock', 40), ('vsock_bit32', (1 << 32) | 40), ('vsock_high', 0xFFFFFFFF00000028)):\n"
                  "    print(name, libc.syscall(nr, ctypes.c_ulong(domain), 1, 0), ctypes.get_errno())  # the kernel reads an int",
@@ -742,3 +749,17 @@ def test_a_run_with_the_python_tool_in_each_sandbox(tool_model_dir, tmp_path, se
     warned = "warning: --python-sandbox process: model-written programs run as plain subprocesses" in proc.stdout
     assert warned == (where == "process")
     assert info["python_sandbox"] == (url + " (warning: a plain subprocess, not a jail)" * (where == "process"))
+    said = [line for line in proc.stdout.splitlines() if line.startswith("python tool: at most ")]  # a service: its own
+    assert said == ([] if where == "service" else [info["python_sandbox_memory"]]), said
+
+
+def test_the_memory_the_python_tool_can_hold_is_said_with_and_without_a_cgroup(monkeypatch):
+    """Where a memory cgroup holds each call: its cap x the calls at once. Without one (an ordinary user's job)
+    RLIMIT_AS caps each process: 32 processes x 1024 MiB + 2 x 64 MiB of tmpfs = 32896 MiB (32.1 GiB) a call."""
+    monkeypatch.setattr(sandbox, "cgroup_parents", lambda: (("/c", ("memory.max", "pids.max")),))
+    assert sandbox.memory_bound(16) == ("python tool: at most 1.0 GiB a call (a memory cgroup holds each call's jail, its "
+                                        "tmpfs included), 16 calls at once (--tool-workers): 16.0 GiB of host memory at worst")
+    monkeypatch.setattr(sandbox, "cgroup_parents", lambda: (("/c", ("pids.max",)),))
+    line = sandbox.memory_bound(16)
+    assert line.startswith("python tool: at most 32.1 GiB a call (no memory cgroup here") and line.endswith(": 514.0 GiB "
+                                                                                                        "of host memory at worst")
