@@ -35,11 +35,10 @@ What the jail holds (`bwrap`), and why each part: the boundary is the kernel's, 
 - On the trainer's side: output read with a deadline, each stream's first `output_chars` bytes kept
   and the rest discarded; at the deadline the jail's pid 1 is killed by its host pid (it may have
   cleared the parent-death signal bwrap gave it), and its pid namespace takes every descendant with
-  it, a daemon or a new session included, with or without a cgroup; then the call returns. The
-  jail's processes run at the lowest CPU priority (nice 19, which no process there may lower).
+  it, a daemon or a new session included, with or without a cgroup; then the call returns.
 What it does not hold: kernel bugs (a jail shares the kernel; SandboxFusion's service puts programs
-on other machines), CPU time taken from the trainer within `seconds` (lowest priority, no CPU share
-of its own), and whatever a user's own tool does (tools.py: those run in a thread).
+on other machines), CPU time taken from the trainer within `seconds` (the cgroup caps memory and
+processes, not CPU share), and whatever a user's own tool does (tools.py: those run in a thread).
 """
 
 import functools
@@ -119,7 +118,6 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
         groups = make_cgroups(lim)
         if sandbox == "bwrap":
             cmd = outside_user() + cmd
-        cmd = NICEST + cmd  # the lowest CPU priority, inherited by every process of the program: the trainer's threads first
         if groups:  # the shell joins the cgroups (as this process's user), then becomes the command
             cmd = ["/bin/sh", "-c", 'for p in $0; do echo $$ > "$p"; done; exec "$@"',
                    " ".join(os.path.join(g, "cgroup.procs") for g in groups), *cmd]
@@ -204,7 +202,6 @@ def reply_text(out: str, err: str, *, dropped: int, note: str, cut: int) -> str:
     return text[:cut] + f"\n... ({more} more characters cut)" if more else text
 
 
-NICEST = [shutil.which("nice"), "-n", "19"] if shutil.which("nice") else []  # nobody raises it back: no CAP_SYS_NICE
 JAIL_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
             "OPENBLAS_NUM_THREADS": "1",  # thread pools reserve memory that RLIMIT_AS counts
             "SANDBOX_OWNER": str(os.getpid())}  # whose jail a process is (ps, tests; several trainers on a host)
