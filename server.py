@@ -227,13 +227,15 @@ class ServerEngine:
         the group is aborted: a collective cut short leaves it unusable. The requests' own HTTP timeout is 5 s longer,
         so that for a server that says nothing this deadline speaks, with `late`'s hint."""
         deadline, signalled = time.time() + self.timeout_s, None
-        while not (work.done() and all(r.done() for r in requests)):
+        while True:
             errors = [r.exception() for r in requests if r.done() and r.exception()]  # the server's own words first
             if errors or (work.done() and work.exception()):
                 self.abort()
                 raise ServerError(f"{what} failed: {errors[0]}{self.hint(str(errors[0]))}" if errors else
                                   f"{what} to the rollout servers {', '.join(self.urls)} failed ({first_line(work.exception())}); "
                                   f"{late}") from None
+            if work.done() and all(r.done() for r in requests):
+                return
             signalled = signalled or (time.time() if requested() else None)
             if signalled and time.time() > signalled + SIGNAL_GRACE_S:
                 self.abort()
@@ -244,8 +246,6 @@ class ServerEngine:
                 raise ServerError(f"{what} did not finish within --rollout-timeout {self.timeout_s:g} s (no answer from "
                                   f"{', '.join(silent) if silent else 'this side'}): {late}")
             time.sleep(0.005)
-        for r in requests:
-            r.result()
 
     def hint(self, error: str) -> str:
         """What a failed sync's server error most likely means, where it names NCCL."""
