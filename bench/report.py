@@ -167,7 +167,8 @@ def tools(a: Args):
         fig.savefig(a.png, dpi=110)
 
 
-SERVER_RUNS = ("colocate", "colocate_x2", "server_sync", "server_async", "injob_async")
+SERVER_RUNS = ("colocate", "colocate_x2", "server_sync", "server_async", "injob_async", "server2_sync", "injob_async_tp2",
+               "colocate_x4", "injob_async_2p2")
 
 
 def server(a: Args):

@@ -7,6 +7,7 @@
 # network transport as two machines would (the NCCL_DEBUG lines name it: "via NET/Socket" or "NET/IB").
 # A second run of the script skips the first part if its checkpoint is there.
 # On the GPU machine (nvidia-h200-x2): source bench/gpu_env.sh && bash bench/run_multinode.sh OUTDIR [STEPS]
+# GPUS="2 3": the two nodes' GPUs on a bigger machine (default "0 1").
 OUTDIR=${1:?usage: bash bench/run_multinode.sh OUTDIR [STEPS]}; STEPS=${2:-10}
 MODEL=${MODEL:-$SMOLLM2}
 export NCCL_P2P_DISABLE=${NCCL_P2P_DISABLE:-1} NCCL_SHM_DISABLE=${NCCL_SHM_DISABLE:-1}
@@ -20,9 +21,10 @@ mkdir -p "$OUTDIR"
 two_nodes() {  # one run: both launches at once, node 0 on GPU 0 and node 1 on GPU 1; their exit codes at the end
   local port pids=()
   port=$(python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  local gpus=(${GPUS:-0 1})
   for node in 0 1; do
     echo "=== $(date -u +%FT%TZ) node $node: $*" >> "$OUTDIR/node$node.log"
-    CUDA_VISIBLE_DEVICES=$node torchrun --nnodes 2 --node-rank "$node" --nproc-per-node 1 \
+    CUDA_VISIBLE_DEVICES=${gpus[$node]} torchrun --nnodes 2 --node-rank "$node" --nproc-per-node 1 \
       --master-addr 127.0.0.1 --master-port "$port" tests/patched_run.py engine_owner grpo.py \
       "${common[@]}" "$@" >> "$OUTDIR/node$node.log" 2>&1 &
     pids+=($!)
