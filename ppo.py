@@ -42,7 +42,7 @@ from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, package_rules, size_for_cpu
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
-from rollout import SGLangOptions, Sampling, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
+from rollout import SGLangOptions, Sampling, graph_batch, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, launch_time, log_line, print0, progress, run_info
 from server import ServerEngine, launch_servers
 from tools import TOOLS, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
@@ -536,9 +536,13 @@ def main(args: Args):
     t0 = time.time()
     mem = MemoryLog()
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
+    server = args.rollout_mode == "server"  # the decode batch each engine or server runs: graph_batch
+    engines = (len(args.rollout_url) or args.rollout_gpus // args.rollout_tp) if server else world_size // args.rollout_tp
     sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=args.rollout_tp,
                            attention_backend=args.sglang_attention_backend, sampling_backend=args.sglang_sampling_backend,
-                           cuda_graph_max_bs=args.sglang_cuda_graph_max_bs, disable_cuda_graph=args.sglang_disable_cuda_graph,
+                           cuda_graph_max_bs=graph_batch(args.prompts_per_step * args.samples_per_prompt // engines,
+                                                         args.sglang_cuda_graph_max_bs),
+                           disable_cuda_graph=args.sglang_disable_cuda_graph,
                            prefill_cuda_graph=args.sglang_prefill_cuda_graph)
     if args.rollout_mode == "server":  # rank 0 speaks to the servers for all ranks, as one TP group's owner
         tp = tp_group(world_size)

@@ -53,6 +53,15 @@ class SGLangOptions:
     log_level: str = "error"
 
 
+def graph_batch(requests: int, given: int | None) -> int | None:
+    """The largest decode batch to capture as a CUDA graph for an engine or server that runs `requests`
+    at once: `given` (--sglang-cuda-graph-max-bs) if set, else `requests` where it exceeds SGLang's
+    default (256 on an H100/H200), else None (SGLang's). Beyond its largest graph SGLang decodes without
+    graphs, launch-bound on a small model: a server sent 512 samples ran 0.63x a colocated engine's
+    per-GPU rate at SmolLM2 (bench/results/README.md, decoupled rollout)."""
+    return given if given is not None else (requests if requests > 256 else None)
+
+
 def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLangOptions | None = None):
     """Start an SGLang Engine in this process (its scheduler runs in child processes on GPUs
     gpu_id .. gpu_id+tp_size-1). Release its memory (memory.release) until the first weight sync.
