@@ -651,22 +651,23 @@ def main(args: Args):
     t0 = time.time()
     mem = MemoryLog()
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
-    server = args.rollout_mode == "server"  # the decode batch each engine or server runs: graph_batch
+    server = args.rollout_mode == "server"  # the samples each engine or server decodes at once: its CUDA graphs
     engines = (len(args.rollout_url) or args.rollout_gpus // args.rollout_tp) if server else world_size // args.rollout_tp
+    per_engine = args.prompts_per_step * args.group_size // engines
     sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=args.rollout_tp,
                            attention_backend=args.sglang_attention_backend, sampling_backend=args.sglang_sampling_backend,
-                           cuda_graph_max_bs=graph_batch(args.prompts_per_step * args.group_size // engines,
-                                                         args.sglang_cuda_graph_max_bs),
+                           cuda_graph_max_bs=graph_batch(per_engine, args.sglang_cuda_graph_max_bs),
                            disable_cuda_graph=args.sglang_disable_cuda_graph,
                            prefill_cuda_graph=args.sglang_prefill_cuda_graph)
-    if args.rollout_mode == "server":  # rank 0 speaks to the servers for all ranks, as one TP group's owner
+    if server:  # rank 0 speaks to the servers for all ranks, as one TP group's owner
         tp = tp_group(world_size)
         urls, processes = list(args.rollout_url), None
         if args.rollout_gpus and rank == 0:  # servers of this job's own, on the last GPUs of rank 0's node
             urls, processes = launch_servers(args.model, gpus=list(range(torch.cuda.device_count()))[-args.rollout_gpus:],
                                              tp_size=args.rollout_tp, seed=args.seed, options=sglang, log_dir=run_dir)
         engine = ServerEngine(urls, processes=processes, model=args.model, timeout_s=args.rollout_timeout,
-                              sync_backend=args.rollout_sync_backend, sync_address=args.rollout_sync_address) if rank == 0 else None
+                              sync_backend=args.rollout_sync_backend, sync_address=args.rollout_sync_address,
+                              batch=per_engine) if rank == 0 else None
     else:
         tp = tp_group(args.rollout_tp)
         engine = start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang, dtype=dtype) if rank == tp.owner else None

@@ -130,33 +130,36 @@ class ServerEngine:
     """sglang.Engine's generate/async_generate over HTTP, on one or several servers (or a router)."""
 
     def __init__(self, urls: list[str], *, timeout_s: float, start_timeout_s: float | None = None, model: str | None = None,
-                 sync_backend: str | None = None, sync_address: str | None = None, processes: list | None = None):
+                 sync_backend: str | None = None, sync_address: str | None = None, processes: list | None = None,
+                 batch: int = 0):
         """Wait for every server, refuse one that serves another model than `model`; with
         `sync_backend` ('nccl', 'gloo', 'auto': NCCL on GPUs, gloo on CPUs) form the weight-update
         group, this process listening at `sync_address` (default: its address on the route to the
         first server). `processes`: the servers' own processes where this job started them
         (launch_servers), one per URL: stop.EngineWatch watches them, stop_engine stops them, and
-        they are stopped here if the start fails."""
+        they are stopped here if the start fails. `batch`: the samples each server decodes at once (check_graphs)."""
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s = timeout_s
         self.processes = processes or []  # the user's servers: none; their timeouts do the watch's job
         self.loop = asyncio.new_event_loop()  # drives multi-turn episodes (rollout.episode), as SGLang's Engine's
         self._next, self.group = 0, None  # round-robin over the URLs for single requests
         try:
-            self.start(model, start_timeout_s, sync_backend, sync_address)
+            self.start(model, start_timeout_s, sync_backend, sync_address, batch)
         except BaseException as e:  # a failed start, or Ctrl-C: nothing of ours left running
             kill(self.processes)
             if isinstance(e, ServerError) and not self.processes:  # the user's servers: --rollout-url and the like
                 raise ServerInputError(*e.args) from None
             raise
 
-    def start(self, model: str | None, start_timeout_s: float | None, sync_backend: str | None, sync_address: str | None):
+    def start(self, model: str | None, start_timeout_s: float | None, sync_backend: str | None, sync_address: str | None,
+              batch: int):
         for url, process in zip(self.urls, self.processes or [None] * len(self.urls)):
             wait_healthy(url, self.timeout_s if start_timeout_s is None else start_timeout_s, process=process)
         infos = [post(url, "/server_info", None, self.timeout_s) for url in self.urls]  # SGLang's settings of each
         if model is not None:
             for url, info in zip(self.urls, infos):
                 check_same_model(url, info, model, self.timeout_s)
+        check_graphs(self.urls, infos, batch)
         if sync_backend == "auto":
             sync_backend = "nccl" if torch.cuda.is_available() else "gloo"
         if sync_backend == "nccl":
@@ -402,6 +405,17 @@ def check_nccl_memory(urls: list[str], infos: list[dict]):
     if ours != "0" and not all(info.get("enable_symm_mem") for info in infos) and os.environ.get("RANK", "0") == "0":
         print(f"weight sync: NCCL_CUMEM_ENABLE={ours} is exported here; SGLang servers use 0 unless it is exported where "
               f"they start too: export the same value there, or the first sync fails", flush=True)
+
+
+def check_graphs(urls: list[str], infos: list[dict], batch: int):
+    """A server decodes beyond its largest CUDA graph without graphs, launch-bound on a small model (0.63x a colocated
+    engine's rate at SmolLM2, bench/results/README.md): one line naming the flag, where a server's graphs stop short
+    of the `batch` it gets (/server_info's cuda_graph_config; servers this job starts get it: rollout.graph_batch)."""
+    for url, info in zip(urls, infos):
+        decode = (info.get("cuda_graph_config") or {}).get("decode") or {}
+        if decode.get("backend", "disabled") != "disabled" and batch > (decode.get("max_bs") or batch):
+            print(f"rollout server {url} has CUDA graphs for decode batches up to {decode['max_bs']} and gets {batch} "
+                  f"samples a step: start it with --cuda-graph-max-bs-decode {batch} to decode them all in graphs", flush=True)
 
 
 def reachable_address(host: str) -> str:

@@ -18,8 +18,8 @@ from test_smoke import ROOT, metrics, run_grpo
 from transformers import AutoModelForCausalLM
 
 from memory import sync_weights
-from rollout import HFEngine, SGLangOptions, Sampling, generate, send
-from server import ServerEngine, ServerError, ServerInputError, check_nccl_memory, in_thread, launch_servers, post, wait_healthy
+from rollout import HFEngine, SGLangOptions, Sampling, generate, graph_batch, send
+from server import ServerEngine, ServerError, ServerInputError, check_graphs, check_nccl_memory, in_thread, launch_servers, post, wait_healthy
 from stop import EngineWatch, stop_engine
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
@@ -426,3 +426,19 @@ def test_the_trainer_takes_sglangs_nccl_memory_mode_before_its_first_communicato
         run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                              env={**env, **({"NCCL_CUMEM_ENABLE": preset} if preset else {})})
         assert run.stdout.split() == [expected], run.stderr[-2000:]
+
+def test_cuda_graphs_cover_the_batch_each_engine_or_server_decodes(capsys):
+    """Beyond its largest CUDA graph SGLang decodes without graphs: the job's engines and servers capture up to the
+    samples each gets (past SGLang's 256; a flag given wins), and a user's server whose graphs stop short is named
+    with the flag to start it with (/server_info's cuda_graph_config, as SGLang 0.5.16 writes it)."""
+    assert [graph_batch(n, None) for n in (64, 256, 257, 512)] == [None, None, 257, 512]
+    assert graph_batch(512, 128) == 128 and graph_batch(64, 300) == 300
+    infos = [{"cuda_graph_config": {"decode": {"backend": "full", "max_bs": 256, "bs": [1, 2, 256]}}},
+             {"cuda_graph_config": {"decode": {"backend": "full", "max_bs": 512}}},
+             {"cuda_graph_config": {"decode": {"backend": "disabled", "max_bs": 256}}}, {}]  # no graphs; an older server
+    check_graphs(["http://a:1", "http://b:2", "http://c:3", "http://d:4"], infos, batch=512)
+    assert capsys.readouterr().out.splitlines() == [
+        "rollout server http://a:1 has CUDA graphs for decode batches up to 256 and gets 512 samples a step: start it "
+        "with --cuda-graph-max-bs-decode 512 to decode them all in graphs"]
+    check_graphs(["http://a:1"], infos[:1], batch=256)
+    assert capsys.readouterr().out == ""
