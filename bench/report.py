@@ -214,9 +214,10 @@ def server(a: Args):
         out["server_logprob_gap_max"] = runs["server_sync"]["logprob_abs_diff_max"]
     if "server_sync" in runs and "server_async" in runs:
         out["async_speedup"] = runs["server_sync"]["seconds_per_step"] / runs["server_async"]["seconds_per_step"]
-    if "colocate_x2" in runs:  # the same 2 GPUs, colocated: the baseline a 2-GPU placement must beat (median steps)
-        out["speedup_over_colocate_x2"] = {n: round(runs["colocate_x2"]["median_seconds_per_step"] / r["median_seconds_per_step"], 3)
-                                           for n, r in runs.items() if n not in ("colocate", "colocate_x2")}
+    for base, placements in (("colocate_x2", ("server_sync", "server_async", "injob_async")), ("colocate_x4", ("injob_async_2p2",))):
+        if base in runs:  # the same GPUs, colocated: the baseline a placement on them must beat (median steps)
+            out[f"speedup_over_{base}"] = {n: round(runs[base]["median_seconds_per_step"] / runs[n]["median_seconds_per_step"], 3)
+                                           for n in placements if n in runs}
     out["runs"] = runs
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)
@@ -242,7 +243,8 @@ def server(a: Args):
             acc_ax.set_xlabel("updates"), acc_ax.set_ylabel("held-out accuracy (greedy)"), acc_ax.set_ylim(-0.02, 1.02), acc_ax.legend()
         time_ax.set_ylabel("seconds per step (mean, step 1 left out)"), time_ax.legend(loc="lower center", fontsize=8, framealpha=0.9)
         model = a.model_name or os.path.basename(json.load(open(os.path.join(a.run_dir, names[0], "args.json")))["model"].rstrip("/"))
-        fig.suptitle(f"GRPO on addition, {model}: colocated engine vs SGLang server ({out['gpu']})")
+        data = ", ".join(os.path.basename(d.rstrip("/")) for d in json.load(open(os.path.join(a.run_dir, names[0], "args.json")))["dataset"])
+        fig.suptitle(f"GRPO on {data}, {model}: colocated engine vs SGLang server ({out['gpu']})")
         fig.tight_layout()
         fig.savefig(a.png, dpi=110)
 
