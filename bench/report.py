@@ -244,7 +244,7 @@ def server(a: Args):
         time_ax.set_ylabel("seconds per step (mean, step 1 left out)"), time_ax.legend(loc="lower center", fontsize=8, framealpha=0.9)
         model = a.model_name or os.path.basename(json.load(open(os.path.join(a.run_dir, names[0], "args.json")))["model"].rstrip("/"))
         data = ", ".join(os.path.basename(d.rstrip("/")) for d in json.load(open(os.path.join(a.run_dir, names[0], "args.json")))["dataset"])
-        fig.suptitle(f"GRPO on {data}, {model}: colocated engine vs SGLang server ({out['gpu']})")
+        fig.suptitle(f"GRPO on {data}, {model}:\ncolocated engine vs SGLang server ({out['gpu']})")
         fig.tight_layout()
         fig.savefig(a.png, dpi=110)
 
