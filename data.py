@@ -231,9 +231,9 @@ def load_task(dataset: str | list[str], eval_dataset: str | None, *, seed: int, 
     prompt asked through `template` (None: each kind's default) after `system_prompt`; columns and kind as in
     examples_from_rows.
 
-    'addition', 'multiplication': the task's seeded split. Otherwise the 'train' split of `dataset` and the 'test' split
-    of `eval_dataset` (default: of `dataset`). A single file with no --eval-dataset has no test split:
-    a seeded 1 in 10 of its rows, by prompt, is held out and never trained on (split_rows).
+    'addition', 'multiplication': the task's seeded split (with `eval_dataset`: its train part, that file's rows held
+    out). Otherwise the 'train' split of `dataset` and the 'test' split of `eval_dataset` (default: of `dataset`). A
+    single file with no --eval-dataset has no test split: a seeded 1 in 10 of its rows, by prompt, is held out.
     Several datasets (a list): their train examples concatenated and each one's held-out examples (`num_eval`
     each), every Example tagged with its source; the options apply to all of them."""
     fmt = dict(template=template, system_prompt=system_prompt, prompt_field=prompt_field, answer_field=answer_field, kind=kind)
@@ -250,9 +250,11 @@ def load_task(dataset: str | list[str], eval_dataset: str | None, *, seed: int, 
         return [e for p in parts for e in p[0]], [e for p in parts for e in p[1]], "; ".join(p[2] for p in parts)
     if dataset in BUILTIN_TASKS:
         train, test = BUILTIN_TASKS[dataset](seed, template=template or ADDITION_PROMPT, system_prompt=system_prompt)
-        return train, test[:num_eval], f"{dataset}: {len(test)} held-out pairs"
-    train = load_examples(dataset, "train", **fmt)
-    if eval_dataset is not None:
+        if eval_dataset is None:
+            return train, test[:num_eval], f"{dataset}: {len(test)} held-out pairs"
+    else:
+        train = load_examples(dataset, "train", **fmt)
+    if eval_dataset is not None:  # a built-in task's own held-out pairs stay out of training all the same
         return train, load_examples(eval_dataset, "test", **fmt)[:num_eval], f"eval prompts from {eval_dataset}"
     if not os.path.isfile(dataset):
         return train, load_examples(dataset, "test", **fmt)[:num_eval], f"eval prompts from {dataset}'s test split"

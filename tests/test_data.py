@@ -179,6 +179,16 @@ def test_a_file_without_repeated_rows_splits_as_it_did_by_row(tmp_path):
     assert [e.answer for e in held] == [str(i) for i in order[:4]] and [e.answer for e in train] == [str(i) for i in order[4:]]
 
 
+def test_a_built_in_task_with_an_eval_file_is_evaluated_on_the_file(tmp_path):
+    """--dataset addition --eval-dataset capitals.jsonl: the file was ignored without a word (addition's own pairs were
+    evaluated). Now its rows are the held-out prompts, judged as text; addition trains on its 7600 train pairs as ever."""
+    caps = write_jsonl(tmp_path / "capitals.jsonl", [json.dumps({"prompt": f"Name the capital of {c}.", "answer": a})
+                                                     for c, a in (("Australia", "Canberra"), ("Canada", "Ottawa"))])
+    train, held, note = load_task("addition", caps, seed=0, num_eval=256)
+    assert train == load_task("addition", None, seed=0, num_eval=256)[0] and note == f"eval prompts from {caps}"
+    assert [(e.answer, e.kind, e.source) for e in held] == [("Canberra", "text", "capitals"), ("Ottawa", "text", "capitals")]
+
+
 def test_a_hub_dataset_without_the_hub_is_read_from_the_cache_at_once(monkeypatch):
     """The hub can't be reached: datasets is told it is offline before it is asked (it reads its cache at once,
     instead of after half a minute of retries); with the hub, it is asked as it is."""
