@@ -42,6 +42,8 @@ MATH_PROMPT = "{prompt}\nPlease reason step by step, and put your final answer w
 # Columns tried in order when none are given: your own rows, GSM8K, MATH-500, MATH
 FIELDS = [("prompt", "answer"), ("question", "answer"), ("problem", "answer"), ("problem", "solution")]
 _SLOT = re.compile(r"\{(?:prompt|question)\}")
+# Other placeholders ({answer}, {0}, {x:.2f}): ask() would leave them as written; LaTeX's \boxed{x}, x^{n} are none
+_FIELD = re.compile(r"(?<![\w\\}^_{])\{((?:[A-Za-z_]\w*|\d+)(?:[!:][^{}]*)?)\}")
 
 
 @dataclass
@@ -65,6 +67,19 @@ def ask(prompt: str | list[dict], template: str, system_prompt: str | None = Non
     last = max(i for i, m in enumerate(messages) if m["role"] == "user")
     messages[last]["content"] = _SLOT.sub(lambda _: messages[last]["content"], template)
     return [{"role": "system", "content": system_prompt}] * bool(system_prompt) + messages
+
+
+def template_rule(template: str | None, flag: str = "--prompt-template") -> tuple[str, str, bool, str]:
+    """preflight.check_flags' rule for a prompt template (None: each kind's own): it has {prompt} (or {question}),
+    where the row's question goes, and no other placeholder: ask() fills in that one only, the rest reach the model."""
+    others = [f"{{{f}}}" for f in _FIELD.findall(template or "") if f not in ("prompt", "question")]
+    must = (
+        f"text whose only placeholder is {{prompt}} (the row's question): {', '.join(others)} would reach the model "
+        "as written, not filled in; write its words into the template"
+        if others
+        else "text with {prompt} in it, where the row's question goes, e.g. '{prompt}\\nPut the final answer after ####.'"
+    )
+    return flag, repr(template), template is None or (bool(_SLOT.search(template)) and not others), must
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 import tyro
 
-from data import BUILTIN_TASKS, load_examples, tokenize_prompts
+from data import BUILTIN_TASKS, load_examples, template_rule, tokenize_prompts
 from preflight import ENGINE_HINT, InputError, check_context, check_engine, check_flags, check_model, friendly_errors
 from reward import judge
 from rollout import HFEngine, SGLangOptions, Sampling, generate, start_sglang, stop_token_ids
@@ -64,6 +64,7 @@ def main(args: Args):
         ("--max-prompt-len", args.max_prompt_len, args.max_prompt_len >= 1, ">= 1"),
         ("--mem-fraction", args.mem_fraction, 0 < args.mem_fraction < 1, "in (0, 1)"),
         ("--split", args.split, args.split in ("test", "train"), "'test' or 'train'"),
+        template_rule(args.prompt_template),  # {prompt}, and no other placeholder (data.py)
     ])
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise InputError(f"--out {args.out!r}: its folder does not exist; create it first")

@@ -454,6 +454,24 @@ def test_template_without_a_slot_is_an_error(tmp_path):
     assert addition_task(0, template="Q: {prompt}")[1][0].prompt.startswith("Q: What is ")
 
 
+@pytest.mark.parametrize("template, refused", [
+    ("{prompt} (hint: {answer})", "{answer}"),  # issue 40: it reached the model as written
+    ("{prompt} {0} {x:.2f}", "{0}, {x:.2f}"),  # str.format's fields, none filled in
+    ("Answer after ####.", None),  # no {prompt}: refused as ask() refuses it
+    (None, ""), ("{question}", ""), (MATH_PROMPT, ""),  # the defaults; MATH's \boxed{} is no placeholder
+    ("{prompt} as \\boxed{answer}, x^{n}, \\frac{a}{b}, {{ok}}, or JSON {\"answer\": 1}", ""),  # LaTeX, escapes, JSON
+])
+def test_a_template_placeholder_other_than_prompt_is_refused(template, refused):
+    from data import template_rule
+
+    flag, shown, holds, must = template_rule(template)
+    assert (flag, shown, holds) == ("--prompt-template", repr(template), refused == "")
+    if refused:
+        assert must.startswith(f"text whose only placeholder is {{prompt}} (the row's question): {refused} would reach")
+    elif refused is None:
+        assert must.startswith("text with {prompt} in it")
+
+
 def test_several_sources(tmp_path):
     """Train examples concatenated, each source's held-out part (num_eval each), tagged with their source."""
     gsm = write_jsonl(tmp_path / "gsm.jsonl", [row(f"Q{i}?", f"#### {i}") for i in range(50)])

@@ -275,6 +275,26 @@ def test_evaluate_bad_flags(tmp_path, flag, value, message):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_template_with_another_placeholder_is_refused_before_anything_loads(tmp_path):
+    """--prompt-template '{prompt} (hint: {answer})' put '{answer}' as written into every prompt: now one line naming
+    the flag, what is wrong and the fix, before the model is looked at (it does not exist here); ppo.py's and
+    evaluate.py's checks are the same rule (data.template_rule), asked in this process."""
+    import evaluate
+    import ppo
+    from preflight import InputError
+
+    template, refused = "{prompt} (hint: {answer})", "must be text whose only placeholder is {prompt} (the row's question)"
+    code, out, _ = run("grpo.py", "--model", tmp_path / "no-model", "--prompt-template", template,
+                       "--output-dir", tmp_path / "runs")
+    message = ours_last(code, out, "grpo.py", f"--prompt-template '{template}' {refused}: {{answer}} would reach the model "
+                        "as written, not filled in; write its words into the template")
+    assert len(message) == 1 and os.listdir(tmp_path) == []
+    for check in (lambda: ppo.check_args(ppo.Args(prompt_template=template), world_size=1),
+                  lambda: evaluate.main(evaluate.Args(model=str(tmp_path / "no-model"), prompt_template=template))):
+        with pytest.raises(InputError, match=re.escape(refused)):
+            check()
+
+
 def test_debug_shows_the_traceback(tmp_path):
     env_run = subprocess.run([sys.executable, "grpo.py", "--steps", "0"], cwd=ROOT, capture_output=True, text=True,
                              env={**os.environ, "RL_DEBUG": "1"}, timeout=120)
