@@ -487,20 +487,56 @@ def test_every_file_keeps_its_line_budget_in_the_readme():
 
 @pytest.mark.skipif(bool(importlib.util.find_spec("wandb") or importlib.util.find_spec("flash_attn")),
                     reason="wandb or flash-attn is installed here")
-def test_a_flag_that_needs_a_package_not_installed_says_which():
-    """--track without wandb, --attn-implementation flash_attention_2 without flash-attn: in each training script's
-    flag checks, before anything loads (they were tracebacks after the models loaded)."""
+def test_a_flag_that_needs_a_package_not_installed_says_which(monkeypatch):
+    """--track without wandb, --attn-implementation flash_attention_2 without flash-attn (on a GPU machine: without a
+    GPU that comes first, below): in each training script's flag checks, before anything loads (they were tracebacks
+    after the models loaded)."""
+    import torch
+
     import grpo
     import ppo
     import train_rm
     from preflight import InputError
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for script in (grpo, ppo, train_rm):
         with pytest.raises(InputError) as e:
             script.check_args(script.Args(track=True, attn_implementation="flash_attention_2"), world_size=1)
         assert "--track True must be given with wandb installed (pip install wandb; wandb login)" in str(e.value)
         assert ("--attn-implementation flash_attention_2 must be sdpa or eager: flash_attention_2 needs flash-attn "
                 "(pip install flash-attn)") in str(e.value)
+
+
+def test_an_attention_that_cant_train_on_this_machine_is_refused_before_anything_loads(tiny_model_dir, tmp_path):
+    """--attn-implementation flex_attention on a CPU was an 84-line traceback after the model loaded (it has no backward
+    there): one line now, before the model is read; ppo.py and train_rm.py share the rule (preflight.attn_problem)."""
+    import ppo
+    import train_rm
+    from preflight import InputError
+
+    code, out, seconds = run("grpo.py", "--model", tiny_model_dir, "--attn-implementation", "flex_attention",
+                             "--output-dir", tmp_path / "runs")
+    message = ours_last(code, out, "grpo.py", "--attn-implementation flex_attention must be sdpa or eager on a machine "
+                        "without a GPU: flex_attention has no backward on a CPU")
+    assert len(message) == 1 and "model " not in out and not (tmp_path / "runs").exists()
+    for script in (ppo, train_rm):
+        with pytest.raises(InputError, match="flex_attention has no backward on a CPU"):
+            script.check_args(script.Args(attn_implementation="flex_attention"), world_size=1)
+
+
+@pytest.mark.parametrize("impl, gpu, must", [
+    ("sdpa", False, None), ("eager", False, None), ("paged|sdpa", False, None),
+    ("flash_attention_2", False, "sdpa or eager on a machine without a GPU: flash_attention_2 runs on a GPU only"),
+    ("flex_attention", True, None),
+    ("sdpa2", True, "one that transformers knows: eager, "),  # a typo was transformers' ValueError after loading
+])
+def test_attention_implementations_by_machine(monkeypatch, impl, gpu, must):
+    import torch
+
+    from preflight import attn_problem
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert attn_problem(impl) == must or attn_problem(impl).startswith(must)
 
 
 def test_a_checkpoint_folder_passed_for_a_model_names_its_model_folder(tiny_model_dir, tmp_path):
