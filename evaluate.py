@@ -69,7 +69,7 @@ def main(args: Args):
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise InputError(f"--out {args.out!r}: its folder does not exist; create it first")
     kind = check_engine(args.engine, "--engine")
-    tokenizer, context = check_model(args.model)  # before SGLang starts
+    tokenizer, context = check_model(args.model, generates=True)  # before SGLang starts
     check_context(context, args.max_prompt_len, args.max_new_tokens)
     stop_ids = stop_token_ids(tokenizer, args.model)
     ask = {"template": args.prompt_template, "system_prompt": args.system_prompt}

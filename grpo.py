@@ -605,7 +605,7 @@ def main(args: Args):
     run_dir = os.path.join(args.output_dir, run_name)
     resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
     engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
-    tokenizer, context_len = check_model(args.model, rollout_tp=args.rollout_tp)  # a bad --model fails in one line
+    tokenizer, context_len = check_model(args.model, rollout_tp=args.rollout_tp, generates=True)  # bad input: one line
     rm_tokenizer, rm_template, rm_max_len = check_reward_model(args.reward_model, args.reward_model_template,  # None: none
                                                                args.reward_model_max_len, system=bool(args.system_prompt), tools=bool(tools))
     stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])

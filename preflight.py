@@ -250,10 +250,12 @@ def looks_like_path(name: str) -> bool:
             or name.endswith((".json", ".jsonl", ".parquet", ".safetensors", ".bin")))
 
 
-def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, raw_text: bool = True, rollout_tp: int = 1):
+def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, raw_text: bool = True, rollout_tp: int = 1,
+                generates: bool = False):
     """Before anything starts: the model is a folder with config.json, weights and (with_tokenizer) a tokenizer, or a
-    hub id that is cached or reachable, and SGLang can split it over `rollout_tp` GPUs. Returns (tokenizer or None,
-    context length or None); raw_text: said (no template)."""
+    hub id that is cached or reachable, and SGLang can split it over `rollout_tp` GPUs; `generates` (a policy, a model
+    to evaluate): not a reward model or critic (a scoring head). Returns (tokenizer or None, context length or None);
+    raw_text: said (no template)."""
     from transformers import AutoConfig, AutoTokenizer  # lazy: `import preflight` stays light
     from transformers.utils import logging
 
@@ -289,6 +291,13 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, r
             tokenizer.clean_up_tokenization_spaces = False
     except (OSError, ValueError, ImportError) as e:
         raise InputError(f"{flag} {name!r}: transformers could not load its config or tokenizer: {first_line(e)}") from e
+    scorer = [a for a in config.architectures or [] if a.endswith(("SequenceClassification", "TokenClassification"))]
+    if generates and scorer:  # it would load as a causal LM: its score head dropped, an output head it never trained
+        where = "--reward-model" if scorer[0].endswith("SequenceClassification") else "ppo.py's --critic-model"
+        raise InputError(
+            f"{flag} {name!r} is a {scorer[0]} (config.json), a model that scores text and can't generate it: "
+            f"pass it as {where}, and a causal LM (*ForCausalLM) as {flag}"
+        )
     if problem := tp_problem(config, rollout_tp):
         raise InputError(f"--rollout-tp {rollout_tp} can't split {flag} {name} over {rollout_tp} GPUs: {problem}")
     context = getattr(config, "max_position_embeddings", None)

@@ -539,6 +539,37 @@ def test_attention_implementations_by_machine(monkeypatch, impl, gpu, must):
     assert attn_problem(impl) == must or attn_problem(impl).startswith(must)
 
 
+def scorer_folder(tiny_model_dir, folder, architecture: str) -> str:
+    """The tiny model's files with config.json naming a scoring head of one label (what train_rm.py and ppo.py's
+    critic export write): enough for every check before loading."""
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": [architecture], "id2label": {"0": "LABEL_0"},
+                                                    "label2id": {"LABEL_0": 0}}))
+    return str(folder)
+
+
+def test_a_reward_model_passed_as_the_policy_is_refused_before_loading(tiny_model_dir, tmp_path):
+    """A train_rm.py checkpoint given as --model loaded as a causal LM with a new, random output head, and trained:
+    now one line from config.json's architectures, naming where it belongs, before the model loads; ppo.py's actor and
+    evaluate.py make the same call (generates=True). --reward-model (and a critic's folder as --critic-model) keep
+    taking them."""
+    from preflight import InputError, check_model
+    from reward_model import check_reward_model
+
+    rm = scorer_folder(tiny_model_dir, tmp_path / "rm", "LlamaForSequenceClassification")
+    code, out, _ = run("grpo.py", "--model", rm, "--output-dir", tmp_path / "runs")
+    message = ours_last(code, out, "grpo.py", f"--model '{rm}' is a LlamaForSequenceClassification (config.json), a model "
+                        "that scores text and can't generate it: pass it as --reward-model, and a causal LM "
+                        "(*ForCausalLM) as --model")
+    assert len(message) == 1 and sorted(os.listdir(tmp_path)) == ["rm"]
+    assert not any(x.startswith("model ") for x in out.splitlines())  # check_model's line on a model it took
+    critic = scorer_folder(tiny_model_dir, tmp_path / "critic", "LlamaForTokenClassification")
+    with pytest.raises(InputError, match="is a LlamaForTokenClassification .* pass it as ppo.py's --critic-model"):
+        check_model(critic, generates=True)
+    assert check_reward_model(rm)[0] is not None and check_model(critic, "--critic-model", with_tokenizer=False)[1] == 512
+
+
 def test_a_checkpoint_folder_passed_for_a_model_names_its_model_folder(tiny_model_dir, tmp_path):
     """runs/<run>/checkpoints/step_N given where its model/ belongs: the line names model/; a missing folder under
     another flag than --model gets no hint to build a tiny causal LM."""
