@@ -383,6 +383,23 @@ def test_a_reward_file_that_fails_to_import(tiny_model_dir, tmp_path, source, ex
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_reward_that_returns_no_number_stops_the_first_step(tiny_model_dir, tmp_path):
+    """A --reward returning "1" was taken for 1.0 (None, a list, ... scored 0 with a warning each step, exit 0): one line
+    at the first step now, naming --reward and what it returned, exit 2. The same run shows issue 40's item 4: with
+    --dataset addition, --eval-dataset capitals.jsonl is what is evaluated (it was ignored without a word)."""
+    caps = write_rows(tmp_path / "capitals.jsonl", [{"prompt": "Name the capital of Australia.", "answer": "Canberra"},
+                                                    {"prompt": "Name the capital of Canada.", "answer": "Ottawa"}])
+    (tmp_path / "r.py").write_text("def reward(completion, answer):\n    return '1'\n")
+    inputs = {p: p.read_bytes() for p in tmp_path.iterdir()}
+    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--dataset", "addition", "--eval-dataset", caps,
+                       "--reward", "r.py:reward", "--eval-before-train", "--output-dir", "runs", cwd=tmp_path)
+    message = ours_last(code, out, "grpo.py", "--reward 'r.py:reward' returned '1' (str), not a number: return a float")
+    assert len(message) == 1 and "step 1 |" not in out
+    assert "data: 7600 train prompts, 2 eval prompts" in out and f"eval prompts from {caps}" in out
+    assert "eval after step 0 | eval strict acc" in out
+    assert {p: p.read_bytes() for p in inputs} == inputs and not list(tmp_path.glob("runs/*/checkpoints"))
+
+
 def test_resuming_with_another_number_of_ranks_says_how_many(tiny_model_dir, tmp_path):
     """A checkpoint of 2 ranks resumed by plain python: the right message was a ValueError traceback after the
     model had loaded; now it comes before anything loads."""
