@@ -295,6 +295,65 @@ def test_a_template_with_another_placeholder_is_refused_before_anything_loads(tm
             check()
 
 
+def a_run(tmp_path, **flags) -> tuple[str, dict]:
+    """A run folder as grpo.py writes it (args.json: every flag, as json gives them back) holding a checkpoint's model
+    folder path, for evaluate.py's look-up (nothing else is read)."""
+    from dataclasses import asdict
+
+    import grpo
+
+    run = json.loads(json.dumps(asdict(grpo.Args(**flags))))
+    (tmp_path / "runs" / "r" / "checkpoints" / "step_000002").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "runs" / "r" / "args.json").write_text(json.dumps(run))
+    return str(tmp_path / "runs" / "r" / "checkpoints" / "step_000002" / "model"), run
+
+
+def test_evaluate_scores_what_the_run_held_out(tmp_path):
+    """Issue 40 item 5: evaluate.py on a run's checkpoint scored all of the file the run trained on. Now the rows the
+    run held out (its --seed 3 and --num-eval-prompts; 40 rows hold out 4: random.Random(3).sample(range(40), 40)
+    begins 15, 37, 34, 8); rows it trained on only when asked (--split train) or where it trained on a whole file,
+    and then a note says so; another file, or no run: all its rows."""
+    from evaluate import Args, rows_to_score, run_of
+    from preflight import InputError
+
+    data = write_rows(tmp_path / "my.jsonl", [{"prompt": f"Q{i}?", "answer": str(i)} for i in range(40)])
+    model, run = a_run(tmp_path, dataset=(data,), seed=3, num_eval_prompts=16)
+    run_dir = str(tmp_path / "runs" / "r")
+    assert run_of(model) == (run_dir, run) and run_of(data) == (None, None)
+
+    def score(**flags):
+        examples, rows, trained = rows_to_score(Args(model=model, **flags), run_dir, run)
+        return [int(e.answer) for e in examples], rows, trained
+
+    assert score() == ([15, 37, 34, 8], f"the prompts {run_dir} held out of {data} (seed 3)", "")
+    assert score(dataset=data) == score() and score(seed=3) == score()
+    train = score(split="train")
+    assert len(train[0]) == 36 and not {15, 37, 34, 8} & set(train[0]) and train[2] == "--split train"
+    with pytest.raises(InputError, match=f"--seed 4: {run_dir} split its data with seed 3; leave --seed out"):
+        score(seed=4)
+    other = write_rows(tmp_path / "other.jsonl", [{"prompt": "R?", "answer": "1"}] * 3)
+    assert score(dataset=other) == ([1, 1, 1], f"all rows of {other}", "")
+    assert rows_to_score(Args(model="m", dataset=data), None, None)[1:] == (f"all rows of {data}", "")
+    model, run = a_run(tmp_path, dataset=(data,), eval_dataset=other, seed=3)  # its held-out prompts: other.jsonl's
+    assert score() == ([1, 1, 1], f"the rows of {other}, {run_dir}'s --eval-dataset", "")
+    assert score(dataset=data) == (list(range(40)), f"all rows of {data}", f"it held out {other} instead")
+    model, run = a_run(tmp_path, dataset=(other,), eval_dataset=other)  # the README's capitals: one file both ways
+    assert score()[2] == f"they are its --dataset {other} too"
+
+
+def test_evaluate_a_runs_checkpoint_says_which_rows_it_scored(tiny_model_dir, tmp_path):
+    """Where a user meets it: the first line names the rows, and the summary and its samples hold just those."""
+    data = write_rows(tmp_path / "my.jsonl", [{"prompt": f"Q{i}?", "answer": str(i)} for i in range(40)])
+    model, _ = a_run(tmp_path, dataset=(data,), seed=3, num_eval_prompts=16)
+    shutil.copytree(tiny_model_dir, model)
+    code, out, _ = run("evaluate.py", "--model", model, "--max-new-tokens", 2, "--out", tmp_path / "e.json")
+    assert code == 0, out[-3000:]
+    assert f"evaluating 4 prompts, the prompts {tmp_path / 'runs' / 'r'} held out of {data} (seed 3) (0 dropped" in out
+    assert "note:" not in out and json.loads((tmp_path / "e.json").read_text())["trained_on"] is False
+    rows = [json.loads(line) for line in (tmp_path / "e.samples.jsonl").read_text().splitlines()]
+    assert [r["answer"] for r in rows] == ["15", "37", "34", "8"]
+
+
 def test_debug_shows_the_traceback(tmp_path):
     env_run = subprocess.run([sys.executable, "grpo.py", "--steps", "0"], cwd=ROOT, capture_output=True, text=True,
                              env={**os.environ, "RL_DEBUG": "1"}, timeout=120)
