@@ -388,7 +388,7 @@ def test_dropped_eval_prompts_are_counted(tiny_model_dir, tmp_path):
     ("data/train.jsonl", None, "dataset 'data/train.jsonl': no such file or folder"),
     ("empty.jsonl", [], "empty.jsonl has no rows"),
     ("bad.jsonl", [{"question": "Q?", "answer": [1]}], "bad.jsonl, line 1: needs a 'question' string and an 'answer'"),
-    ("long.jsonl", [{"question": "long " * 300, "answer": 1}] * 20, "all 18 prompts of"),
+    ("long.jsonl", [{"question": f"{i} " + "long " * 300, "answer": 1} for i in range(20)], "all 18 prompts of"),
 ])
 def test_dataset_errors_name_the_file(tiny_model_dir, tmp_path, dataset, rows, message):
     """A missing relative path is never tried as a hub id; an empty or malformed file is named."""
