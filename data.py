@@ -77,7 +77,7 @@ def template_rule(template: str | None, flag: str = "--prompt-template") -> tupl
         f"text whose only placeholder is {{prompt}} (the row's question): {', '.join(others)} would reach the model "
         "as written, not filled in; write its words into the template"
         if others
-        else "text with {prompt} in it, where the row's question goes, e.g. '{prompt}\\nPut the final answer after ####.'"
+        else "text with {prompt} in it, where the row's question goes: e.g. '{prompt}\\nAnswer after ####.'"
     )
     return flag, repr(template), template is None or (bool(_SLOT.search(template)) and not others), must
 

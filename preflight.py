@@ -250,8 +250,8 @@ def looks_like_path(name: str) -> bool:
             or name.endswith((".json", ".jsonl", ".parquet", ".safetensors", ".bin")))
 
 
-def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, raw_text: bool = True, rollout_tp: int = 1,
-                generates: bool = False):
+def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, raw_text: bool = True,
+                rollout_tp: int = 1, generates: bool = False):
     """Before anything starts: the model is a folder with config.json, weights and (with_tokenizer) a tokenizer, or a
     hub id that is cached or reachable, and SGLang can split it over `rollout_tp` GPUs; `generates` (a policy, a model
     to evaluate): not a reward model or critic (a scoring head). Returns (tokenizer or None, context length or None);

@@ -212,11 +212,11 @@ class NotANumber(ValueError):
 
 
 def is_number(value) -> bool:
-    """A value a reward may return: bool, int, float, Decimal, a numpy scalar or 0-d array, a 0-d tensor (not complex)."""
+    """A value a reward may return: bool, int, float, Decimal, a numpy scalar or 0-d array, a 0-d tensor (real)."""
     if isinstance(value, torch.Tensor):
         return value.dim() == 0 and not value.is_complex()
-    kind = getattr(getattr(value, "dtype", None), "kind", "")  # numpy's: bool, signed, unsigned, float
-    return isinstance(value, (numbers.Real, Decimal)) or (getattr(value, "ndim", None) == 0 and kind in ("b", "i", "u", "f"))
+    kind = getattr(getattr(value, "dtype", None), "kind", None)  # numpy's: bool, signed, unsigned, float
+    return isinstance(value, (numbers.Real, Decimal)) or (getattr(value, "ndim", None) == 0 and kind in tuple("biuf"))
 
 
 def score(reward_fn, *args) -> tuple[float, str]:

