@@ -42,6 +42,8 @@ MATH_PROMPT = "{prompt}\nPlease reason step by step, and put your final answer w
 # Columns tried in order when none are given: your own rows, GSM8K, MATH-500, MATH
 FIELDS = [("prompt", "answer"), ("question", "answer"), ("problem", "answer"), ("problem", "solution")]
 _SLOT = re.compile(r"\{(?:prompt|question)\}")
+# Other placeholders ({answer}, {0}, {x:.2f}): ask() would leave them as written; LaTeX's \boxed{x}, x^{n} are none
+_FIELD = re.compile(r"(?<![\w\\}^_{])\{((?:[A-Za-z_]\w*|\d+)(?:[!:][^{}]*)?)\}")
 
 
 @dataclass
@@ -65,6 +67,19 @@ def ask(prompt: str | list[dict], template: str, system_prompt: str | None = Non
     last = max(i for i, m in enumerate(messages) if m["role"] == "user")
     messages[last]["content"] = _SLOT.sub(lambda _: messages[last]["content"], template)
     return [{"role": "system", "content": system_prompt}] * bool(system_prompt) + messages
+
+
+def template_rule(template: str | None, flag: str = "--prompt-template") -> tuple[str, str, bool, str]:
+    """preflight.check_flags' rule for a prompt template (None: each kind's own): it has {prompt} (or {question}),
+    where the row's question goes, and no other placeholder: ask() fills in that one only, the rest reach the model."""
+    others = [f"{{{f}}}" for f in _FIELD.findall(template or "") if f not in ("prompt", "question")]
+    must = (
+        f"text whose only placeholder is {{prompt}} (the row's question): {', '.join(others)} would reach the model "
+        "as written, not filled in; write its words into the template"
+        if others
+        else "text with {prompt} in it, where the row's question goes: e.g. '{prompt}\\nAnswer after ####.'"
+    )
+    return flag, repr(template), template is None or (bool(_SLOT.search(template)) and not others), must
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,9 +246,9 @@ def load_task(dataset: str | list[str], eval_dataset: str | None, *, seed: int, 
     prompt asked through `template` (None: each kind's default) after `system_prompt`; columns and kind as in
     examples_from_rows.
 
-    'addition', 'multiplication': the task's seeded split. Otherwise the 'train' split of `dataset` and the 'test' split
-    of `eval_dataset` (default: of `dataset`). A single file with no --eval-dataset has no test split:
-    a seeded 1 in 10 of its rows, at most `num_eval`, is held out and never trained on.
+    'addition', 'multiplication': the task's seeded split (with `eval_dataset`: its train part, that file's rows held
+    out). Otherwise the 'train' split of `dataset` and the 'test' split of `eval_dataset` (default: of `dataset`). A
+    single file with no --eval-dataset has no test split: a seeded 1 in 10 of its rows, by prompt, is held out.
     Several datasets (a list): their train examples concatenated and each one's held-out examples (`num_eval`
     each), every Example tagged with its source; the options apply to all of them."""
     fmt = dict(template=template, system_prompt=system_prompt, prompt_field=prompt_field, answer_field=answer_field, kind=kind)
@@ -250,22 +265,42 @@ def load_task(dataset: str | list[str], eval_dataset: str | None, *, seed: int, 
         return [e for p in parts for e in p[0]], [e for p in parts for e in p[1]], "; ".join(p[2] for p in parts)
     if dataset in BUILTIN_TASKS:
         train, test = BUILTIN_TASKS[dataset](seed, template=template or ADDITION_PROMPT, system_prompt=system_prompt)
-        return train, test[:num_eval], f"{dataset}: {len(test)} held-out pairs"
-    if eval_dataset is not None:
-        return (load_examples(dataset, "train", **fmt), load_examples(eval_dataset, "test", **fmt)[:num_eval],
-                f"eval prompts from {eval_dataset}")
+        if eval_dataset is None:
+            return train, test[:num_eval], f"{dataset}: {len(test)} held-out pairs"
+    else:
+        train = load_examples(dataset, "train", **fmt)
+    if eval_dataset is not None:  # a built-in task's own held-out pairs stay out of training all the same
+        return train, load_examples(eval_dataset, "test", **fmt)[:num_eval], f"eval prompts from {eval_dataset}"
     if not os.path.isfile(dataset):
-        return (load_examples(dataset, "train", **fmt), load_examples(dataset, "test", **fmt)[:num_eval],
-                f"eval prompts from {dataset}'s test split")
-    examples = load_examples(dataset, "train", **fmt)
-    held = min(num_eval, len(examples) // 10)
-    if held == 0:
-        raise InputError(f"dataset {dataset!r} has {len(examples)} rows, too few to hold 1 in 10 out for "
-                         f"evaluation: pass --eval-dataset FILE")
-    order = random.Random(seed).sample(range(len(examples)), len(examples))
-    note = (f"held out {held} of {len(examples)} rows of {dataset} for evaluation (seed {seed}; "
-            f"--eval-dataset FILE to choose them)")
-    return [examples[i] for i in order[held:]], [examples[i] for i in order[:held]], note
+        return train, load_examples(dataset, "test", **fmt)[:num_eval], f"eval prompts from {dataset}'s test split"
+    return split_rows(train, seed=seed, num_eval=num_eval, where=dataset)
+
+
+def split_rows(examples: list[Example], *, seed: int, num_eval: int, where: str):
+    """(train, held out, a line saying so) of one file's rows: whole prompts, in a seeded order, are held out until they
+    hold 1 in 10 of the rows, and at most `num_eval` of those rows are evaluated. A prompt's copies (repeated rows) are
+    all on one side: no held-out prompt is trained on. Without copies, the first 1 in 10 rows of a seeded shuffle."""
+    rows = {}  # the prompt as asked -> its rows, in order of first appearance
+    for e in examples:
+        rows.setdefault(json.dumps(e.prompt), []).append(e)
+    groups = list(rows.values())
+    order = random.Random(seed).sample(range(len(groups)), len(groups))
+    want, held, taken = min(num_eval, len(examples) // 10), 0, 0
+    while taken < want:
+        taken, held = taken + len(groups[order[held]]), held + 1
+    train = [e for i in order[held:] for e in groups[i]]
+    if not want or not train:
+        distinct = f", {len(groups)} of them distinct prompts" if want else ""  # one prompt held out, none left
+        raise InputError(
+            f"dataset {where!r} has {len(examples)} rows{distinct}, too few to hold 1 in 10 out for evaluation: "
+            "pass --eval-dataset FILE"
+        )
+    copies = f" (every copy of {held} prompt{'s' * (held > 1)})" if taken > held else ""
+    note = (
+        f"held out {taken} of {len(examples)} rows{copies} of {where} for evaluation "
+        f"(seed {seed}; --eval-dataset FILE to choose them)"
+    )
+    return train, [e for i in order[:held] for e in groups[i]][:num_eval], note
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,32 +5,38 @@
 
 Reports strict accuracy (the answer in the asked format is right: '#### N', \boxed{}), flexible accuracy
 (right in any form), format rate, as grpo.py judges them, and writes every completion next to the summary.
-Ask the prompts as the run did: its --prompt-template, --system-prompt, fields and --answer-kind.
+A run's checkpoint is evaluated on the prompts that run held out (its args.json: data, --seed, --eval-dataset),
+asked as it asked them (--prompt-template, --system-prompt, fields, --answer-kind); a first line says which rows.
+Another model: ask the prompts as its training run did.
 """
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 import tyro
 
-from data import BUILTIN_TASKS, load_examples, tokenize_prompts
+from data import BUILTIN_TASKS, load_examples, load_task, source_name, template_rule, tokenize_prompts
 from preflight import ENGINE_HINT, InputError, check_context, check_engine, check_flags, check_model, friendly_errors
 from reward import judge
 from rollout import HFEngine, SGLangOptions, Sampling, generate, start_sglang, stop_token_ids
 from stop import stop_engine
 
 
+RUN_FLAGS = ("prompt_template", "system_prompt", "prompt_field", "answer_field", "answer_kind")  # a run's, if not given
+
+
 @dataclass
 class Args:
     model: str
     """model to evaluate: hub id or local folder"""
-    dataset: str = "addition"
-    """'addition', 'multiplication', a hub id ('openai/gsm8k'), or a file (all its rows) or folder, as grpo.py's"""
+    dataset: str | None = None
+    """'addition', 'multiplication', a hub id ('openai/gsm8k'), or a file (all its rows) or folder, as grpo.py's;
+    default: the data of the run whose checkpoint --model is (runs/<run>/checkpoints/step_N/model), else addition"""
     split: str = "test"
-    """split of --dataset: 'test' or 'train' (a single file has no splits)"""
+    """split of --dataset: 'test' (a run's own data: what it held out) or 'train' (a single file has no splits)"""
     num_prompts: int = 256
     """first N prompts of the split"""
     max_prompt_len: int = 256
@@ -38,7 +44,7 @@ class Args:
     max_new_tokens: int = 256
     """response length limit"""
     prompt_field: str | None = None
-    """the prompt's column, as the training run's (grpo.py --help says more of these five)"""
+    """the prompt's column, as the training run's (grpo.py --help says more of these five; unset: the run's)"""
     answer_field: str | None = None
     """the answer's column"""
     answer_kind: Literal["gsm8k", "math", "text"] | None = None
@@ -47,8 +53,8 @@ class Args:
     """how a prompt is asked ({prompt})"""
     system_prompt: str | None = None
     """a system message before each prompt"""
-    seed: int = 0
-    """the addition task's split seed (use the training run's --seed)"""
+    seed: int | None = None
+    """the built-in tasks' split seed; default: the run's --seed (a run's checkpoint), else 0"""
     engine: Literal["auto", "sglang", "hf"] = "auto"
     """'sglang' on a GPU, 'hf' on CPU; 'auto' picks"""
     mem_fraction: float = 0.6
@@ -64,34 +70,35 @@ def main(args: Args):
         ("--max-prompt-len", args.max_prompt_len, args.max_prompt_len >= 1, ">= 1"),
         ("--mem-fraction", args.mem_fraction, 0 < args.mem_fraction < 1, "in (0, 1)"),
         ("--split", args.split, args.split in ("test", "train"), "'test' or 'train'"),
+        template_rule(args.prompt_template),  # {prompt}, and no other placeholder (data.py)
     ])
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise InputError(f"--out {args.out!r}: its folder does not exist; create it first")
     kind = check_engine(args.engine, "--engine")
-    tokenizer, context = check_model(args.model)  # before SGLang starts
+    tokenizer, context = check_model(args.model, generates=True)  # before SGLang starts
     check_context(context, args.max_prompt_len, args.max_new_tokens)
     stop_ids = stop_token_ids(tokenizer, args.model)
-    ask = {"template": args.prompt_template, "system_prompt": args.system_prompt}
-    if args.dataset in BUILTIN_TASKS:
-        examples = BUILTIN_TASKS[args.dataset](args.seed, **{k: v for k, v in ask.items() if v})[args.split == "test"]
-    else:
-        examples = load_examples(args.dataset, args.split, **ask, prompt_field=args.prompt_field,
-                                 answer_field=args.answer_field, kind=args.answer_kind)
-    prompts, kept, dropped = tokenize_prompts(tokenizer, examples[:args.num_prompts], args.max_prompt_len, args.dataset)
-    print(f"evaluating {len(prompts)} prompts of {args.dataset} ({dropped} dropped as longer than "
+    run_dir, run = run_of(args.model)
+    if run is not None:  # a flag not given is the run's: prompts asked as it asked them
+        args = replace(args, **{k: run.get(k) for k in RUN_FLAGS if getattr(args, k) is None})
+    examples, rows, trained = rows_to_score(args, run_dir, run)
+    prompts, kept, dropped = tokenize_prompts(tokenizer, examples[: args.num_prompts], args.max_prompt_len, rows)
+    if trained:
+        print(f"note: {run_dir} trained on these rows ({trained}): this is not held-out accuracy", flush=True)
+    print(f"evaluating {len(prompts)} prompts, {rows} ({dropped} dropped as longer than "
           f"{args.max_prompt_len} tokens) with {args.model}, engine {kind}", flush=True)
     if kind == "sglang":
-        engine = start_sglang(args.model, gpu_id=0, seed=args.seed, options=SGLangOptions(
+        engine = start_sglang(args.model, gpu_id=0, seed=args.seed or 0, options=SGLangOptions(
             mem_fraction=args.mem_fraction, load_format="auto", disable_cuda_graph=True))
     else:
         engine = HFEngine(args.model)
     greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)
-    samples = generate(engine, prompts, [args.seed] * len(prompts), sampling=greedy, tokenizer=tokenizer)
+    samples = generate(engine, prompts, [args.seed or 0] * len(prompts), sampling=greedy, tokenizer=tokenizer)
     for s, e in zip(samples, kept):
         s.answer, s.kind = e.answer, e.kind
     n, counts = len(samples), judge(samples)
     summary = {
-        "model": args.model, "dataset": args.dataset, "split": args.split, "prompts": n, "dropped": dropped,
+        "model": args.model, "rows": rows, "trained_on": bool(trained), "prompts": n, "dropped": dropped,
         "strict_acc": counts["strict"] / n, "flexible_acc": counts["flexible"] / n, "format_rate": counts["format"] / n,
         "truncated_frac": sum(s.truncated for s in samples) / n,
         "response_len_mean": sum(len(s.response_ids) for s in samples) / n,
@@ -105,6 +112,56 @@ def main(args: Args):
             for e, s in zip(kept, samples):
                 f.write(json.dumps({"prompt": e.prompt, "answer": e.answer, "completion": s.text}) + "\n")
     stop_engine(engine, None)
+
+
+def run_of(model: str) -> tuple[str | None, dict | None]:
+    """The run folder and its args.json where `model` is a checkpoint's model folder of a grpo.py or ppo.py run
+    (<run>/checkpoints/step_N/model), else (None, None)."""
+    run_dir = os.path.normpath(os.path.join(model, "..", "..", ".."))
+    path = os.path.join(run_dir, "args.json")
+    if os.path.basename(os.path.normpath(os.path.join(model, "..", ".."))) != "checkpoints" or not os.path.isfile(path):
+        return None, None
+    with open(path) as f:
+        run = json.load(f)
+    return (run_dir, run) if "num_eval_prompts" in run else (None, None)  # train_rm.py's: a reward model
+
+
+def rows_to_score(args: Args, run_dir: str | None, run: dict | None) -> tuple[list, str, str]:
+    """(examples, which rows they are, why the run trained on them or ""). A run's own data (no --dataset, or one of
+    its --dataset): the rows it held out, as its --seed and --num-eval-prompts chose them (load_task, as the run called
+    it); with --split train, or where it trained on all of a file, the rows it trained on. Other data: its split (a
+    file: all its rows)."""
+    ask = dict(template=args.prompt_template, system_prompt=args.system_prompt)
+    fields = dict(prompt_field=args.prompt_field, answer_field=args.answer_field, kind=args.answer_kind)
+    if run is None or (args.dataset is not None and not any(same(args.dataset, d) for d in run["dataset"])):
+        dataset, seed = args.dataset or "addition", args.seed or 0
+        if dataset in BUILTIN_TASKS:
+            examples = BUILTIN_TASKS[dataset](seed, **{k: v for k, v in ask.items() if v})[args.split == "test"]
+            return examples, f"the {args.split} pairs of {dataset} (seed {seed})", ""
+        examples = load_examples(dataset, args.split, **ask, **fields)
+        return examples, f"all rows of {dataset}" if os.path.isfile(dataset) else f"{dataset}'s {args.split} split", ""
+    if args.seed not in (None, run["seed"]):
+        raise InputError(f"--seed {args.seed}: {run_dir} split its data with seed {run['seed']}; leave --seed out")
+    datasets, evals = [args.dataset] if args.dataset else run["dataset"], run["eval_dataset"]
+    if args.dataset and evals and os.path.isfile(args.dataset):  # trained on whole: its held-out rows came from evals
+        rows = load_examples(args.dataset, "train", **ask, **fields)
+        return rows, f"all rows of {args.dataset}", f"it held out {evals} instead"
+    evals = None if args.dataset else evals  # a built-in task's or a folder's test split: never trained on
+    train, held, _ = load_task(datasets, evals, seed=run["seed"], num_eval=run["num_eval_prompts"], **ask, **fields)
+    if args.split == "train":
+        return train, f"the rows {run_dir} trained on ({', '.join(datasets)}, seed {run['seed']})", "--split train"
+    if evals:
+        also = [f"they are its --dataset {d} too" for d in datasets if same(evals, d)]  # the README's capitals
+        return held, f"the rows of {evals}, {run_dir}'s --eval-dataset", (also or [""])[0]
+    return held, f"the prompts {run_dir} held out of {', '.join(datasets)} (seed {run['seed']})", ""
+
+
+def same(a: str, b: str) -> bool:
+    """One dataset: the same name or paths of one file or folder; a run's path not found here (it ran in another
+    folder): the same short name (my.jsonl)."""
+    if not os.path.exists(b):
+        return a == b or source_name(a) == source_name(b)
+    return os.path.exists(a) and os.path.samefile(a, b)
 
 
 if __name__ == "__main__":  # SGLang spawns its scheduler: keep this guard

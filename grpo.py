@@ -35,7 +35,7 @@ import tyro
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, source_name,
-                  task_prompts)
+                  task_prompts, template_rule)
 from fsdp import (all_reduce, all_reduce_dict, balance, batch_logprobs, clip_and_step, compute_dtype, init_distributed, load_model,
                   lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, skip_schedule, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
@@ -546,6 +546,7 @@ def check_args(args: Args, world_size: int):
         ("--tools", a.tools, all(t in TOOLS for t in a.tools.split(",") if t), f"a comma-separated list of {', '.join(TOOLS)}"),
         ("--system-prompt", a.system_prompt, not (a.system_prompt and a.tools), "without --tools (the tools bring their own system "
          "prompt and worked calls; put your instructions in --prompt-template)"),
+        template_rule(a.prompt_template),  # {prompt}, and no other placeholder (data.py)
         ("--max-turns", a.max_turns, a.max_turns >= 1, ">= 1"),
         ("--max-tool-reply-tokens", a.max_tool_reply_tokens, a.max_tool_reply_tokens >= 1, ">= 1"),
         ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
@@ -604,7 +605,7 @@ def main(args: Args):
     run_dir = os.path.join(args.output_dir, run_name)
     resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
     engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
-    tokenizer, context_len = check_model(args.model, rollout_tp=args.rollout_tp)  # a bad --model fails in one line
+    tokenizer, context_len = check_model(args.model, rollout_tp=args.rollout_tp, generates=True)  # bad input: one line
     rm_tokenizer, rm_template, rm_max_len = check_reward_model(args.reward_model, args.reward_model_template,  # None: none
                                                                args.reward_model_max_len, system=bool(args.system_prompt), tools=bool(tools))
     stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])

@@ -128,13 +128,38 @@ def check_flags(rules: list[tuple[str, object, bool, str]]):
 
 
 def package_rules(a) -> list[tuple[str, object, bool, str]]:
-    """check_flags' rules for the flags that need a package the requirements leave out (each training script's)."""
+    """check_flags' rules for the flags that need a package the requirements leave out (each training script's), and
+    for an attention implementation that can't train on this machine (attn_problem)."""
     from importlib.util import find_spec
 
+    attn = attn_problem(a.attn_implementation)
     return [("--track", a.track, not a.track or find_spec("wandb") is not None, "given with wandb installed "
              "(pip install wandb; wandb login)"),
-            ("--attn-implementation", a.attn_implementation, a.attn_implementation != "flash_attention_2"
-             or find_spec("flash_attn") is not None, "sdpa or eager: flash_attention_2 needs flash-attn (pip install flash-attn)")]
+            ("--attn-implementation", a.attn_implementation, attn is None, attn)]
+
+
+def attn_problem(impl: str) -> str | None:
+    """What --attn-implementation must be instead of `impl` (check_flags' words), None if it can train here. Each was
+    a traceback after the models loaded: a name transformers does not know, flex_attention or a flash kernel on a
+    machine without a GPU (flex_attention has no backward on a CPU), flash_attention_N without its package."""
+    if impl in ("sdpa", "eager"):
+        return None
+    import torch
+    from transformers.modeling_flash_attention_utils import FLASH_ATTENTION_COMPATIBILITY_MATRIX
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known, base = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()], impl.removeprefix("paged|")
+    if impl not in known and "/" not in impl:  # 'org/name': a kernel from the hub (transformers' kernels package)
+        return f"one that transformers knows: {', '.join(k for k in known if '|' not in k)}"
+    if not torch.cuda.is_available() and base not in ("sdpa", "eager"):
+        why = "has no backward on a CPU" if base == "flex_attention" else "runs on a GPU only"
+        return f"sdpa or eager on a machine without a GPU: {impl} {why}"
+    version = int(base.removeprefix("flash_attention_")) if base.startswith("flash_attention_") else None
+    if version in FLASH_ATTENTION_COMPATIBILITY_MATRIX:
+        if not FLASH_ATTENTION_COMPATIBILITY_MATRIX[version]["general_availability_check"]():
+            how = "flash-attn (pip install flash-attn)" if version == 2 else f"flash-attn-{version}, not installed here"
+            return f"sdpa or eager: {base} needs {how}"
+    return None
 
 
 def check_writable(run_dir: str, flag: str = "--output-dir"):
@@ -225,10 +250,12 @@ def looks_like_path(name: str) -> bool:
             or name.endswith((".json", ".jsonl", ".parquet", ".safetensors", ".bin")))
 
 
-def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, raw_text: bool = True, rollout_tp: int = 1):
+def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, raw_text: bool = True,
+                rollout_tp: int = 1, generates: bool = False):
     """Before anything starts: the model is a folder with config.json, weights and (with_tokenizer) a tokenizer, or a
-    hub id that is cached or reachable, and SGLang can split it over `rollout_tp` GPUs. Returns (tokenizer or None,
-    context length or None); raw_text: said (no template)."""
+    hub id that is cached or reachable, and SGLang can split it over `rollout_tp` GPUs; `generates` (a policy, a model
+    to evaluate): not a reward model or critic (a scoring head). Returns (tokenizer or None, context length or None);
+    raw_text: said (no template)."""
     from transformers import AutoConfig, AutoTokenizer  # lazy: `import preflight` stays light
     from transformers.utils import logging
 
@@ -264,6 +291,13 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, r
             tokenizer.clean_up_tokenization_spaces = False
     except (OSError, ValueError, ImportError) as e:
         raise InputError(f"{flag} {name!r}: transformers could not load its config or tokenizer: {first_line(e)}") from e
+    scorer = [a for a in config.architectures or [] if a.endswith(("SequenceClassification", "TokenClassification"))]
+    if generates and scorer:  # it would load as a causal LM: its score head dropped, an output head it never trained
+        where = "--reward-model" if scorer[0].endswith("SequenceClassification") else "ppo.py's --critic-model"
+        raise InputError(
+            f"{flag} {name!r} is a {scorer[0]} (config.json), a model that scores text and can't generate it: "
+            f"pass it as {where}, and a causal LM (*ForCausalLM) as {flag}"
+        )
     if problem := tp_problem(config, rollout_tp):
         raise InputError(f"--rollout-tp {rollout_tp} can't split {flag} {name} over {rollout_tp} GPUs: {problem}")
     context = getattr(config, "max_position_embeddings", None)

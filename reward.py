@@ -24,6 +24,7 @@ import functools
 import importlib.util
 import inspect
 import math
+import numbers
 import os
 import queue
 import re
@@ -206,6 +207,18 @@ class NeedsMainThread(RuntimeError):
     """A check only the main thread can bound in time (math-verify's SIGALRM): score_all runs it there."""
 
 
+class NotANumber(ValueError):
+    """A --reward value that is not a number ('1', None, a list): score_all raises it as bad input."""
+
+
+def is_number(value) -> bool:
+    """A value a reward may return: bool, int, float, Decimal, a numpy scalar or 0-d array, a 0-d tensor (real)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not value.is_complex()
+    kind = getattr(getattr(value, "dtype", None), "kind", None)  # numpy's: bool, signed, unsigned, float
+    return isinstance(value, (numbers.Real, Decimal)) or (getattr(value, "ndim", None) == 0 and kind in tuple("biuf"))
+
+
 def score(reward_fn, *args) -> tuple[float, str]:
     """Call a reward function; one that raises scores 0.0 and reports what it raised, one whose value
     is NaN/inf scores 0.0 and reports it ('not finite: nan').
@@ -232,7 +245,8 @@ def score_all(reward_fn, calls: list[tuple], *, workers: int, timeout_s: float) 
     abandoned: a daemon thread, it holds up neither the other calls nor the exit, and quits when the call returns.
     A new worker replaces it only while fewer than `workers` abandoned ones still run (fewer than 2 x workers threads
     in all); with none left, the rest wait for one to end, and after `timeout_s` score 0.0 unrun: a hung reward
-    costs a step timeout_s or two, never a pile of threads.
+    costs a step timeout_s or two, never a pile of threads. A --reward value that is not a number (NotANumber, from
+    load_reward's function) is bad input: an InputError naming it, once the calls are done.
     """
     results, left, todo = [None] * len(calls), len(calls), collections.deque(range(len(calls)))
     finished, lock = queue.SimpleQueue(), threading.Lock()  # finished: (index, result) from the workers
@@ -290,12 +304,16 @@ def score_all(reward_fn, calls: list[tuple], *, workers: int, timeout_s: float) 
     finally:
         with lock:
             todo.clear()  # after a signal: the workers take no more calls
-    return [r or (0.0, "stopped") for r in results]
+    results = [r or (0.0, "stopped") for r in results]
+    if bad := next((e for _, e in results if e.startswith(f"{NotANumber.__name__}: ")), None):
+        raise InputError(bad.removeprefix(f"{NotANumber.__name__}: "))  # not a counted 0 at every step: bad input
+    return results
 
 
 def load_reward(spec: str):
     """'FILE.py:function' -> that function, imported from the file: your own reward `(completion, answer) -> float`,
-    with no edit of the script. A file or function that can't serve is an InputError naming `spec` and the fix."""
+    with no edit of the script. A file or function that can't serve is an InputError naming `spec` and the fix, and so,
+    at the step that meets it, is a value that is not a number (through score_all)."""
     path, _, name = spec.rpartition(":")
     if not path or not name.isidentifier():
         raise InputError(f"--reward {spec!r}: expected FILE.py:function, e.g. my_reward.py:reward")
@@ -326,7 +344,22 @@ def load_reward(spec: str):
         inspect.signature(fn).bind("completion", "answer")
     except TypeError:
         raise InputError(f"--reward {spec!r}: {name}{inspect.signature(fn)} can't be called as {name}(completion, answer)") from None
-    return fn
+    if inspect.iscoroutinefunction(fn):
+        raise InputError(f"--reward {spec!r}: {name} is an async def, its calls coroutines: make it a plain def")
+
+    @functools.wraps(fn)
+    def checked(completion: str, answer: str):
+        """fn's value if it is a number (is_number), else NotANumber: score_all raises it as bad input."""
+        if is_number(value := fn(completion, answer)):
+            return value
+        if inspect.iscoroutine(value):
+            value.close()  # never awaited: no warning of it after our line
+        raise NotANumber(
+            f"--reward {spec!r} returned {repr(value)[:80]} ({type(value).__name__}), not a number: return a float "
+            "(a bool, an int, a numpy or 0-d torch number do too), e.g. 1.0 for a right answer"
+        )
+
+    return checked
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import re
 import sys
 
@@ -149,6 +150,46 @@ def test_too_small_file_or_own_eval_file(tmp_path):
     own = write_jsonl(tmp_path / "own.jsonl", [row("Other?", "#### 1")] * 3)
     train, held, note = load_task(tiny, own, seed=0, num_eval=256)
     assert (len(train), len(held)) == (9, 3) and own in note
+
+
+def test_repeated_rows_are_held_out_with_every_copy(tmp_path):
+    """Split by prompt: 12 rows, Q0..Q3 three times each. 1 in 10 of 12 rows is 1 row: by row, 1 copy was held out and
+    its 2 copies trained on. Now the first prompt of the seeded order of the 4 (random.Random(0).sample(range(4), 4) is
+    [3, 1, 0, 2]: Q3) is held out whole, its 3 rows, and the 9 rows of Q0, Q1, Q2 train."""
+    path = write_jsonl(tmp_path / "rep.jsonl", [row(f"Q{i % 4}?", f"#### {i % 4}") for i in range(12)])
+    train, held, note = load_task(path, None, seed=0, num_eval=256)
+    assert [e.answer for e in held] == ["3"] * 3 and [e.answer for e in train] == ["1"] * 3 + ["0"] * 3 + ["2"] * 3
+    assert note.startswith(f"held out 3 of 12 rows (every copy of 1 prompt) of {path} for evaluation (seed 0")
+    # 40 rows: Q0..Q3, P? ten times, Q4..Q29. Seed 1's order of the 31 prompts starts at the 5th, P?: its 10 rows are
+    # held out (1 in 10 is 4 rows: the whole prompt goes), num_eval=3 of them evaluated, none trained on
+    rows = [row(f"Q{i}?", "#### 1") for i in range(4)] + [row("P?", "#### 2")] * 10
+    rows += [row(f"Q{i}?", "#### 1") for i in range(4, 30)]
+    train, held, note = load_task(write_jsonl(tmp_path / "p.jsonl", rows), None, seed=1, num_eval=3)
+    assert ([e.answer for e in held], len(train), {e.answer for e in train}) == (["2"] * 3, 30, {"1"})
+    assert note.startswith("held out 10 of 40 rows (every copy of 1 prompt)")
+    with pytest.raises(InputError, match="has 10 rows, 1 of them distinct prompts, too few to hold 1 in 10 out"):
+        load_task(write_jsonl(tmp_path / "same.jsonl", [row()] * 10), None, seed=0, num_eval=256)
+
+
+def test_a_file_without_repeated_rows_splits_as_it_did_by_row(tmp_path):
+    """No copies: the same split as the row split it replaced (the first 1 in 10 of a seeded shuffle of the rows, the
+    rest in that order), so a run resumed across the change trains on the same data in the same order."""
+    path = write_jsonl(tmp_path / "my.jsonl", [row(f"Q{i}?", f"#### {i}") for i in range(40)])
+    train, held, _ = load_task(path, None, seed=3, num_eval=256)
+    order = random.Random(3).sample(range(40), 40)
+    assert [e.answer for e in held] == [str(i) for i in order[:4]]
+    assert [e.answer for e in train] == [str(i) for i in order[4:]]
+
+
+def test_a_built_in_task_with_an_eval_file_is_evaluated_on_the_file(tmp_path):
+    """--dataset addition --eval-dataset capitals.jsonl: the file was ignored without a word (addition's own pairs were
+    evaluated). Now its rows are the held-out prompts, judged as text; addition trains on its 7600 train pairs as ever."""
+    caps = write_jsonl(tmp_path / "capitals.jsonl", [json.dumps({"prompt": f"Name the capital of {c}.", "answer": a})
+                                                     for c, a in (("Australia", "Canberra"), ("Canada", "Ottawa"))])
+    train, held, note = load_task("addition", caps, seed=0, num_eval=256)
+    assert train == load_task("addition", None, seed=0, num_eval=256)[0] and note == f"eval prompts from {caps}"
+    assert [(e.answer, e.kind, e.source) for e in held] == [("Canberra", "text", "capitals"),
+                                                           ("Ottawa", "text", "capitals")]
 
 
 def test_a_hub_dataset_without_the_hub_is_read_from_the_cache_at_once(monkeypatch):
@@ -414,6 +455,24 @@ def test_template_without_a_slot_is_an_error(tmp_path):
     with pytest.raises(InputError, match="has no {prompt}"):
         load_examples(write_jsonl(tmp_path / "a.jsonl", [row()]), "train", "Answer after ####.")
     assert addition_task(0, template="Q: {prompt}")[1][0].prompt.startswith("Q: What is ")
+
+
+@pytest.mark.parametrize("template, refused", [
+    ("{prompt} (hint: {answer})", "{answer}"),  # issue 40: it reached the model as written
+    ("{prompt} {0} {x:.2f}", "{0}, {x:.2f}"),  # str.format's fields, none filled in
+    ("Answer after ####.", None),  # no {prompt}: refused as ask() refuses it
+    (None, ""), ("{question}", ""), (MATH_PROMPT, ""),  # the defaults; MATH's \boxed{} is no placeholder
+    ("{prompt} as \\boxed{answer}, x^{n}, \\frac{a}{b}, {{ok}}, or JSON {\"answer\": 1}", ""),  # LaTeX, escapes, JSON
+])
+def test_a_template_placeholder_other_than_prompt_is_refused(template, refused):
+    from data import template_rule
+
+    flag, shown, holds, must = template_rule(template)
+    assert (flag, shown, holds) == ("--prompt-template", repr(template), refused == "")
+    if refused:
+        assert must.startswith(f"text whose only placeholder is {{prompt}} (the row's question): {refused} would reach")
+    elif refused is None:
+        assert must.startswith("text with {prompt} in it")
 
 
 def test_several_sources(tmp_path):

@@ -275,6 +275,85 @@ def test_evaluate_bad_flags(tmp_path, flag, value, message):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_template_with_another_placeholder_is_refused_before_anything_loads(tmp_path):
+    """--prompt-template '{prompt} (hint: {answer})' put '{answer}' as written into every prompt: now one line naming
+    the flag, what is wrong and the fix, before the model is looked at (it does not exist here); ppo.py's and
+    evaluate.py's checks are the same rule (data.template_rule), asked in this process."""
+    import evaluate
+    import ppo
+    from preflight import InputError
+
+    template, refused = "{prompt} (hint: {answer})", "must be text whose only placeholder is {prompt} (the row's question)"
+    code, out, _ = run("grpo.py", "--model", tmp_path / "no-model", "--prompt-template", template,
+                       "--output-dir", tmp_path / "runs")
+    message = ours_last(code, out, "grpo.py", f"--prompt-template '{template}' {refused}: {{answer}} would reach the model "
+                        "as written, not filled in; write its words into the template")
+    assert len(message) == 1 and os.listdir(tmp_path) == []
+    for check in (lambda: ppo.check_args(ppo.Args(prompt_template=template), world_size=1),
+                  lambda: evaluate.main(evaluate.Args(model=str(tmp_path / "no-model"), prompt_template=template))):
+        with pytest.raises(InputError, match=re.escape(refused)):
+            check()
+
+
+def a_run(tmp_path, **flags) -> tuple[str, dict]:
+    """A run folder as grpo.py writes it (args.json: every flag, as json gives them back) holding a checkpoint's model
+    folder path, for evaluate.py's look-up (nothing else is read)."""
+    from dataclasses import asdict
+
+    import grpo
+
+    run = json.loads(json.dumps(asdict(grpo.Args(**flags))))
+    (tmp_path / "runs" / "r" / "checkpoints" / "step_000002").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "runs" / "r" / "args.json").write_text(json.dumps(run))
+    return str(tmp_path / "runs" / "r" / "checkpoints" / "step_000002" / "model"), run
+
+
+def test_evaluate_scores_what_the_run_held_out(tmp_path):
+    """Issue 40 item 5: evaluate.py on a run's checkpoint scored all of the file the run trained on. Now the rows the
+    run held out (its --seed 3 and --num-eval-prompts; 40 rows hold out 4: random.Random(3).sample(range(40), 40)
+    begins 15, 37, 34, 8); rows it trained on only when asked (--split train) or where it trained on a whole file,
+    and then a note says so; another file, or no run: all its rows."""
+    from evaluate import Args, rows_to_score, run_of
+    from preflight import InputError
+
+    data = write_rows(tmp_path / "my.jsonl", [{"prompt": f"Q{i}?", "answer": str(i)} for i in range(40)])
+    model, run = a_run(tmp_path, dataset=(data,), seed=3, num_eval_prompts=16)
+    run_dir = str(tmp_path / "runs" / "r")
+    assert run_of(model) == (run_dir, run) and run_of(data) == (None, None)
+
+    def score(**flags):
+        examples, rows, trained = rows_to_score(Args(model=model, **flags), run_dir, run)
+        return [int(e.answer) for e in examples], rows, trained
+
+    assert score() == ([15, 37, 34, 8], f"the prompts {run_dir} held out of {data} (seed 3)", "")
+    assert score(dataset=data) == score() and score(seed=3) == score()
+    train = score(split="train")
+    assert len(train[0]) == 36 and not {15, 37, 34, 8} & set(train[0]) and train[2] == "--split train"
+    with pytest.raises(InputError, match=f"--seed 4: {run_dir} split its data with seed 3; leave --seed out"):
+        score(seed=4)
+    other = write_rows(tmp_path / "other.jsonl", [{"prompt": "R?", "answer": "1"}] * 3)
+    assert score(dataset=other) == ([1, 1, 1], f"all rows of {other}", "")
+    assert rows_to_score(Args(model="m", dataset=data), None, None)[1:] == (f"all rows of {data}", "")
+    model, run = a_run(tmp_path, dataset=(data,), eval_dataset=other, seed=3)  # its held-out prompts: other.jsonl's
+    assert score() == ([1, 1, 1], f"the rows of {other}, {run_dir}'s --eval-dataset", "")
+    assert score(dataset=data) == (list(range(40)), f"all rows of {data}", f"it held out {other} instead")
+    model, run = a_run(tmp_path, dataset=(other,), eval_dataset=other)  # the README's capitals: one file both ways
+    assert score()[2] == f"they are its --dataset {other} too"
+
+
+def test_evaluate_a_runs_checkpoint_says_which_rows_it_scored(tiny_model_dir, tmp_path):
+    """Where a user meets it: the first line names the rows, and the summary and its samples hold just those."""
+    data = write_rows(tmp_path / "my.jsonl", [{"prompt": f"Q{i}?", "answer": str(i)} for i in range(40)])
+    model, _ = a_run(tmp_path, dataset=(data,), seed=3, num_eval_prompts=16)
+    shutil.copytree(tiny_model_dir, model)
+    code, out, _ = run("evaluate.py", "--model", model, "--max-new-tokens", 2, "--out", tmp_path / "e.json")
+    assert code == 0, out[-3000:]
+    assert f"evaluating 4 prompts, the prompts {tmp_path / 'runs' / 'r'} held out of {data} (seed 3) (0 dropped" in out
+    assert "note:" not in out and json.loads((tmp_path / "e.json").read_text())["trained_on"] is False
+    rows = [json.loads(line) for line in (tmp_path / "e.samples.jsonl").read_text().splitlines()]
+    assert [r["answer"] for r in rows] == ["15", "37", "34", "8"]
+
+
 def test_debug_shows_the_traceback(tmp_path):
     env_run = subprocess.run([sys.executable, "grpo.py", "--steps", "0"], cwd=ROOT, capture_output=True, text=True,
                              env={**os.environ, "RL_DEBUG": "1"}, timeout=120)
@@ -309,7 +388,7 @@ def test_dropped_eval_prompts_are_counted(tiny_model_dir, tmp_path):
     ("data/train.jsonl", None, "dataset 'data/train.jsonl': no such file or folder"),
     ("empty.jsonl", [], "empty.jsonl has no rows"),
     ("bad.jsonl", [{"question": "Q?", "answer": [1]}], "bad.jsonl, line 1: needs a 'question' string and an 'answer'"),
-    ("long.jsonl", [{"question": "long " * 300, "answer": 1}] * 20, "all 18 prompts of"),
+    ("long.jsonl", [{"question": f"{i} " + "long " * 300, "answer": 1} for i in range(20)], "all 18 prompts of"),
 ])
 def test_dataset_errors_name_the_file(tiny_model_dir, tmp_path, dataset, rows, message):
     """A missing relative path is never tried as a hub id; an empty or malformed file is named."""
@@ -361,6 +440,23 @@ def test_a_reward_file_that_fails_to_import(tiny_model_dir, tmp_path, source, ex
     code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--reward", "r.py:reward", "--output-dir", "runs", cwd=tmp_path)
     ours_last(code, out, "grpo.py", "--reward 'r.py:reward'", *expected)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_reward_that_returns_no_number_stops_the_first_step(tiny_model_dir, tmp_path):
+    """A --reward returning "1" was taken for 1.0 (None, a list, ... scored 0 with a warning each step, exit 0): one line
+    at the first step now, naming --reward and what it returned, exit 2. The same run shows issue 40's item 4: with
+    --dataset addition, --eval-dataset capitals.jsonl is what is evaluated (it was ignored without a word)."""
+    caps = write_rows(tmp_path / "capitals.jsonl", [{"prompt": "Name the capital of Australia.", "answer": "Canberra"},
+                                                    {"prompt": "Name the capital of Canada.", "answer": "Ottawa"}])
+    (tmp_path / "r.py").write_text("def reward(completion, answer):\n    return '1'\n")
+    inputs = {p: p.read_bytes() for p in tmp_path.iterdir()}
+    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--dataset", "addition", "--eval-dataset", caps,
+                       "--reward", "r.py:reward", "--eval-before-train", "--output-dir", "runs", cwd=tmp_path)
+    message = ours_last(code, out, "grpo.py", "--reward 'r.py:reward' returned '1' (str), not a number: return a float")
+    assert len(message) == 1 and "step 1 |" not in out
+    assert "data: 7600 train prompts, 2 eval prompts" in out and f"eval prompts from {caps}" in out
+    assert "eval after step 0 | eval strict acc" in out
+    assert {p: p.read_bytes() for p in inputs} == inputs and not list(tmp_path.glob("runs/*/checkpoints"))
 
 
 def test_resuming_with_another_number_of_ranks_says_how_many(tiny_model_dir, tmp_path):
@@ -467,20 +563,87 @@ def test_every_file_keeps_its_line_budget_in_the_readme():
 
 @pytest.mark.skipif(bool(importlib.util.find_spec("wandb") or importlib.util.find_spec("flash_attn")),
                     reason="wandb or flash-attn is installed here")
-def test_a_flag_that_needs_a_package_not_installed_says_which():
-    """--track without wandb, --attn-implementation flash_attention_2 without flash-attn: in each training script's
-    flag checks, before anything loads (they were tracebacks after the models loaded)."""
+def test_a_flag_that_needs_a_package_not_installed_says_which(monkeypatch):
+    """--track without wandb, --attn-implementation flash_attention_2 without flash-attn (on a GPU machine: without a
+    GPU that comes first, below): in each training script's flag checks, before anything loads (they were tracebacks
+    after the models loaded)."""
+    import torch
+
     import grpo
     import ppo
     import train_rm
     from preflight import InputError
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for script in (grpo, ppo, train_rm):
         with pytest.raises(InputError) as e:
             script.check_args(script.Args(track=True, attn_implementation="flash_attention_2"), world_size=1)
         assert "--track True must be given with wandb installed (pip install wandb; wandb login)" in str(e.value)
         assert ("--attn-implementation flash_attention_2 must be sdpa or eager: flash_attention_2 needs flash-attn "
                 "(pip install flash-attn)") in str(e.value)
+
+
+def test_an_attention_that_cant_train_on_this_machine_is_refused_before_anything_loads(tiny_model_dir, tmp_path):
+    """--attn-implementation flex_attention on a CPU was an 84-line traceback after the model loaded (it has no backward
+    there): one line now, before the model is read; ppo.py and train_rm.py share the rule (preflight.attn_problem)."""
+    import ppo
+    import train_rm
+    from preflight import InputError
+
+    code, out, seconds = run("grpo.py", "--model", tiny_model_dir, "--attn-implementation", "flex_attention",
+                             "--output-dir", tmp_path / "runs")
+    message = ours_last(code, out, "grpo.py", "--attn-implementation flex_attention must be sdpa or eager on a machine "
+                        "without a GPU: flex_attention has no backward on a CPU")
+    assert len(message) == 1 and "model " not in out and not (tmp_path / "runs").exists()
+    for script in (ppo, train_rm):
+        with pytest.raises(InputError, match="flex_attention has no backward on a CPU"):
+            script.check_args(script.Args(attn_implementation="flex_attention"), world_size=1)
+
+
+@pytest.mark.parametrize("impl, gpu, must", [
+    ("sdpa", False, None), ("eager", False, None), ("paged|sdpa", False, None),
+    ("flash_attention_2", False, "sdpa or eager on a machine without a GPU: flash_attention_2 runs on a GPU only"),
+    ("flex_attention", True, None),
+    ("sdpa2", True, "one that transformers knows: eager, "),  # a typo was transformers' ValueError after loading
+])
+def test_attention_implementations_by_machine(monkeypatch, impl, gpu, must):
+    import torch
+
+    from preflight import attn_problem
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert attn_problem(impl) == must or attn_problem(impl).startswith(must)
+
+
+def scorer_folder(tiny_model_dir, folder, architecture: str) -> str:
+    """The tiny model's files with config.json naming a scoring head of one label (what train_rm.py and ppo.py's
+    critic export write): enough for every check before loading."""
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": [architecture], "id2label": {"0": "LABEL_0"},
+                                                    "label2id": {"LABEL_0": 0}}))
+    return str(folder)
+
+
+def test_a_reward_model_passed_as_the_policy_is_refused_before_loading(tiny_model_dir, tmp_path):
+    """A train_rm.py checkpoint given as --model loaded as a causal LM with a new, random output head, and trained:
+    now one line from config.json's architectures, naming where it belongs, before the model loads; ppo.py's actor and
+    evaluate.py make the same call (generates=True). --reward-model (and a critic's folder as --critic-model) keep
+    taking them."""
+    from preflight import InputError, check_model
+    from reward_model import check_reward_model
+
+    rm = scorer_folder(tiny_model_dir, tmp_path / "rm", "LlamaForSequenceClassification")
+    code, out, _ = run("grpo.py", "--model", rm, "--output-dir", tmp_path / "runs")
+    message = ours_last(code, out, "grpo.py", f"--model '{rm}' is a LlamaForSequenceClassification (config.json), a model "
+                        "that scores text and can't generate it: pass it as --reward-model, and a causal LM "
+                        "(*ForCausalLM) as --model")
+    assert len(message) == 1 and sorted(os.listdir(tmp_path)) == ["rm"]
+    assert not any(x.startswith("model ") for x in out.splitlines())  # check_model's line on a model it took
+    critic = scorer_folder(tiny_model_dir, tmp_path / "critic", "LlamaForTokenClassification")
+    with pytest.raises(InputError, match="is a LlamaForTokenClassification .* pass it as ppo.py's --critic-model"):
+        check_model(critic, generates=True)
+    assert check_reward_model(rm)[0] is not None and check_model(critic, "--critic-model", with_tokenizer=False)[1] == 512
 
 
 def test_a_checkpoint_folder_passed_for_a_model_names_its_model_folder(tiny_model_dir, tmp_path):

@@ -434,6 +434,7 @@ def test_load_reward_imports_a_function_from_a_file(tmp_path):
     ("reward = 1.0\n", "{path}:reward", "reward is a float; it must be a function"),
     ("def reward(completion):\n    return 0.0\n", "{path}:reward", r"reward\(completion\) can't be called as reward\(completion, answer\)"),
     ("x = 1\ndef reward(c, a)\n    return 0.0\n", "{path}:reward", r"syntax error at .*r.py:2: "),
+    ("async def reward(c, a):\n    return 1.0\n", "{path}:reward", "reward is an async def, its calls coroutines: make it a"),
 ])
 def test_load_reward_errors_name_the_spec_and_the_fix(tmp_path, content, spec, message):
     from preflight import InputError
@@ -446,3 +447,49 @@ def test_load_reward_errors_name_the_spec_and_the_fix(tmp_path, content, spec, m
     with pytest.raises(InputError, match=message) as e:
         load_reward(spec)
     assert f"--reward {spec!r}" in str(e.value)
+
+
+@pytest.mark.parametrize("value, shown", [
+    ("1", "'1'"),  # float() took it for 1.0
+    (None, "None"), ([1.0], "[1.0]"), (float, "<class 'float'>"),  # each scored 0 at every step, the run went on
+    ("coroutine", "<coroutine object later at"),  # a plain def that returns a coroutine (an async def: refused at load)
+    ("tensor", "tensor([0.5000])"),  # one element, but not 0-d
+])
+def test_a_reward_that_returns_no_number_is_bad_input(tmp_path, value, shown):
+    """score_all raises what the first call of the step met as bad input: --reward and the value, in one line."""
+    import sys
+    import warnings
+
+    import torch
+
+    from preflight import InputError
+    from reward import load_reward, score_all
+
+    (tmp_path / "r.py").write_text("import torch\nVALUE = None\nasync def later():\n    return 1.0\n"
+                                   "def reward(completion, answer):\n    if VALUE == 'coroutine':\n        return later()\n"
+                                   "    return torch.tensor([0.5]) if VALUE == 'tensor' else VALUE\n")
+    fn = load_reward(f"{tmp_path / 'r.py'}:reward")
+    fn.__wrapped__.__globals__["VALUE"] = value
+    with warnings.catch_warnings(), pytest.raises(InputError) as e:
+        warnings.simplefilter("error")  # a coroutine never awaited would warn: it is closed
+        score_all(fn, [("c", "a")] * 4, workers=2, timeout_s=5)
+    message = str(e.value)
+    assert message.startswith(f"--reward '{tmp_path / 'r.py'}:reward' returned {shown}") and "\n" not in message, message
+    assert "not a number: return a float" in message
+    del sys.modules["user_reward_reward"]
+
+
+def test_every_kind_of_number_is_a_reward():
+    """bool, int, float, Decimal, numpy scalars and 0-d arrays, 0-d tensors: numbers, scored as float() gives them."""
+    from decimal import Decimal
+
+    import numpy as np
+    import torch
+
+    from reward import is_number
+
+    numbers = [True, 1, 0.5, Decimal("0.5"), np.float32(0.5), np.int64(1), np.bool_(True), np.array(0.5),
+               torch.tensor(0.5), torch.tensor(True, device="cpu")]
+    assert all(is_number(v) for v in numbers) and [score(lambda c, a, v=v: v, "c", "a")[0] for v in numbers] == [
+        1.0, 1.0, 0.5, 0.5, 0.5, 1.0, 1.0, 0.5, 0.5, 1.0]
+    assert not any(is_number(v) for v in ("1", None, [1.0], float, 1j, np.array([0.5]), torch.tensor([0.5]), {}))

@@ -303,7 +303,8 @@ def test_two_cpu_ranks_leave_no_fsdp_module_for_the_interpreter_teardown(tiny_mo
 
 def test_own_task_and_math_mixed_with_a_reward_file(trained_tiny_model_dir, tmp_path):
     """The README's own-task recipe, as a user runs it: rows of {"prompt", "answer"} beside MATH rows,
-    each source judged by its kind and held out on its own (eval/<source>/...), a reward from a file."""
+    each source judged by its kind and held out on its own (eval/<source>/...), a reward from a file. Each capital is
+    asked 10 times: one of the two is held out whole, every copy of it, by prompt (issue 40: 2 rows were, by row)."""
     (tmp_path / "capitals.jsonl").write_text("\n".join(json.dumps({"prompt": f"Name the capital of {c}.", "answer": a})
                                                       for c, a in [("Australia", "Canberra"), ("Canada", "Ottawa")] * 10))
     (tmp_path / "mathrows.jsonl").write_text("\n".join(json.dumps({"problem": f"What is ${a}+{b}$?",
@@ -315,7 +316,7 @@ def test_own_task_and_math_mixed_with_a_reward_file(trained_tiny_model_dir, tmp_
     train, evals = metrics(tmp_path)
     assert {"eval/capitals/strict_acc", "eval/mathrows/strict_acc", "eval/strict_acc"} <= set(evals[-1])
     assert all(r["rollout/reward_errors"] == 0 for r in train)  # the file's function scored every sample
-    assert "held out 2 of 20 rows of" in proc.stdout and "eval after step 2" in proc.stdout
+    assert "held out 10 of 20 rows (every copy of 1 prompt) of" in proc.stdout and "eval after step 2" in proc.stdout
 
 
 def test_reward_file_errors_name_the_spec(tiny_model_dir, tmp_path):
