@@ -1,0 +1,45 @@
+"""What a run computes, pinned: fixed-seed CPU runs of grpo.py and ppo.py (the tiny model, 5 steps, fp32) against the
+losses, rewards and gradient norms they gave when this file was recorded (tests/golden_steps.json, 2026-11-26 at
+2efa625, before issue 41's reshape). A refactor that changes a number fails here; one that only moves code passes.
+
+Recorded with GOLDEN_RECORD=1 python -m pytest tests/test_golden.py (rewrites the file: do it only for a change that
+means to alter what a run computes, and say so in its commit).
+"""
+
+import json
+import math
+import os
+
+import pytest
+from test_smoke import metrics, run_grpo
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_steps.json")
+KEYS = ("rollout/reward_mean", "rollout/reward_std", "train/loss", "train/grad_norm", "train/entropy", "train/kl",
+        "critic/value_loss", "critic/explained_var")  # the last two: ppo.py
+RUNS = {  # name: (script, flags)
+    "grpo": ("grpo.py", ()),
+    "grpo_mb2_beta": ("grpo.py", ("--num-minibatches", "2", "--beta", "0.04")),
+    "ppo": ("ppo.py", ()),
+}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_fixed_seed_run_computes_what_it_did(name, trained_tiny_model_dir, tmp_path):
+    """fp32 on every CPU (ONEDNN_MAX_CPU_ISA=AVX2: fsdp.compute_dtype's bf16 depends on the CPU); rewards are counts of
+    right answers, so equal; losses and norms within 1e-4 relative (summation order between CPU kernels)."""
+    script, flags = RUNS[name]
+    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "5", "--eval-every", "0", "--save-every", "-1", "--seed", "3",
+             *flags, script=script, env={"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    train, _ = metrics(tmp_path)
+    got = [{k: r[k] for k in KEYS if k in r} for r in train]
+    assert len(got) == 5
+    if os.environ.get("GOLDEN_RECORD"):
+        recorded = json.load(open(GOLDEN)) if os.path.exists(GOLDEN) else {}
+        with open(GOLDEN, "w") as f:
+            json.dump({**recorded, name: got}, f, indent=1, sort_keys=True)
+        return
+    want = json.load(open(GOLDEN))[name]
+    for step, (g, w) in enumerate(zip(got, want), start=1):
+        assert g.keys() == w.keys(), (step, g.keys(), w.keys())
+        for k in w:
+            assert math.isclose(g[k], w[k], rel_tol=1e-4, abs_tol=1e-6), f"{name} step {step} {k}: {g[k]} != {w[k]}"
