@@ -153,6 +153,17 @@ def check_writable(run_dir: str, flag: str = "--output-dir"):
                          f"({e.strerror}): pass another {flag}, one this user can write") from None
 
 
+def run_folder(output_dir: str, run_name: str) -> str:
+    """output_dir/run_name: `~` expanded (a shell leaves it as typed after `--output-dir=`), and the run name one plain
+    folder name, so that the run's folder is inside --output-dir."""
+    if run_name in ("", ".", "..") or "/" in run_name or "\0" in run_name:
+        raise InputError(
+            f"--run-name {run_name!r} is not a plain folder name (the run's folder goes inside --output-dir "
+            f"{output_dir}): pass a name without '/'; to write elsewhere, change --output-dir"
+        )
+    return os.path.join(os.path.expanduser(output_dir), run_name)
+
+
 def given_flags(argv: list[str]) -> set[str]:
     """Field names of the flags on a command line: '--max-new-tokens=64' -> 'max_new_tokens'."""
     return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}

@@ -415,6 +415,88 @@ def test_tiny_model_help_builds_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+# ----------------------------------------------------------------------------------------------
+# The run's folder: whose it is, whether a run holds it, where it is
+
+
+def fake_run(folder, script: str, command_only: bool = False) -> dict:
+    """A run folder as `script` leaves it after 2 steps and a checkpoint; with `command_only`, as runs left it before
+    run_info.json named its script (its command does). Returns its files' bytes."""
+    (folder / "checkpoints" / "step_000002").mkdir(parents=True)
+    (folder / "checkpoints" / "step_000002" / "trainer.pt").write_bytes(b"never read: refused before")
+    info = {"command": f"/home/me/rl/{script} --model m"} if command_only else {"script": script, "command": script}
+    (folder / "run_info.json").write_text(json.dumps(info))
+    write_rows(folder / "metrics.jsonl", [{"step": 1}, {"step": 2}])
+    return files_of(folder)
+
+
+def files_of(folder) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_run_folder_refuses_every_other_script_in_one_line(tiny_model_dir, tmp_path):
+    """`grpo.py --resume` on a ppo.py run was refused only for its flags; followed, it continued the PPO actor as GRPO,
+    overwrote args.json and run_info.json and rotated away the only checkpoints holding the critic; `ppo.py --resume`
+    on a grpo.py run was a 42-line traceback. Any other script now refuses a run's folder in one line before anything
+    loads or is written, with --resume or without (train_rm.py), a folder from before run_info.json named its script
+    too. And `--output-dir=~/runs`, where the shell leaves the `~`: the home's runs/, no folder named `~` here."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    runs = tmp_path / "home" / "runs"
+    fake_run(runs / "p", "ppo.py"), fake_run(runs / "g", "grpo.py", command_only=True)
+    before, home = files_of(tmp_path), {"HOME": str(tmp_path / "home")}
+    cases = [("grpo.py", "p", "--resume", "holds a ppo.py run (its run_info.json), not a grpo.py one: pass another "
+                                         "--run-name, or resume it with ppo.py"),
+             ("ppo.py", "g", "--resume", "holds a grpo.py run (its run_info.json), not a ppo.py one: pass another "
+                                        "--run-name, or resume it with grpo.py"),
+             ("train_rm.py", "g", "--eval-every=0", "holds a grpo.py run (its run_info.json), not a train_rm.py one: pass "
+                                                    "another --run-name")]
+    with ThreadPoolExecutor(len(cases)) as pool:  # each stops at preflight, before the model is looked at
+        runs_ = pool.map(lambda c: run(c[0], "--model", tiny_model_dir, "--output-dir=~/runs", "--run-name", c[1], c[2],
+                                       cwd=tmp_path, env=home), cases)
+        for (script, name, _, message), (code, out, _) in zip(cases, list(runs_)):
+            ours_last(code, out, script, f"{runs / name} {message}")
+            assert f"model {tiny_model_dir}" not in out and out.strip().splitlines()[-1].endswith(message), out
+    assert files_of(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["home"]  # nothing written, no `~`
+
+
+def test_a_run_name_with_a_path_in_it_is_refused(tmp_path):
+    """--run-name ../../x wrote outside --output-dir: now one line, nothing made anywhere."""
+    from preflight import InputError, run_folder
+
+    code, out, _ = run("grpo.py", "--model", "no-model", "--output-dir", "a/runs", "--run-name", "../../x", cwd=tmp_path)
+    ours_last(code, out, "grpo.py", "--run-name '../../x' is not a plain folder name (the run's folder goes inside "
+              "--output-dir a/runs): pass a name without '/'; to write elsewhere, change --output-dir")
+    assert os.listdir(tmp_path) == []
+    for name in ("", ".", "..", "a/b", "/abs"):
+        with pytest.raises(InputError):
+            run_folder("runs", name)
+    assert run_folder("~/runs", "r") == os.path.join(os.path.expanduser("~"), "runs", "r")
+
+
+def test_a_live_runs_lock_refuses_another_and_a_dead_runs_does_not(tmp_path):
+    """The lock is an OS lock (flock) on run.lock, held for the run's life: a second claim is refused in one line naming
+    the holder; once the holder's process is gone (here: its file closed), the same folder is claimed at once, the stale
+    file notwithstanding. A folder with no run but a lock file is no earlier run."""
+    import fcntl
+
+    from preflight import InputError
+    from runlog import LOCK, claim_run_dir
+
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    holder = open(run_dir / LOCK, "a+")  # another open file: another holder, as another process's
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder.write("grpo.py, pid 4242 on node7, since 2026-11-26 05:58:23")
+    holder.flush()
+    with pytest.raises(InputError, match=f"^{run_dir} is in use by grpo.py, pid 4242 on node7, since 2026-11-26 "
+                                         f"05:58:23 \\({run_dir / LOCK}\\): wait for it to end or stop it, or pass"):
+        claim_run_dir(str(tmp_path / "runs"), "r", resume=False)
+    holder.close()  # the run died: the lock with it, the file stays
+    assert claim_run_dir(str(tmp_path / "runs"), "r", resume=False) == str(run_dir)  # nothing in it but the lock
+    assert (run_dir / LOCK).read_text().startswith(f"{os.path.basename(sys.argv[0])}, pid {os.getpid()} on ")
+
+
 def test_existing_checkpoints_refuse_before_loading(tmp_path):
     (tmp_path / "runs" / "r" / "checkpoints" / "step_000001").mkdir(parents=True)
     (tmp_path / "runs" / "r" / "checkpoints" / "step_000001" / "trainer.pt").write_bytes(b"")
