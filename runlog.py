@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -24,9 +25,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import latest_checkpoint
+from checkpoint import gib, latest_checkpoint, out_of_space
 from plot import parse_row, write_curves
-from preflight import InputError, check_writable, run_folder
+from preflight import InputError, RunFailed, check_writable, run_folder
 from sandbox import memory_bound
 
 LOCK = "run.lock"  # in the run's folder: rank 0 holds an OS lock on it for the run's life; it names the holder
@@ -106,6 +107,27 @@ def leave_no_trace(run_dir: str, made: list[str]):
             os.rmdir(folder)
 
 
+def write(path: str, text: str, append: bool = False):
+    """Append `text` to the file, or replace the file through a temporary one and a rename (a failed write leaves
+    the old file whole). A full disk ends the run in one line (RunFailed), not a traceback."""
+    tmp = path + ".tmp"
+    try:
+        with open(path if append else tmp, "a" if append else "w") as f:
+            f.write(text)
+        if not append:
+            os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if not out_of_space(e, folder := os.path.dirname(path) or "."):
+            raise
+        free = gib(shutil.disk_usage(folder).free)
+        raise RunFailed(
+            f"no space left at {folder} while writing {os.path.basename(path)} ({free} free); what the run wrote "
+            "before is intact: free some space, then add --resume"
+        ) from None
+
+
 class RunLog:
     """A run's folder on rank 0: args.json, run_info.json, metrics.jsonl, samples.jsonl (+ wandb with `track`).
 
@@ -123,8 +145,7 @@ class RunLog:
             return
         os.makedirs(run_dir, exist_ok=True)
         for name, content in (("args.json", config), ("run_info.json", info)):
-            with open(os.path.join(run_dir, name), "w") as f:
-                json.dump(content, f, indent=2)
+            write(os.path.join(run_dir, name), json.dumps(content, indent=2))
 
         def redone(row: dict) -> bool:
             return row["step"] > start_step or (row["step"] == start_step and eval_redone
@@ -134,8 +155,7 @@ class RunLog:
             if os.path.exists(path):
                 with open(path) as f:
                     kept = [line for line in f if (row := parse_row(line)) is not None and not redone(row)]
-                with open(path, "w") as f:
-                    f.writelines(kept)
+                write(path, "".join(kept))
         if track:
             import wandb  # lazy: only with --track
 
@@ -143,8 +163,7 @@ class RunLog:
 
     def log(self, row: dict):
         if self.rank0:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            write(self.path, json.dumps(row) + "\n", append=True)
             if self.wandb is not None:
                 self.wandb.log(row, step=int(row["step"]))
             self.undrawn = not any(k.startswith("eval/") for k in row)
@@ -157,8 +176,8 @@ class RunLog:
         for r in rows[:shown]:
             print0(f"  sample (reward {r['reward']:.2f}, answer {r['answer']}): {r['completion'][:300]!r}")
         if self.rank0:
-            with open(self.path.replace("metrics.jsonl", "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+            lines = "".join(json.dumps(r) + "\n" for r in rows)
+            write(self.path.replace("metrics.jsonl", "samples.jsonl"), lines, append=True)
             if self.wandb is not None:
                 import wandb
 
