@@ -355,12 +355,30 @@ def test_a_hub_dataset_without_the_hub_fails_at_once(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("source, expected", [
     ("import sympyx\n", ["an import in r.py fails (No module named 'sympyx')", "pip install it", "drop the import"]),
     ("TABLE = {}\nSCALE = TABLE['scale']\n", ["r.py, line 2, raised KeyError: 'scale'; fix the file"]),
+    # argparse at its top level read grpo.py's own flags: its usage and 'grpo.py: error: ...' blamed them, exit 2
+    ("import argparse\nargparse.ArgumentParser().parse_args()\n",
+     ["r.py parses the command line (argparse: unrecognized arguments: --model ", "under if __name__ == '__main__'"]),
 ])
 def test_a_reward_file_that_fails_to_import(tiny_model_dir, tmp_path, source, expected):
     (tmp_path / "r.py").write_text(source + "def reward(completion, answer):\n    return 1.0\n")
     code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--reward", "r.py:reward", "--output-dir", "runs", cwd=tmp_path)
     ours_last(code, out, "grpo.py", "--reward 'r.py:reward'", *expected)
-    assert not (tmp_path / "runs").exists()
+    assert not (tmp_path / "runs").exists() and "usage:" not in out
+
+
+def test_a_reward_file_that_exits_or_prints_on_import(tmp_path, capsys):
+    """sys.exit at a reward file's top level printed its message and exited 1, naming nothing; what its top level
+    prints to stderr and then imports fine is shown as it was."""
+    from preflight import InputError
+    from reward import load_reward
+
+    (tmp_path / "r.py").write_text("import sys\nsys.exit('no table.csv here')\n")
+    with pytest.raises(InputError) as e:
+        load_reward(f"{tmp_path}/r.py:reward")
+    assert str(e.value) == (f"--reward '{tmp_path}/r.py:reward': {tmp_path}/r.py calls sys.exit('no table.csv here') "
+                            "on import; put it under if __name__ == '__main__'")
+    (tmp_path / "ok.py").write_text("import sys\nprint('loading', file=sys.stderr)\ndef reward(c, a):\n    return 1.0\n")
+    assert load_reward(f"{tmp_path}/ok.py:reward")("c", "a") == 1.0 and capsys.readouterr().err == "loading\n"
 
 
 def test_resuming_with_another_number_of_ranks_says_how_many(tiny_model_dir, tmp_path):
