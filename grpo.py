@@ -28,6 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
+from preflight import exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
+
+exit_on_interrupt("grpo.py")
 import numpy as np
 import torch
 import torch.distributed as dist

@@ -164,6 +164,19 @@ def run_folder(output_dir: str, run_name: str) -> str:
     return os.path.join(os.path.expanduser(output_dir), run_name)
 
 
+def exit_on_interrupt(script: str):
+    """Called before the heavy imports (torch, transformers: ~1.5 s), where Python's own handler printed a
+    KeyboardInterrupt traceback from inside `import torch`: Ctrl-C ends the process in one line, exit 130, until
+    main installs its handlers (stop.py; evaluate.py keeps this one). Only where `script` is the program run."""
+
+    def stop(signum, frame):
+        os.write(2, f"\n{script}: stopped by {signal.Signals(signum).name}\n".encode())  # not print: reentrant-safe
+        raise SystemExit(128 + signum)
+
+    if os.path.basename(sys.argv[0]) == script:
+        signal.signal(signal.SIGINT, stop)
+
+
 def given_flags(argv: list[str]) -> set[str]:
     """Field names of the flags on a command line: '--max-new-tokens=64' -> 'max_new_tokens'."""
     return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}

@@ -23,6 +23,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from preflight import exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
+
+exit_on_interrupt("train_rm.py")
 import numpy as np
 import torch
 import torch.distributed as dist

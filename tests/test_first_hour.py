@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -513,6 +514,22 @@ def test_a_live_runs_lock_refuses_another_and_a_dead_runs_does_not(tmp_path):
     holder.close()  # the run died: the lock with it, the file stays
     assert claim_run_dir(str(tmp_path / "runs"), "r", resume=False) == str(run_dir)  # nothing in it but the lock
     assert (run_dir / LOCK).read_text().startswith(f"{os.path.basename(sys.argv[0])}, pid {os.getpid()} on ")
+
+
+def test_ctrl_c_while_the_imports_run_is_one_line(tmp_path):
+    """Ctrl-C in a script's first ~1.5 s was a KeyboardInterrupt traceback from inside `import torch`: now one line,
+    exit 130, in every script. The signal goes while torch is being imported (its library mapped: /proc/PID/maps)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    for script in ("grpo.py", "ppo.py", "train_rm.py", "evaluate.py"):
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), "--model", "no-model"], cwd=tmp_path,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 60
+        while proc.poll() is None and time.time() < deadline and "libtorch" not in open(f"/proc/{proc.pid}/maps").read():
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 130 and out.strip() == f"{script}: stopped by SIGINT", out[-3000:]
+    assert os.listdir(tmp_path) == []
 
 
 def test_existing_checkpoints_refuse_before_loading(tmp_path):
