@@ -453,44 +453,39 @@ def files_of(folder) -> dict:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_a_run_folder_refuses_every_other_script_in_one_line(tiny_model_dir, tmp_path):
+def test_a_run_folder_refuses_every_other_script_and_stays_inside_output_dir(tiny_model_dir, tmp_path):
     """`grpo.py --resume` on a ppo.py run was refused only for its flags; followed, it continued the PPO actor as GRPO,
     overwrote args.json and run_info.json and rotated away the only checkpoints holding the critic; `ppo.py --resume`
     on a grpo.py run was a 42-line traceback. Any other script now refuses a run's folder in one line before anything
     loads or is written, with --resume or without (train_rm.py), a folder from before run_info.json named its script
-    too. And `--output-dir=~/runs`, where the shell leaves the `~`: the home's runs/, no folder named `~` here."""
+    too. `--output-dir=~/runs`, where the shell leaves the `~`, is the home's runs/ (it made a folder named `~`), and
+    `--run-name ../../x`, which wrote outside --output-dir, is refused. Four processes at once, each stopped at preflight."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from preflight import InputError, run_folder
 
     runs = tmp_path / "home" / "runs"
     fake_run(runs / "p", "ppo.py"), fake_run(runs / "g", "grpo.py", command_only=True)
     before, home = files_of(tmp_path), {"HOME": str(tmp_path / "home")}
-    cases = [("grpo.py", "p", "--resume", "holds a ppo.py run (its run_info.json), not a grpo.py one: pass another "
-                                         "--run-name, or resume it with ppo.py"),
-             ("ppo.py", "g", "--resume", "holds a grpo.py run (its run_info.json), not a ppo.py one: pass another "
-                                        "--run-name, or resume it with grpo.py"),
-             ("train_rm.py", "g", "--eval-every=0", "holds a grpo.py run (its run_info.json), not a train_rm.py one: pass "
-                                                    "another --run-name")]
-    with ThreadPoolExecutor(len(cases)) as pool:  # each stops at preflight, before the model is looked at
+    cases = [("grpo.py", "p", "--resume", f"{runs / 'p'} holds a ppo.py run (its run_info.json), not a grpo.py one: pass "
+                                         "another --run-name, or resume it with ppo.py"),
+             ("ppo.py", "g", "--resume", f"{runs / 'g'} holds a grpo.py run (its run_info.json), not a ppo.py one: pass "
+                                        "another --run-name, or resume it with grpo.py"),
+             ("train_rm.py", "g", "--eval-every=0", f"{runs / 'g'} holds a grpo.py run (its run_info.json), not a "
+                                                    "train_rm.py one: pass another --run-name"),
+             ("grpo.py", "../../x", "--resume", "--run-name '../../x' is not a plain folder name (the run's folder goes "
+                                                "inside --output-dir ~/runs): pass a name without '/'; to write elsewhere, "
+                                                "change --output-dir")]
+    with ThreadPoolExecutor(len(cases)) as pool:
         runs_ = pool.map(lambda c: run(c[0], "--model", tiny_model_dir, "--output-dir=~/runs", "--run-name", c[1], c[2],
                                        cwd=tmp_path, env=home), cases)
-        for (script, name, _, message), (code, out, _) in zip(cases, list(runs_)):
-            ours_last(code, out, script, f"{runs / name} {message}")
+        for (script, _, _, message), (code, out, _) in zip(cases, list(runs_)):
+            ours_last(code, out, script, message)
             assert f"model {tiny_model_dir}" not in out and out.strip().splitlines()[-1].endswith(message), out
     assert files_of(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["home"]  # nothing written, no `~`
-
-
-def test_a_run_name_with_a_path_in_it_is_refused(tmp_path):
-    """--run-name ../../x wrote outside --output-dir: now one line, nothing made anywhere."""
-    from preflight import InputError, run_folder
-
-    code, out, _ = run("grpo.py", "--model", "no-model", "--output-dir", "a/runs", "--run-name", "../../x", cwd=tmp_path)
-    ours_last(code, out, "grpo.py", "--run-name '../../x' is not a plain folder name (the run's folder goes inside "
-              "--output-dir a/runs): pass a name without '/'; to write elsewhere, change --output-dir")
-    assert os.listdir(tmp_path) == []
     for name in ("", ".", "..", "a/b", "/abs"):
         with pytest.raises(InputError):
             run_folder("runs", name)
-    assert run_folder("~/runs", "r") == os.path.join(os.path.expanduser("~"), "runs", "r")
 
 
 def test_a_live_runs_lock_refuses_another_and_a_dead_runs_does_not(tmp_path):
