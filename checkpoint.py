@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 
-from preflight import InputError, RunFailed, as_flags, check_writable
+from preflight import InputError, RunFailed, as_flags
 
 
 def checkpoint_dir(out_dir: str, step: int) -> str:
@@ -88,14 +88,9 @@ def checkpoint_to_resume(run_dir: str, resume: bool, args=None) -> str | None:
     """With `resume`: the newest checkpoint of run_dir that `damage` finds nothing wrong with. A
     damaged newer one is renamed step_N.damaged (kept, never resumed or rotated away) and named in a
     line. A run folder with no checkpoint at all (its run stopped before the first save) starts again
-    from step 0 (None). Without `resume`, run_dir must hold no earlier run: nothing is overwritten
-    silently, and --resume is the one way on. Either way run_dir must be writable: checked here,
-    before anything loads, and so are the run's `args` (a dataclass): as saved, but for HOW_IT_RUNS."""
-    check_writable(run_dir)
+    from step 0 (None). Checked here, before anything loads: the run's `args` (a dataclass), as saved
+    but for HOW_IT_RUNS. (runlog.claim_run_dir checks the folder first: whose, in use, an earlier run.)"""
     if not resume:
-        if (path := latest_checkpoint(run_dir)) or os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-            how = "continue it" if path else "start it again from step 0 in this folder (it has no checkpoint)"
-            raise InputError(f"{run_dir} holds an earlier run: pass --resume to {how}, or a new --run-name")
         return None
     damaged = []
     while (path := latest_checkpoint(run_dir)) is not None:
@@ -121,9 +116,6 @@ def checkpoint_to_resume(run_dir: str, resume: bool, args=None) -> str | None:
     if damaged:
         raise InputError(f"--resume: {run_dir} has no intact checkpoint (damaged: {', '.join(damaged)}, moved aside): "
                          f"--resume again starts it from step 0")
-    if not os.path.isdir(run_dir):
-        raise InputError(f"--resume: there is no run at {run_dir} (check --output-dir and --run-name, or drop --resume "
-                         f"to start a new run)")
     if dist.get_rank() == 0:
         print(f"--resume: {run_dir} has no checkpoint (its run stopped before the first save): starting it again from "
               f"step 0", flush=True)

@@ -15,6 +15,9 @@ import os
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from preflight import exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
+
+exit_on_interrupt("evaluate.py")
 import torch
 import tyro
 

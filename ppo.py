@@ -28,6 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from preflight import exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
+
+exit_on_interrupt("ppo.py")
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -43,7 +46,7 @@ from preflight import check_context, check_engine, check_flags, check_model, fri
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
 from rollout import SGLangOptions, Sampling, graph_batch, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
-from runlog import RunLog, launch_time, log_line, print0, progress, run_info
+from runlog import RunLog, claim_run_dir, launch_time, log_line, print0, progress, run_info
 from server import ServerEngine, launch_servers
 from tools import TOOLS, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
@@ -485,7 +488,7 @@ def main(args: Args):
     tools = select_tools(args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s,
                          workers=args.tool_workers)  # its sandbox checked, its memory said
     run_name = args.run_name or f"ppo-{os.path.basename(args.model.rstrip('/'))}-{'+'.join(map(source_name, args.dataset))}-s{args.seed}"
-    run_dir = os.path.join(args.output_dir, run_name)
+    run_dir = claim_run_dir(args.output_dir, run_name, resume=args.resume)  # runlog.py: this script's, locked
     resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
     engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
     tokenizer, context_len = check_model(args.model, rollout_tp=args.rollout_tp, generates=True)  # bad input: one line

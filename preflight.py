@@ -178,6 +178,30 @@ def check_writable(run_dir: str, flag: str = "--output-dir"):
                          f"({e.strerror}): pass another {flag}, one this user can write") from None
 
 
+def run_folder(output_dir: str, run_name: str) -> str:
+    """output_dir/run_name: `~` expanded (a shell leaves it as typed after `--output-dir=`), and the run name one plain
+    folder name, so that the run's folder is inside --output-dir."""
+    if run_name in ("", ".", "..") or "/" in run_name or "\0" in run_name:
+        raise InputError(
+            f"--run-name {run_name!r} is not a plain folder name (the run's folder goes inside --output-dir "
+            f"{output_dir}): pass a name without '/'; to write elsewhere, change --output-dir"
+        )
+    return os.path.join(os.path.expanduser(output_dir), run_name)
+
+
+def exit_on_interrupt(script: str):
+    """Called before the heavy imports (torch, transformers: ~1.5 s), where Python's own handler printed a
+    KeyboardInterrupt traceback from inside `import torch`: Ctrl-C ends the process in one line, exit 130, until
+    main installs its handlers (stop.py; evaluate.py keeps this one). Only where `script` is the program run."""
+
+    def stop(signum, frame):
+        os.write(2, f"\n{script}: stopped by {signal.Signals(signum).name}\n".encode())  # not print: reentrant-safe
+        raise SystemExit(128 + signum)
+
+    if os.path.basename(sys.argv[0]) == script:
+        signal.signal(signal.SIGINT, stop)
+
+
 def given_flags(argv: list[str]) -> set[str]:
     """Field names of the flags on a command line: '--max-new-tokens=64' -> 'max_new_tokens'."""
     return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}

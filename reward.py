@@ -23,6 +23,7 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import io
 import math
 import numbers
 import os
@@ -323,17 +324,26 @@ def load_reward(spec: str):
         raise InputError(f"--reward {spec!r}: no such file {os.path.abspath(path)}")
     module_spec = importlib.util.spec_from_file_location(f"user_reward_{name}", path)
     module = sys.modules[module_spec.name] = importlib.util.module_from_spec(module_spec)  # dataclasses look it up
+    said = io.StringIO()  # what its top level prints to stderr, shown once it imports (argparse's usage: in the error)
     try:
-        module_spec.loader.exec_module(module)
+        with contextlib.redirect_stderr(said):
+            module_spec.loader.exec_module(module)
     except SyntaxError as e:
         raise InputError(f"--reward {spec!r}: syntax error at {e.filename}:{e.lineno}: {e.msg}; fix the file") from None
     except ImportError as e:  # ModuleNotFoundError too: a package this environment lacks, a misspelt name
         raise InputError(f"--reward {spec!r}: an import in {path} fails ({e}); pip install it into {sys.prefix}, "
                          f"or fix or drop the import") from None
+    except SystemExit as e:  # sys.exit at its top level, or argparse there, reading the training script's own flags
+        printed = said.getvalue().strip().splitlines()
+        why = f"calls sys.exit({e.code!r})"
+        if printed and printed[0].startswith("usage:"):
+            why = f"parses the command line (argparse: {printed[-1].split('error: ')[-1]})"
+        raise InputError(f"--reward {spec!r}: {path} {why} on import; put it under if __name__ == '__main__'") from None
     except Exception as e:  # its top level raised: the error and its line, in one line
         where = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == module_spec.origin]
         raise InputError(f"--reward {spec!r}: {path}, line {where[-1] if where else '?'}, raised {type(e).__name__}: "
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}; fix the file") from e
+    sys.stderr.write(said.getvalue())
     if not hasattr(module, name):
         functions = [k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
         raise InputError(f"--reward {spec!r}: {path} has no {name!r}; its functions: {functions or 'none'}")

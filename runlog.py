@@ -1,5 +1,6 @@
 """A run's record on rank 0: its folder, its console lines, its progress bars.
 
+    run_dir = claim_run_dir("runs", "my-run", resume=False)   # this script's folder, locked for the run's life
     log = RunLog(run_dir, config=asdict(args), start_step=0, info=run_info(world_size, "sglang"))
     log.log({"step": 3, "rollout/reward_mean": 0.41, ...})     # metrics.jsonl (+ wandb with track=True);
                                                                # an eval row (and finish) redraws curves.png
@@ -10,8 +11,13 @@
 PLUMBING: nothing here changes what is trained.
 """
 
+import atexit
+import contextlib
+import fcntl
 import json
 import os
+import shutil
+import socket
 import sys
 import time
 
@@ -19,8 +25,107 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from checkpoint import gib, latest_checkpoint, out_of_space
 from plot import parse_row, write_curves
+from preflight import InputError, RunFailed, check_writable, run_folder
 from sandbox import memory_bound
+
+LOCK = "run.lock"  # in the run's folder: rank 0 holds an OS lock on it for the run's life; it names the holder
+_held = []  # the open lock file, closed (the lock released) when the process ends, however it ends
+
+
+def claim_run_dir(output_dir: str, run_name: str, *, resume: bool) -> str:
+    """output_dir/run_name, checked before anything loads, then held for the run's life: `~` expanded, a plain name
+    (preflight.run_folder), writable, not another script's (run_info.json names the script that made it), not in use
+    (flock on run.lock: the lock dies with its process, so a crashed run's does not block), an earlier run there only
+    with --resume. A refusal is an InputError on every rank. A run that stops before its args.json (bad input found
+    later) takes its lock file and the folders it made away at exit."""
+    run_dir = run_folder(output_dir, run_name)
+    check_writable(run_dir)
+    problem = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        problem[0] = claim(run_dir, script=os.path.basename(sys.argv[0]), resume=resume)
+    if dist.is_initialized():
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise InputError(problem[0])
+    return run_dir
+
+
+def claim(run_dir: str, *, script: str, resume: bool) -> str | None:
+    """claim_run_dir on rank 0: what is wrong with the folder, or None once this process holds its lock."""
+    if (owner := made_by(run_dir)) not in (None, script):  # refused before anything is written there
+        return f"{run_dir} holds a {owner} run (its run_info.json), not a {script} one: pass another --run-name" + (
+            f", or resume it with {owner}" * resume
+        )
+    made, folder = [], os.path.abspath(run_dir)  # the folders this run makes, deepest first
+    while not os.path.exists(folder):
+        made, folder = made + [folder], os.path.dirname(folder)
+    os.makedirs(run_dir, exist_ok=True)
+    lock = open(path := os.path.join(run_dir, LOCK), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _held.append(lock)
+    except BlockingIOError:
+        lock.seek(0)  # "a+" opens at the end
+        holder = lock.read().strip() or "another run"
+        return f"{run_dir} is in use by {holder} ({path}): wait for it to end or stop it, or pass another --run-name"
+    except OSError as e:  # a file system without locks (an NFS mount without its lock service)
+        print(f"note: {path} can't be locked ({e.strerror}): nothing stops a second run in this folder", flush=True)
+    mine = f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%F %T')}"
+    with contextlib.suppress(OSError):  # a full disk: locked all the same, the holder unnamed
+        os.ftruncate(lock.fileno(), 0)
+        os.write(lock.fileno(), mine.encode())
+    atexit.register(leave_no_trace, run_dir, made)
+    if (earlier := set(os.listdir(run_dir)) - {LOCK}) and not resume:
+        again = "start it again from step 0 in this folder (it has no checkpoint)"
+        how = "continue it" if latest_checkpoint(run_dir) else again
+        return f"{run_dir} holds an earlier run: pass --resume to {how}, or a new --run-name"
+    if resume and not earlier:
+        fix = "check --output-dir and --run-name, or drop --resume to start a new run"
+        return f"--resume: there is no run at {run_dir} ({fix})"
+    return None
+
+
+def made_by(run_dir: str) -> str | None:
+    """The script that made a run folder: run_info.json's 'script' (older ones: its command's first word), else None."""
+    try:
+        with open(os.path.join(run_dir, "run_info.json")) as f:
+            info = json.load(f)
+        return info.get("script") or os.path.basename(info["command"].split(" ")[0])
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+
+
+def leave_no_trace(run_dir: str, made: list[str]):
+    """At exit, where the run never wrote its args.json: its lock file and the folders it made go (empty ones)."""
+    if os.path.exists(os.path.join(run_dir, LOCK)) and not os.path.exists(os.path.join(run_dir, "args.json")):
+        os.remove(os.path.join(run_dir, LOCK))
+        for folder in made:
+            if os.listdir(folder):
+                break
+            os.rmdir(folder)
+
+
+def write(path: str, text: str, append: bool = False):
+    """Append `text` to the file, or replace the file through a temporary one and a rename (a failed write leaves
+    the old file whole). A full disk ends the run in one line (RunFailed), not a traceback."""
+    tmp = path + ".tmp"
+    try:
+        with open(path if append else tmp, "a" if append else "w") as f:
+            f.write(text)
+        if not append:
+            os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if not out_of_space(e, folder := os.path.dirname(path) or "."):
+            raise
+        free = gib(shutil.disk_usage(folder).free)
+        raise RunFailed(
+            f"no space left at {folder} while writing {os.path.basename(path)} ({free} free); what the run wrote "
+            "before is intact: free some space, then add --resume"
+        ) from None
 
 
 class RunLog:
@@ -40,8 +145,7 @@ class RunLog:
             return
         os.makedirs(run_dir, exist_ok=True)
         for name, content in (("args.json", config), ("run_info.json", info)):
-            with open(os.path.join(run_dir, name), "w") as f:
-                json.dump(content, f, indent=2)
+            write(os.path.join(run_dir, name), json.dumps(content, indent=2))
 
         def redone(row: dict) -> bool:
             return row["step"] > start_step or (row["step"] == start_step and eval_redone
@@ -51,8 +155,7 @@ class RunLog:
             if os.path.exists(path):
                 with open(path) as f:
                     kept = [line for line in f if (row := parse_row(line)) is not None and not redone(row)]
-                with open(path, "w") as f:
-                    f.writelines(kept)
+                write(path, "".join(kept))
         if track:
             import wandb  # lazy: only with --track
 
@@ -60,8 +163,7 @@ class RunLog:
 
     def log(self, row: dict):
         if self.rank0:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            write(self.path, json.dumps(row) + "\n", append=True)
             if self.wandb is not None:
                 self.wandb.log(row, step=int(row["step"]))
             self.undrawn = not any(k.startswith("eval/") for k in row)
@@ -74,8 +176,8 @@ class RunLog:
         for r in rows[:shown]:
             print0(f"  sample (reward {r['reward']:.2f}, answer {r['answer']}): {r['completion'][:300]!r}")
         if self.rank0:
-            with open(self.path.replace("metrics.jsonl", "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+            lines = "".join(json.dumps(r) + "\n" for r in rows)
+            write(self.path.replace("metrics.jsonl", "samples.jsonl"), lines, append=True)
             if self.wandb is not None:
                 import wandb
 
@@ -121,7 +223,8 @@ def run_info(world_size: int, engine: str, python_sandbox: str | None = None, to
     """What ran where: for reports (and where the python tool ran programs, 'process' marked weaker, and the most
     memory its programs can hold)."""
     cuda = torch.cuda.is_available()
-    return {"command": " ".join(sys.argv), "world_size": world_size, "engine": engine,
+    return {"script": os.path.basename(sys.argv[0]),  # the one script that may write into its folder (claim_run_dir)
+            "command": " ".join(sys.argv), "world_size": world_size, "engine": engine,
             "gpu": torch.cuda.get_device_name() if cuda else "cpu",
             "gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30 if cuda else None,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),

@@ -23,6 +23,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from preflight import exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
+
+exit_on_interrupt("train_rm.py")
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -34,7 +37,7 @@ from data import PromptSampler, load_pairs, shard, source_name, split_pairs
 from fsdp import all_reduce_dict, clip_and_step, compute_dtype, init_distributed, load_model, lr_lambda, shard_model
 from preflight import InputError, check_flags, check_model, friendly_errors, package_rules, size_for_cpu
 from reward_model import chat_template, conversation, has_reward_head, last_token_scores, pad, rm_tokens, score
-from runlog import RunLog, log_line, print0, run_info
+from runlog import RunLog, claim_run_dir, log_line, print0, run_info
 from stop import NonFinite, agreed_signal, allow_interrupt, handle_signals
 
 
@@ -166,7 +169,7 @@ def main(args: Args):
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
     run_name = args.run_name or f"rm-{os.path.basename(args.model.rstrip('/'))}-{source_name(args.dataset)}-s{args.seed}"
-    run_dir = os.path.join(args.output_dir, run_name)
+    run_dir = claim_run_dir(args.output_dir, run_name, resume=args.resume)  # runlog.py: this script's, locked
     resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
     tokenizer, context = check_model(args.model, raw_text=False)  # the template: chat_template below
     if context is not None and args.max_len > context:

@@ -4,6 +4,7 @@ without changing its size, a run stopped before its first checkpoint."""
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -71,6 +72,61 @@ def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(trained_tiny_mo
     resumed = (out / "resumed.txt").read_text()
     assert (out / "resumed.rc").read_text().strip() == "0" and "step_000001: step 1" in resumed, resumed[-3000:]
     assert steps_logged(out) == [1, 2, 3] and (out / "resumed.ls").read_text().split() == ["step_000002", "step_000003"]
+
+
+# Two runs of one command 0.5 s apart into a 64 KiB tmpfs: one holds the folder, the other is refused; the holder fills
+# the disk with rows of metrics.jsonl and samples.jsonl; then --resume, its lock now a dead run's, on the full disk.
+TWO_RUNS_ONE_DISK = r"""
+set -u
+mount -t tmpfs -o size=64k tmpfs "$DISK"
+"$@" > "$OUT/a.out" 2> "$OUT/a.err" & a=$!
+sleep 0.5
+"$@" > "$OUT/b.out" 2> "$OUT/b.err" & b=$!
+echo "$a $b" > "$OUT/pids"
+wait $a; echo $? > "$OUT/a.rc"
+wait $b; echo $? > "$OUT/b.rc"
+sums() { (cd "$DISK/r" && sha256sum args.json run_info.json metrics.jsonl samples.jsonl); }
+sums > "$OUT/before.sum"; cp "$DISK/r/metrics.jsonl" "$OUT/"
+"$@" --resume > "$OUT/c.out" 2> "$OUT/c.err"; echo $? > "$OUT/c.rc"
+sums > "$OUT/after.sum"; ls "$DISK/r" > "$OUT/after.ls"
+"""
+
+
+@pytest.mark.skipif(not can_mount_a_tmpfs(), reason="needs unshare -rm (a user namespace) to mount a small tmpfs")
+def test_a_run_folder_in_use_is_refused_and_a_disk_that_fills_while_logging_is_one_line(trained_tiny_model_dir, tmp_path):
+    """Two runs of one command 0.5 s apart both ran to the end, every step twice in metrics.jsonl: now the second is
+    refused in one line naming the first's pid and host. A disk that filled while a row was written was a 19-line
+    traceback: now one line naming the file, exit 1, each step's row once. --resume after it is not blocked by the
+    dead run's lock; on the still full disk it stops at args.json, and the files the run wrote are as they were."""
+    import socket
+
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir(), out.mkdir()
+    cmd = command(trained_tiny_model_dir, disk, "--steps", "100", "--save-every", "-1", "--eval-every", "0",
+                  launcher=[sys.executable])
+    env = {**os.environ, "DISK": str(disk), "OUT": str(out), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(["unshare", "-rm", "bash", "-c", TWO_RUNS_ONE_DISK, "two_runs", *cmd], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    pids, run_dir = dict(zip("ab", (out / "pids").read_text().split())), disk / "r"
+    codes = {k: int((out / f"{k}.rc").read_text()) for k in "ab"}
+    refused = next(k for k in "ab" if codes[k] == 2)  # either may take the folder first
+    held = "b" if refused == "a" else "a"
+    err = (out / f"{refused}.err").read_text().strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"grpo.py: {run_dir} is in use by grpo.py, pid {pids[held]} on "
+                                               f"{socket.gethostname()}, since "), err
+    assert err[0].endswith(f" ({run_dir}/run.lock): wait for it to end or stop it, or pass another --run-name")
+    err = (out / f"{held}.err").read_text().strip().splitlines()
+    assert codes[held] == 1 and len(err) == 1 and "Traceback" not in (out / f"{held}.out").read_text(), err
+    assert re.fullmatch(rf"grpo\.py: no space left at {run_dir} while writing (metrics|samples)\.jsonl \(0\.0 MiB free\); "
+                        r"what the run wrote before is intact: free some space, then add --resume", err[0]), err
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if x.endswith("}")]
+    assert len(steps) >= 3 and steps == list(range(1, len(steps) + 1))  # each step once; a row cut short at most
+    err = (out / "c.err").read_text().strip().splitlines()
+    assert (out / "c.rc").read_text().strip() == "1" and len(err) == 1, err
+    assert err[0].startswith(f"grpo.py: no space left at {run_dir} while writing args.json (0.0 MiB free)"), err
+    assert (out / "after.sum").read_text() == (out / "before.sum").read_text()  # args.json, metrics.jsonl, ...: intact
+    assert "args.json.tmp" not in (out / "after.ls").read_text().split()
 
 
 def test_out_of_space_sees_the_errno_through_wrappers_or_a_full_disk(tmp_path):

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -434,12 +435,30 @@ def test_a_hub_dataset_without_the_hub_fails_at_once(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("source, expected", [
     ("import sympyx\n", ["an import in r.py fails (No module named 'sympyx')", "pip install it", "drop the import"]),
     ("TABLE = {}\nSCALE = TABLE['scale']\n", ["r.py, line 2, raised KeyError: 'scale'; fix the file"]),
+    # argparse at its top level read grpo.py's own flags: its usage and 'grpo.py: error: ...' blamed them, exit 2
+    ("import argparse\nargparse.ArgumentParser().parse_args()\n",
+     ["r.py parses the command line (argparse: unrecognized arguments: --model ", "under if __name__ == '__main__'"]),
 ])
 def test_a_reward_file_that_fails_to_import(tiny_model_dir, tmp_path, source, expected):
     (tmp_path / "r.py").write_text(source + "def reward(completion, answer):\n    return 1.0\n")
     code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--reward", "r.py:reward", "--output-dir", "runs", cwd=tmp_path)
     ours_last(code, out, "grpo.py", "--reward 'r.py:reward'", *expected)
-    assert not (tmp_path / "runs").exists()
+    assert not (tmp_path / "runs").exists() and "usage:" not in out
+
+
+def test_a_reward_file_that_exits_or_prints_on_import(tmp_path, capsys):
+    """sys.exit at a reward file's top level printed its message and exited 1, naming nothing; what its top level
+    prints to stderr and then imports fine is shown as it was."""
+    from preflight import InputError
+    from reward import load_reward
+
+    (tmp_path / "r.py").write_text("import sys\nsys.exit('no table.csv here')\n")
+    with pytest.raises(InputError) as e:
+        load_reward(f"{tmp_path}/r.py:reward")
+    assert str(e.value) == (f"--reward '{tmp_path}/r.py:reward': {tmp_path}/r.py calls sys.exit('no table.csv here') "
+                            "on import; put it under if __name__ == '__main__'")
+    (tmp_path / "ok.py").write_text("import sys\nprint('loading', file=sys.stderr)\ndef reward(c, a):\n    return 1.0\n")
+    assert load_reward(f"{tmp_path}/ok.py:reward")("c", "a") == 1.0 and capsys.readouterr().err == "loading\n"
 
 
 def test_a_reward_that_returns_no_number_stops_the_first_step(tiny_model_dir, tmp_path):
@@ -508,6 +527,99 @@ def test_tiny_model_help_builds_nothing(tmp_path):
     assert code == 0 and out.startswith("usage: tiny_model.py [-h] [--sft-steps SFT_STEPS] [--context CONTEXT] FOLDER") and seconds < 10
     code, out, _ = run(os.path.join("tests", "tiny_model.py"), cwd=tmp_path)
     assert code == 2 and out.strip().splitlines()[-1] == "tiny_model.py: error: the following arguments are required: FOLDER"
+    assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# The run's folder: whose it is, whether a run holds it, where it is
+
+
+def fake_run(folder, script: str, command_only: bool = False) -> dict:
+    """A run folder as `script` leaves it after 2 steps and a checkpoint; with `command_only`, as runs left it before
+    run_info.json named its script (its command does). Returns its files' bytes."""
+    (folder / "checkpoints" / "step_000002").mkdir(parents=True)
+    (folder / "checkpoints" / "step_000002" / "trainer.pt").write_bytes(b"never read: refused before")
+    info = {"command": f"/home/me/rl/{script} --model m"} if command_only else {"script": script, "command": script}
+    (folder / "run_info.json").write_text(json.dumps(info))
+    write_rows(folder / "metrics.jsonl", [{"step": 1}, {"step": 2}])
+    return files_of(folder)
+
+
+def files_of(folder) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_run_folder_refuses_every_other_script_and_stays_inside_output_dir(tiny_model_dir, tmp_path):
+    """`grpo.py --resume` on a ppo.py run was refused only for its flags; followed, it continued the PPO actor as GRPO,
+    overwrote args.json and run_info.json and rotated away the only checkpoints holding the critic; `ppo.py --resume`
+    on a grpo.py run was a 42-line traceback. Any other script now refuses a run's folder in one line before anything
+    loads or is written, with --resume or without (train_rm.py), a folder from before run_info.json named its script
+    too. `--output-dir=~/runs`, where the shell leaves the `~`, is the home's runs/ (it made a folder named `~`), and
+    `--run-name ../../x`, which wrote outside --output-dir, is refused. Four processes at once, each stopped at preflight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from preflight import InputError, run_folder
+
+    runs = tmp_path / "home" / "runs"
+    fake_run(runs / "p", "ppo.py"), fake_run(runs / "g", "grpo.py", command_only=True)
+    before, home = files_of(tmp_path), {"HOME": str(tmp_path / "home")}
+    cases = [("grpo.py", "p", "--resume", f"{runs / 'p'} holds a ppo.py run (its run_info.json), not a grpo.py one: pass "
+                                         "another --run-name, or resume it with ppo.py"),
+             ("ppo.py", "g", "--resume", f"{runs / 'g'} holds a grpo.py run (its run_info.json), not a ppo.py one: pass "
+                                        "another --run-name, or resume it with grpo.py"),
+             ("train_rm.py", "g", "--eval-every=0", f"{runs / 'g'} holds a grpo.py run (its run_info.json), not a "
+                                                    "train_rm.py one: pass another --run-name"),
+             ("grpo.py", "../../x", "--resume", "--run-name '../../x' is not a plain folder name (the run's folder goes "
+                                                "inside --output-dir ~/runs): pass a name without '/'; to write elsewhere, "
+                                                "change --output-dir")]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        runs_ = pool.map(lambda c: run(c[0], "--model", tiny_model_dir, "--output-dir=~/runs", "--run-name", c[1], c[2],
+                                       cwd=tmp_path, env=home), cases)
+        for (script, _, _, message), (code, out, _) in zip(cases, list(runs_)):
+            ours_last(code, out, script, message)
+            assert f"model {tiny_model_dir}" not in out and out.strip().splitlines()[-1].endswith(message), out
+    assert files_of(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["home"]  # nothing written, no `~`
+    for name in ("", ".", "..", "a/b", "/abs"):
+        with pytest.raises(InputError):
+            run_folder("runs", name)
+
+
+def test_a_live_runs_lock_refuses_another_and_a_dead_runs_does_not(tmp_path):
+    """The lock is an OS lock (flock) on run.lock, held for the run's life: a second claim is refused in one line naming
+    the holder; once the holder's process is gone (here: its file closed), the same folder is claimed at once, the stale
+    file notwithstanding. A folder with no run but a lock file is no earlier run."""
+    import fcntl
+
+    from preflight import InputError
+    from runlog import LOCK, claim_run_dir
+
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    holder = open(run_dir / LOCK, "a+")  # another open file: another holder, as another process's
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder.write("grpo.py, pid 4242 on node7, since 2026-11-26 05:58:23")
+    holder.flush()
+    with pytest.raises(InputError, match=f"^{run_dir} is in use by grpo.py, pid 4242 on node7, since 2026-11-26 "
+                                         f"05:58:23 \\({run_dir / LOCK}\\): wait for it to end or stop it, or pass"):
+        claim_run_dir(str(tmp_path / "runs"), "r", resume=False)
+    holder.close()  # the run died: the lock with it, the file stays
+    assert claim_run_dir(str(tmp_path / "runs"), "r", resume=False) == str(run_dir)  # nothing in it but the lock
+    assert (run_dir / LOCK).read_text().startswith(f"{os.path.basename(sys.argv[0])}, pid {os.getpid()} on ")
+
+
+def test_ctrl_c_while_the_imports_run_is_one_line(tmp_path):
+    """Ctrl-C in a script's first ~1.5 s was a KeyboardInterrupt traceback from inside `import torch`: now one line,
+    exit 130, in every script. The signal goes while torch is being imported (its library mapped: /proc/PID/maps)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    for script in ("grpo.py", "ppo.py", "train_rm.py", "evaluate.py"):
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), "--model", "no-model"], cwd=tmp_path,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 60
+        while proc.poll() is None and time.time() < deadline and "libtorch" not in open(f"/proc/{proc.pid}/maps").read():
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 130 and out.strip() == f"{script}: stopped by SIGINT", out[-3000:]
     assert os.listdir(tmp_path) == []
 
 
