@@ -429,6 +429,50 @@ def eval_stats(samples, answer_fn=None, sources: list[str] = ()) -> dict:
     return out | {"eval/tool_used_frac": float(tot[:, 4].sum() / tot[:, 3].sum())}
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chen et al. (2021)'s unbiased pass@k from n samples of a prompt, c of them right: 1 - C(n-c, k) / C(n, k),
+    the chance that k of them drawn without replacement hold a right one (k <= n). k = 1: c / n, avg@n."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def vote_key(kind: str, completion: str) -> str | None:
+    """What a sample votes for in maj@k: its strict final answer as its kind reads it ('#### N' normalized, math's
+    last \\boxed{} without spaces, text's line after '####' case-folded); None: no vote."""
+    if kind == "math":
+        boxed = last_boxed(completion)
+        return boxed.replace(" ", "") if boxed else None
+    return extract_text(completion) if kind == "text" else extract_strict(completion)
+
+
+def majority(keys: list[str | None]) -> int | None:
+    """The first sample whose answer has the most votes (a tie: the answer given first wins); None: no sample gives
+    one (maj@k counts the prompt wrong)."""
+    votes = collections.Counter(k for k in keys if k is not None)
+    top = max(votes.values(), default=0)
+    return next((i for i, k in enumerate(keys) if k is not None and votes[k] == top), None)
+
+
+def sampled_eval_stats(groups: list[list], sources: list[str] = ()) -> dict:
+    """avg@K, pass@k (k = 1, 2, 4, ... and K) and maj@K of K samples a held-out prompt (`groups`: this rank's prompts,
+    each its K samples), strict answers, over all ranks and per source as eval_stats; eval/avg@K = eval/pass@1."""
+    K = int(all_reduce(len(groups[0]) if groups else 0, op=dist.ReduceOp.MAX))  # a rank may hold no prompt
+    ks = sorted({2**i for i in range(K.bit_length()) if 2**i <= K} | {K})
+    names = list(sources) if len(sources) > 1 else []
+    parts = [[g for g in groups if g[0].source == n] for n in names] + [[g for g in groups if g[0].source not in names]]
+    rows = []
+    for part in parts:  # per prompt: c right of K, the majority's verdict
+        right = [[score(lambda c, a, s=s: correct(s.kind, c, a), s.text, s.answer)[0] for s in g] for g in part]
+        maj = [r[i] if (i := majority([vote_key(s.kind, s.text) for s in g])) is not None else 0.0
+               for g, r in zip(part, right)]
+        rows.append([len(part), sum(maj)] + [sum(pass_at_k(K, int(sum(r)), k) for r in right) for k in ks])
+    tot = all_reduce(torch.tensor(rows, dtype=torch.float64))  # [sources + 1, 2 + len(ks)]
+    out = {}
+    for key, row in [("eval", tot.sum(0))] + [(f"eval/{n}", row) for n, row in zip(names, tot) if row[0]]:
+        out |= {f"{key}/avg@{K}": float(row[2] / row[0]), f"{key}/maj@{K}": float(row[1] / row[0])}
+        out |= {f"{key}/pass@{k}": float(v / row[0]) for k, v in zip(ks, row[2:])}
+    return out
+
+
 EVAL_LINE = [("eval strict acc", "eval/strict_acc", ".3f"), ("flexible acc", "eval/flexible_acc", ".3f"),
              ("format", "eval/format_rate", ".3f")]  # the console line of an evaluation
 EVAL_TOOLS_LINE = [("used a tool", "eval/tool_used_frac", ".3f")]  # and with tools

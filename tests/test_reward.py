@@ -493,3 +493,49 @@ def test_every_kind_of_number_is_a_reward():
     assert all(is_number(v) for v in numbers) and [score(lambda c, a, v=v: v, "c", "a")[0] for v in numbers] == [
         1.0, 1.0, 0.5, 0.5, 0.5, 1.0, 1.0, 0.5, 0.5, 1.0]
     assert not any(is_number(v) for v in ("1", None, [1.0], float, 1j, np.array([0.5]), torch.tensor([0.5]), {}))
+
+
+def test_pass_at_k_is_chens_unbiased_estimator_by_hand():
+    """n = 4 samples: c = 1 right: pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6, pass@4 = 1 (3 wrong can't fill
+    4 draws); c = 2: 1/2, 1 - C(2,2)/C(4,2) = 5/6, 1; none right: 0; all right: 1."""
+    from reward import pass_at_k
+
+    assert [pass_at_k(4, 1, k) for k in (1, 2, 4)] == [0.25, 0.5, 1.0]
+    assert [pass_at_k(4, 2, k) for k in (1, 2, 4)] == [0.5, 1 - 1 / 6, 1.0]
+    assert [pass_at_k(4, 0, k) for k in (1, 2, 4)] == [0.0] * 3 and [pass_at_k(4, 4, k) for k in (1, 2, 4)] == [1.0] * 3
+
+
+def test_majority_vote_ties_and_no_answer():
+    """The most given answer wins; a tie goes to the answer given first; samples without an answer don't vote; no
+    answer at all: no winner. Votes are strict answers as the kind reads them (normalized)."""
+    from reward import majority, vote_key
+
+    assert majority(["12", "7", "7", "12"]) == 0 and majority(["7", "12", "12", "7", "12"]) == 1
+    assert majority([None, "5", "5", "3"]) == 1 and majority([None, None]) is None and majority([]) is None
+    assert [vote_key("gsm8k", t) for t in ("so #### 1,234", "#### 1234.0", "the answer is 7")] == ["1234", "1234", None]
+    assert vote_key("math", "x = \\boxed{\\frac{1}{2} }") == "\\frac{1}{2}" and vote_key("math", "no box") is None
+    assert vote_key("text", "#### Paris.") == vote_key("text", "####  paris") == "paris"
+
+
+def test_sampled_eval_stats_per_prompt_and_source_by_hand():
+    """Two prompts of source a, one of b, K = 4 samples each (strict '#### N'). a1: 1 right of 4, its majority wrong
+    ('#### 9' twice); a2: 2 right, a tie of right and wrong broken by the first given (right); b1: none gives an answer.
+    a: avg@4 = (1/4 + 2/4) / 2, pass@2 = (1/2 + 5/6) / 2, pass@4 = 1, maj@4 = 1/2; b: 0; overall over 3 prompts."""
+    from types import SimpleNamespace as S
+
+    from reward import sampled_eval_stats
+
+    def group(source, answer, texts):
+        return [S(source=source, kind="gsm8k", answer=answer, text=t) for t in texts]
+
+    groups = [group("a", "3", ["#### 3", "#### 9", "#### 9", "#### 4"]), group("a", "5", ["#### 5", "#### 6", "#### 5", "#### 6"]),
+              group("b", "1", ["one", "two", "three", "four"])]
+    out = sampled_eval_stats(groups, sources=["a", "b"])
+    assert out["eval/a/avg@4"] == pytest.approx(0.375) and out["eval/a/pass@1"] == pytest.approx(0.375)
+    assert out["eval/a/pass@2"] == pytest.approx((0.5 + 5 / 6) / 2) and out["eval/a/pass@4"] == 1.0
+    assert out["eval/a/maj@4"] == 0.5 and out["eval/b/maj@4"] == 0.0 and out["eval/b/pass@4"] == 0.0
+    assert out["eval/avg@4"] == pytest.approx(0.75 / 3) and out["eval/pass@4"] == pytest.approx(2 / 3)
+    assert out["eval/maj@4"] == pytest.approx(1 / 3) and set(k for k in out if k.startswith("eval/pass")) == {
+        "eval/pass@1", "eval/pass@2", "eval/pass@4"}
+    three = sampled_eval_stats([group("a", "3", ["#### 3", "#### 2", "#### 2"])])  # K = 3: powers of 2 and K itself
+    assert sorted(k for k in three if "pass" in k) == ["eval/pass@1", "eval/pass@2", "eval/pass@3"]
