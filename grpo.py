@@ -31,7 +31,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-import tyro
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, source_name,
@@ -39,7 +38,7 @@ from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, c
 from fsdp import (all_reduce, all_reduce_dict, balance, batch_logprobs, clip_and_step, compute_dtype, init_distributed, load_model,
                   lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, skip_schedule, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
-from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, given_flags, package_rules, size_for_cpu
+from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, given_flags, package_rules, parse_args, size_for_cpu
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
 from rollout import SGLangOptions, Sampling, graph_batch, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
@@ -945,4 +944,4 @@ def main(args: Args):
 
 if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard
     with friendly_errors("grpo.py"):
-        main(tyro.cli(Args))
+        main(parse_args(Args, CPU_SIZES))

@@ -31,7 +31,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-import tyro
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, source_name,
@@ -39,7 +38,7 @@ from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, c
 from fsdp import (all_reduce, all_reduce_dict, balance, batch_forward, batch_logprobs, clip_and_step, compute_dtype, forward_tokens,
                   init_distributed, load_model, lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
-from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, package_rules, size_for_cpu
+from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, package_rules, parse_args, size_for_cpu
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
 from rollout import SGLangOptions, Sampling, graph_batch, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
@@ -83,7 +82,7 @@ class Args:
     # --- sampling
     prompts_per_step: int = 32
     """prompts per step over all ranks (must divide by the number of ranks)"""
-    samples_per_prompt: int = 1
+    group_size: int = 1
     """completions per prompt (each one is its own episode: the critic is the baseline)"""
     temperature: float = 1.0
     """sampling temperature (log-probs are computed at the same temperature)"""
@@ -274,7 +273,7 @@ class Args:
 
 
 # PLUMBING: without a GPU, these replace the defaults of the flags not given: 16 samples of up to 64 tokens a step, as grpo.py.
-CPU_SIZES = {"prompts_per_step": 8, "samples_per_prompt": 2, "max_new_tokens": 64, "num_eval_prompts": 16,
+CPU_SIZES = {"prompts_per_step": 8, "group_size": 2, "max_new_tokens": 64, "num_eval_prompts": 16,
              "micro_batch_size": 16}
 # PLUMBING: the console line of a step: (name, metric, format)
 CONSOLE = [("reward", "rollout/reward_mean", ".3f"), ("acc", "rollout/strict_acc", ".3f"), ("format", "rollout/format_rate", ".2f"),
@@ -401,14 +400,14 @@ def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: int, n: int
 
 def check_args(args: Args, world_size: int):
     """Bad input fails here, before anything is loaded or written."""
-    per_rank = args.prompts_per_step // world_size * args.samples_per_prompt
+    per_rank = args.prompts_per_step // world_size * args.group_size
     a, server = args, args.rollout_mode == "server"
     local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count()
     check_flags([  # (flag, value, holds, what it must be)
         ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
         ("--prompts-per-step", a.prompts_per_step, a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
          f">= 1 and divide by the {world_size} ranks"),
-        ("--samples-per-prompt", a.samples_per_prompt, a.samples_per_prompt >= 1, ">= 1"),
+        ("--group-size", a.group_size, a.group_size >= 1, ">= 1"),
         ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
         ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
         ("--lr", a.lr, a.lr > 0, "> 0"),
@@ -539,7 +538,7 @@ def main(args: Args):
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
     server = args.rollout_mode == "server"  # the samples each engine or server decodes at once: its CUDA graphs
     engines = (len(args.rollout_url) or args.rollout_gpus // args.rollout_tp) if server else world_size // args.rollout_tp
-    per_engine = args.prompts_per_step * args.samples_per_prompt // engines
+    per_engine = args.prompts_per_step * args.group_size // engines
     sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=args.rollout_tp,
                            attention_backend=args.sglang_attention_backend, sampling_backend=args.sglang_sampling_backend,
                            cuda_graph_max_bs=graph_batch(per_engine, args.sglang_cuda_graph_max_bs),
@@ -665,7 +664,7 @@ def main(args: Args):
         they generate in the background (--async-rollout), with the weights the engine has now."""
         before = sampler.state_dict()  # the data position before this draw (a checkpoint's, while it generates)
         prompt_idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)  # this rank's prompts
-        sample_idx = [i for i in prompt_idx for _ in range(args.samples_per_prompt)]
+        sample_idx = [i for i in prompt_idx for _ in range(args.group_size)]
         seeds = [seed_for(args.seed, "sample", step, rank, k) for k in range(len(sample_idx))]
         pending = send(engine, [train_prompts.ids[i] for i in sample_idx], seeds, sampling=sampling, tool_use=tool_use,
                        tokenizer=tokenizer, tp=tp, ahead=ahead)
@@ -692,7 +691,7 @@ def main(args: Args):
             with mem.phase("eval"):
                 evaluate(step - 1)  # after step-1 updates
 
-        # -- 2. rollout: samples_per_prompt episodes per prompt, scored
+        # -- 2. rollout: group_size episodes per prompt, scored
         with mem.phase("generate"):
             pending, ahead = ahead or send_rollout(step), None
             samples = pending.result()
@@ -853,4 +852,4 @@ def main(args: Args):
 
 if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard
     with friendly_errors("ppo.py"):
-        main(tyro.cli(Args))
+        main(parse_args(Args, CPU_SIZES))

@@ -27,12 +27,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import tyro
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import PromptSampler, load_pairs, shard, source_name, split_pairs
 from fsdp import all_reduce_dict, clip_and_step, compute_dtype, init_distributed, load_model, lr_lambda, shard_model
-from preflight import InputError, check_flags, check_model, friendly_errors, package_rules, size_for_cpu
+from preflight import InputError, check_flags, check_model, friendly_errors, package_rules, parse_args, size_for_cpu
 from reward_model import chat_template, conversation, has_reward_head, last_token_scores, pad, rm_tokens, score
 from runlog import RunLog, log_line, print0, run_info
 from stop import NonFinite, agreed_signal, allow_interrupt, handle_signals
@@ -78,6 +77,7 @@ class Args:
     """gradient clipping by global norm"""
     seed: int = 0
     """seeds the data order and the held-out split"""
+    # --- memory and systems
     gradient_checkpointing: bool = False
     """recompute activations in backward (less memory, ~30% more compute)"""
     attn_implementation: str = "sdpa"
@@ -312,4 +312,4 @@ def main(args: Args):
 
 if __name__ == "__main__":
     with friendly_errors("train_rm.py"):
-        main(tyro.cli(Args))
+        main(parse_args(Args, CPU_SIZES))

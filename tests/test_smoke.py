@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small and fast; --format-weight 0.5 makes rewards vary for the tiny model, so updates are real.
 COMMON = ["--prompts-per-step", "4", "--max-new-tokens", "24", "--micro-batch-size", "4", "--num-eval-prompts", "8",
           "--lr", "1e-4", "--format-weight", "0.5", "--log-samples-every", "1", "--rollout-engine", "hf"]
-PER_SCRIPT = {"grpo.py": ["--group-size", "4"], "ppo.py": ["--samples-per-prompt", "4", "--critic-lr", "1e-3"]}
+PER_SCRIPT = {"grpo.py": ["--group-size", "4"], "ppo.py": ["--group-size", "4", "--critic-lr", "1e-3"]}
 
 
 def command(model, out_dir, *extra, launcher, script="grpo.py", launch=()):
@@ -238,8 +238,8 @@ def test_ppo_torchrun_two_ranks(trained_tiny_model_dir, tmp_path):
 def test_evaluate_script_on_a_checkpoint(trained_tiny_model_dir, tmp_path):
     """evaluate.py scores a model folder greedily and writes the summary and every completion."""
     out = tmp_path / "eval.json"
-    proc = subprocess.run([sys.executable, "evaluate.py", "--model", trained_tiny_model_dir, "--num-prompts", "8",
-                           "--max-new-tokens", "24", "--engine", "hf", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "evaluate.py", "--model", trained_tiny_model_dir, "--num-eval-prompts", "8",
+                           "--max-new-tokens", "24", "--rollout-engine", "hf", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(out.read_text())
