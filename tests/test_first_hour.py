@@ -86,7 +86,7 @@ def test_readme_cpu_line_relative_folder(tiny_model_dir, tmp_path):
     shutil.copytree(tiny_model_dir, tmp_path / "tiny-model")
     code, out, _ = run("grpo.py", "--model", "./tiny-model", "--steps", "1", "--eval-every", "0", "--save-every", "-1",
                        "--output-dir", tmp_path / "runs", cwd=tmp_path, tmp=tmp_path)
-    assert code == 0 and "step 1 |" in out, out[-3000:]
+    assert code == 0 and "step 1/" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("remove, missing", [
@@ -175,7 +175,7 @@ def test_cpu_machine_says_so_and_sizes_the_run_for_it(tiny_model_dir, tmp_path):
     assert f"computing in {str(compute_dtype(torch.device('cpu'))).removeprefix('torch.')}" in line  # fsdp.compute_dtype's
     args = json.loads((tmp_path / "runs" / "r" / "args.json").read_text())
     assert (args["prompts_per_step"], args["group_size"], args["max_new_tokens"]) == (4, 2, 64)
-    assert "step 1 |" in out
+    assert "step 1/" in out
 
 
 def test_sglang_asked_for_without_a_gpu(tiny_model_dir, tmp_path):
@@ -502,7 +502,7 @@ def test_a_reward_that_returns_no_number_stops_the_first_step(tiny_model_dir, tm
     code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--dataset", "addition", "--eval-dataset", caps,
                        "--reward", "r.py:reward", "--eval-before-train", "--output-dir", "runs", cwd=tmp_path)
     message = ours_last(code, out, "grpo.py", "--reward 'r.py:reward' returned '1' (str), not a number: return a float")
-    assert len(message) == 1 and "step 1 |" not in out
+    assert len(message) == 1 and "step 1/" not in out
     assert "data: 7600 train prompts, 2 eval prompts" in out and f"eval prompts from {caps}" in out
     assert "eval after step 0 | eval strict acc" in out
     assert {p: p.read_bytes() for p in inputs} == inputs and not list(tmp_path.glob("runs/*/checkpoints"))

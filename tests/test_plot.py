@@ -135,3 +135,19 @@ def test_only_the_panels_a_run_logs_are_drawn(tmp_path):
         {"step": 1, "eval/pair_acc": 0.6, "eval/margin": 0.1, "eval/loss": 0.6, "eval/pair_acc/format": 0.9}]))
     assert draw([str(rm)], str(rm / "curves.png")) == ["Bradley-Terry loss", titles[1], "margin r(chosen) - r(rejected), mean"]
     assert png_size(rm / "curves.png") == (1600, 425)
+
+
+def test_step_clock_eta_from_the_median_of_recent_steps(monkeypatch, capsys):
+    """'step 4/10 | eta 0:06': the steps left x the median of the last 10 steps' seconds, so one slow step (an
+    evaluation, a save) does not move it; h:mm:ss from an hour; none on the last step."""
+    import runlog
+
+    now = [1000.0]
+    monkeypatch.setattr(runlog.time, "time", lambda: now[0])
+    clock = runlog.StepClock(total=10, start=0, launched=990.0)
+    labels = []
+    for step, seconds in enumerate([1.0, 1.0, 100.0, 1.0], 1):
+        now[0] += seconds
+        labels.append(clock.label(step))
+    assert labels == ["step 1/10 | eta 0:09", "step 2/10 | eta 0:08", "step 3/10 | eta 0:07", "step 4/10 | eta 0:06"]
+    assert runlog.hms(3725) == "1:02:05" and clock.label(10) == "step 10/10"
