@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 
-from preflight import InputError, RunFailed, as_flags
+from preflight import RENAMED, InputError, RunFailed, as_flags
 
 
 def checkpoint_dir(out_dir: str, step: int) -> str:
@@ -99,7 +99,9 @@ def checkpoint_to_resume(run_dir: str, resume: bool, args=None) -> str | None:
         problem = next((p for p in problems if p), None)
         if problem is None:
             state = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
-            then, now = state.get("args", {}), dataclasses.asdict(args) if args is not None else {}
+            renamed = {old[2:].replace("-", "_"): new[2:].replace("-", "_") for old, new in RENAMED.items()}
+            then = {renamed.get(k, k): v for k, v in state.get("args", {}).items()}  # saved before a flag's rename too
+            now = dataclasses.asdict(args) if args is not None else {}
             if changed := [k for k in now if k in then and k not in HOW_IT_RUNS and now[k] != then[k]]:
                 raise InputError(f"--resume: {path} was trained with {as_flags(then, changed)}, this command gives "
                                  f"{as_flags(now, changed)}: resume with the flags it started with, or start a new run "

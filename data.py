@@ -39,6 +39,7 @@ from reward import last_boxed, math_verify, normalize_number
 ADDITION_PROMPT = "{question} Put the final answer after ####."
 GSM8K_PROMPT = "{question}\nThink step by step, then put the final answer after ####."
 MATH_PROMPT = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}."
+KIND_RULE = {"int": "#### N", "gsm8k": "#### N", "math": "\\boxed{}, math-verify", "text": "#### text"}  # reward.correct
 # Columns tried in order when none are given: your own rows, GSM8K, MATH-500, MATH
 FIELDS = [("prompt", "answer"), ("question", "answer"), ("problem", "answer"), ("problem", "solution")]
 _SLOT = re.compile(r"\{(?:prompt|question)\}")
@@ -388,9 +389,12 @@ def task_prompts(tokenizer, dataset: str | list[str], eval_dataset: str | None, 
     train = Prompts(*tokenize_prompts(tokenizer, train, max_prompt_len, name, **chat))
     held = Prompts(*tokenize_prompts(tokenizer, held, max_prompt_len, eval_dataset or name, **chat))
     extra = context_tokens(tokenizer, context, tools)
+    kinds = {e.source: e.kind for e in train.examples + held.examples}  # what acc and format judge (reward.correct)
+    judged = ", ".join(f"{source} {kind} ({KIND_RULE[kind]})" for source, kind in kinds.items())
     return train, held, (f"{len(train.ids)} train prompts, {len(held.ids)} eval prompts (dropped as longer than "
                          f"{max_prompt_len} tokens: {train.dropped} train, {held.dropped} eval"
-                         + (f"; before each, the tools' prompt: {extra} tokens" if extra else "") + f"); {note}")
+                         + (f"; before each, the tools' prompt: {extra} tokens" if extra else "") + f"); {note}; "
+                         f"answers judged as {judged}")
 
 
 def prompt_tokens(tokenizer, question: str | list[dict], context: list[dict] | None = None,

@@ -1,7 +1,7 @@
 """Greedy accuracy of a model folder (e.g. a checkpoint's model/) on held-out prompts.
 
     python evaluate.py --model runs/<run>/checkpoints/step_000200/model --out eval.json
-    python evaluate.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --num-prompts 1319
+    python evaluate.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --num-eval-prompts 1319
 
 Reports strict accuracy (the answer in the asked format is right: '#### N', \boxed{}), flexible accuracy
 (right in any form), format rate, as grpo.py judges them, and writes every completion next to the summary.
@@ -19,10 +19,9 @@ from preflight import exit_on_interrupt  # first (stdlib only): a Ctrl-C while t
 
 exit_on_interrupt("evaluate.py")
 import torch
-import tyro
 
 from data import BUILTIN_TASKS, load_examples, load_task, source_name, template_rule, tokenize_prompts
-from preflight import ENGINE_HINT, InputError, check_context, check_engine, check_flags, check_model, friendly_errors
+from preflight import InputError, check_context, check_engine, check_flags, check_model, friendly_errors, parse_args
 from reward import judge
 from rollout import HFEngine, SGLangOptions, Sampling, generate, start_sglang, stop_token_ids
 from stop import stop_engine
@@ -33,6 +32,7 @@ RUN_FLAGS = ("prompt_template", "system_prompt", "prompt_field", "answer_field",
 
 @dataclass
 class Args:
+    # --- model and data
     model: str
     """model to evaluate: hub id or local folder"""
     dataset: str | None = None
@@ -40,14 +40,17 @@ class Args:
     default: the data of the run whose checkpoint --model is (runs/<run>/checkpoints/step_N/model), else addition"""
     split: str = "test"
     """split of --dataset: 'test' (a run's own data: what it held out) or 'train' (a single file has no splits)"""
-    num_prompts: int = 256
+    num_eval_prompts: int = 256
     """first N prompts of the split"""
     max_prompt_len: int = 256
     """longer prompts are dropped"""
     max_new_tokens: int = 256
     """response length limit"""
+    seed: int | None = None
+    """the built-in tasks' split seed; default: the run's --seed (a run's checkpoint), else 0"""
+    # --- how prompts are asked and judged (unset: as the run whose checkpoint --model is)
     prompt_field: str | None = None
-    """the prompt's column, as the training run's (grpo.py --help says more of these five; unset: the run's)"""
+    """the prompt's column, as the training run's (grpo.py -H says more of these five)"""
     answer_field: str | None = None
     """the answer's column"""
     answer_kind: Literal["gsm8k", "math", "text"] | None = None
@@ -56,11 +59,10 @@ class Args:
     """how a prompt is asked ({prompt})"""
     system_prompt: str | None = None
     """a system message before each prompt"""
-    seed: int | None = None
-    """the built-in tasks' split seed; default: the run's --seed (a run's checkpoint), else 0"""
-    engine: Literal["auto", "sglang", "hf"] = "auto"
+    # --- engine and output
+    rollout_engine: Literal["auto", "sglang", "hf"] = "auto"
     """'sglang' on a GPU, 'hf' on CPU; 'auto' picks"""
-    mem_fraction: float = 0.6
+    sglang_mem_fraction: float = 0.6
     """SGLang memory fraction"""
     out: str | None = None
     """write the summary here and the completions to <out>.samples.jsonl"""
@@ -68,16 +70,16 @@ class Args:
 
 def main(args: Args):
     check_flags([  # (flag, value, holds, what it must be)
-        ("--num-prompts", args.num_prompts, args.num_prompts >= 1, ">= 1"),
+        ("--num-eval-prompts", args.num_eval_prompts, args.num_eval_prompts >= 1, ">= 1"),
         ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
         ("--max-prompt-len", args.max_prompt_len, args.max_prompt_len >= 1, ">= 1"),
-        ("--mem-fraction", args.mem_fraction, 0 < args.mem_fraction < 1, "in (0, 1)"),
+        ("--sglang-mem-fraction", args.sglang_mem_fraction, 0 < args.sglang_mem_fraction < 1, "in (0, 1)"),
         ("--split", args.split, args.split in ("test", "train"), "'test' or 'train'"),
         template_rule(args.prompt_template),  # {prompt}, and no other placeholder (data.py)
     ])
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise InputError(f"--out {args.out!r}: its folder does not exist; create it first")
-    kind = check_engine(args.engine, "--engine")
+    kind = check_engine(args.rollout_engine)
     tokenizer, context = check_model(args.model, generates=True)  # before SGLang starts
     check_context(context, args.max_prompt_len, args.max_new_tokens)
     stop_ids = stop_token_ids(tokenizer, args.model)
@@ -85,18 +87,16 @@ def main(args: Args):
     if run is not None:  # a flag not given is the run's: prompts asked as it asked them
         args = replace(args, **{k: run.get(k) for k in RUN_FLAGS if getattr(args, k) is None})
     examples, rows, trained = rows_to_score(args, run_dir, run)
-    prompts, kept, dropped = tokenize_prompts(tokenizer, examples[: args.num_prompts], args.max_prompt_len, rows)
+    prompts, kept, dropped = tokenize_prompts(tokenizer, examples[: args.num_eval_prompts], args.max_prompt_len, rows)
     if trained:
         print(f"note: {run_dir} trained on these rows ({trained}): this is not held-out accuracy", flush=True)
     print(f"evaluating {len(prompts)} prompts, {rows} ({dropped} dropped as longer than "
           f"{args.max_prompt_len} tokens) with {args.model}, engine {kind}", flush=True)
-    if kind == "sglang":
-        engine = start_sglang(args.model, gpu_id=0, seed=args.seed or 0, options=SGLangOptions(
-            mem_fraction=args.mem_fraction, load_format="auto", disable_cuda_graph=True))
-    else:
-        engine = HFEngine(args.model)
+    sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, load_format="auto", disable_cuda_graph=True)
+    seed = args.seed or 0
+    engine = start_sglang(args.model, gpu_id=0, seed=seed, options=sglang) if kind == "sglang" else HFEngine(args.model)
     greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)
-    samples = generate(engine, prompts, [args.seed or 0] * len(prompts), sampling=greedy, tokenizer=tokenizer)
+    samples = generate(engine, prompts, [seed] * len(prompts), sampling=greedy, tokenizer=tokenizer)
     for s, e in zip(samples, kept):
         s.answer, s.kind = e.answer, e.kind
     n, counts = len(samples), judge(samples)
@@ -168,6 +168,5 @@ def same(a: str, b: str) -> bool:
 
 
 if __name__ == "__main__":  # SGLang spawns its scheduler: keep this guard
-    with friendly_errors("evaluate.py", oom_hint="lower --mem-fraction or --num-prompts",
-                         engine_hint=ENGINE_HINT.replace("--sglang-mem-fraction", "--mem-fraction")):
-        main(tyro.cli(Args))
+    with friendly_errors("evaluate.py", oom_hint="lower --sglang-mem-fraction or --num-eval-prompts"):
+        main(parse_args(Args))

@@ -34,7 +34,6 @@ exit_on_interrupt("grpo.py")
 import numpy as np
 import torch
 import torch.distributed as dist
-import tyro
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, source_name,
@@ -42,13 +41,13 @@ from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, c
 from fsdp import (all_reduce, all_reduce_dict, balance, batch_logprobs, clip_and_step, compute_dtype, init_distributed, load_model,
                   lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, skip_schedule, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
-from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, given_flags, package_rules, size_for_cpu
+from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, given_flags, package_rules, parse_args, size_for_cpu
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
 from rollout import SGLangOptions, Sampling, graph_batch, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
-from runlog import RunLog, claim_run_dir, launch_time, log_line, print0, progress, run_info
+from runlog import RunLog, StepClock, claim_run_dir, launch_time, legend, log_line, print0, progress, run_info
 from server import ServerEngine, launch_servers
-from tools import TOOLS, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
+from tools import TOOLS, TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
 
 
@@ -287,17 +286,27 @@ class Args:
 
 # PLUMBING: without a GPU, these replace the defaults of the flags not given (SmolLM2-135M shapes: ~20 s a step on 2 cores).
 CPU_SIZES = {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 64, "num_eval_prompts": 16, "micro_batch_size": 16}
-# PLUMBING: the console line of a step: (name, metric, format)
-CONSOLE = [("reward", "rollout/reward_mean", ".3f"), ("acc", "rollout/strict_acc", ".3f"), ("format", "rollout/format_rate", ".2f"),
-           ("len", "rollout/response_len_mean", ".0f"), ("trunc", "rollout/truncated_frac", ".2f"), ("kl", "train/kl", ".4f"),
-           ("clip", "train/clip_frac", ".3f"), ("ent", "train/entropy", ".3f"), ("gnorm", "train/grad_norm", ".3f"),
-           ("lr", "train/lr", ".1e"), ("rollout s", "time/generate", ".1f"), ("sync s", "time/sync_weights", ".2f"),
-           ("logp s", "time/logprob", ".1f"), ("update s", "time/update", ".1f"), ("step s", "perf/step_s", ".1f"),
-           ("tok/s", "perf/rollout_tokens_per_s", ".0f")]
-
-TOOLS_CONSOLE = [("turns", "tools/turns_mean", ".2f"), ("calls", "tools/calls_per_sample", ".2f"),
-                 ("tool errors", "tools/errors", ".0f")]
-CORRECTION_CONSOLE = [("mismatch kl", "rollout/mismatch_kl", ".1e"), ("corrected", "rollout/correction_frac", ".3f")]
+# PLUMBING: a step's console line: (name, metric, format, what it is: the legend printed before step 1)
+CONSOLE = [
+    ("reward", "rollout/reward_mean", ".3f", "mean reward of the step's samples"),
+    ("acc", "rollout/strict_acc", ".2f", "share right in the asked format (judged as the data line says)"),
+    ("format", "rollout/format_rate", ".2f", "share with an answer in the asked format"),
+    ("len", "rollout/response_len_mean", ".0f", "mean response tokens"),
+    ("ent", "train/entropy", ".2f", "entropy per response token (nats)"),
+    ("gnorm", "train/grad_norm", ".2f", "gradient norm before clipping"),
+    ("rollout s", "time/generate", ".1f", "seconds generating"),
+    ("step s", "perf/step_s", ".1f", "seconds of the step"),
+    ("tok/s", "perf/rollout_tokens_per_s", ".0f", "tokens sampled per second"),
+]
+IF_NOT_0 = [  # shown after the others, on a step where they are not 0
+    ("trunc", "rollout/truncated_frac", ".2f", "share cut at --max-new-tokens (where not 0)"),
+    ("kl", "train/kl", ".2g", "KL to the reference per token (where not 0: --beta > 0)"),
+    ("clip", "train/clip_frac", ".2g", "share of tokens clipped (where not 0: several updates a batch)"),
+]
+CORRECTION_CONSOLE = [
+    ("mismatch kl", "rollout/mismatch_kl", ".1e", "KL(sampler || trainer) over the model's tokens"),
+    ("corrected", "rollout/correction_frac", ".3f", "share of tokens --rollout-correction capped or masked"),
+]
 
 # ----------------------------------------------------------------------------------------------
 # ALGO: the GRPO pieces, pure functions of tensors (tests/test_grpo_math.py checks them by hand)
@@ -743,6 +752,7 @@ def main(args: Args):
         again = f"{launcher} {' '.join(sys.argv)}{'' if args.resume else ' --resume'}"  # no checkpoint: from step 0 (checkpoint_to_resume)
         mem.close()
         log.finish()  # curves.png too
+        clock.summary(run_dir, EVAL_LINE, stopped=True)
         print0(f"stopped by {signal.Signals(signum).name} after step {done}; continue from step {last_saved} with: {again}")
         dist.destroy_process_group()
         raise SystemExit(128 + signum)
@@ -775,8 +785,10 @@ def main(args: Args):
     # ---- the loop ----------------------------------------------------------------------------------
     local_prompts = args.prompts_per_step // world_size
     max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
-    console = (CONSOLE + TOOLS_CONSOLE * bool(tools) + CORRECTION_CONSOLE * (args.rollout_correction != "none")
+    console = (CONSOLE + TOOLS_LINE * bool(tools) + CORRECTION_CONSOLE * (args.rollout_correction != "none")
                + RM_LINE * bool(rm))
+    print0(legend(console + IF_NOT_0))
+    clock = StepClock(total=args.steps, start=start_step, launched=t_launch)  # 'step 3/200 | eta 1:02', the last lines
     ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
     for step in range(start_step + 1, args.steps + 1):
         t_step = time.time()
@@ -836,7 +848,7 @@ def main(args: Args):
             metrics.update(tool_stats(seen))
         metrics.update({"rollout/kept_groups": n_groups * world_size, "rollout/sampling_rounds": rounds})
         if not n_groups:  # dynamic sampling found too few groups with differing rewards: nothing to learn from
-            print0(f"step {step} | {kept_total or 'no'} groups with differing rewards after {rounds} rounds"
+            print0(f"step {step}/{args.steps} | {kept_total or 'no'} groups with differing rewards in {rounds} rounds"
                    + f" (every one of the {world_size} ranks needs one)" * bool(kept_total) + ": update skipped")
             metrics["train/skipped"] = 1.0
             skip_schedule(scheduler, args.epochs * args.num_minibatches)  # the LR follows the steps, not the updates
@@ -923,8 +935,8 @@ def main(args: Args):
         if step == start_step + 1:
             metrics["time/startup_to_first_step_s"] = time.time() - t_launch
             metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
-        errors = [c for c in REWARD_LINE if metrics[c[1]]]  # samples scored 0: raised, NaN/inf, timed out
-        print0(log_line(f"step {step}", metrics, console + errors))
+        rare = [c for c in IF_NOT_0 + REWARD_LINE if metrics.get(c[1])]  # REWARD_LINE: samples scored 0
+        print0(log_line(clock.label(step), metrics, console + rare))
         log.log(metrics)
         if warning := nonfinite.after_step(step, int(metrics.get("train/nonfinite_skips", 0)), args.epochs * args.num_minibatches):
             print0(warning)
@@ -943,9 +955,10 @@ def main(args: Args):
     mem.close()
     stop_engine(engine, watch)
     log.finish()
+    clock.summary(run_dir, EVAL_LINE)  # steps, time, held-out accuracy, where the checkpoint and curves are
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard
     with friendly_errors("grpo.py"):
-        main(tyro.cli(Args))
+        main(parse_args(Args, CPU_SIZES))

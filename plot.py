@@ -1,4 +1,4 @@
-"""Curves without wandb: six panels from run folders' metrics.jsonl, several runs drawn over each other.
+"""Curves without wandb: up to six panels from run folders' metrics.jsonl (those it logs), several runs over each other.
 
     python plot.py runs/A                        # writes runs/A/curves.png
     python plot.py runs/A runs/B --out ab.png    # overlaid, one colour per run folder (default ./curves.png)
@@ -115,7 +115,8 @@ def bars(ax, values: dict, title: str, xlabel: str, fmt: str, marks: dict | None
     ax.set_yticks(range(len(phases)), phases, fontsize=8), ax.invert_yaxis()
 
 
-def draw(run_dirs: list[str], out: str):
+def draw(run_dirs: list[str], out: str) -> list[str]:
+    """Draw the runs' panels into `out`, those with something to draw; their titles."""
     runs = {os.path.basename(os.path.normpath(d)): read_metrics(os.path.join(d, "metrics.jsonl")) for d in run_dirs}
     fig, ax = subplots(2, 3, figsize=(16, 8.5), layout="constrained")
     lines(ax[0, 0], runs, *first_logged(runs, ([("rollout/reward_mean", "", "-")], "reward (sampled, mean)"),
@@ -137,19 +138,27 @@ def draw(run_dirs: list[str], out: str):
           "KL and entropy (log scale above 1e-4)", log=True)
     steps = {name: [r for r in rows if "perf/step_s" in r] for name, rows in runs.items()}
     timed = {name: rows[1:] or rows for name, rows in steps.items()}  # step 1 left out where there are more: warm-up
-    bars(ax[1, 1], {name: {**({"whole step": statistics.mean(r["perf/step_s"] for r in rows)} if rows else {}),
-                           **per_phase(rows, "time/", "", statistics.mean)} for name, rows in timed.items()},
-         "seconds per phase (mean, step 1 left out)", "seconds", "%.2f", keys="time/*")
+    phases = {name: per_phase(rows, "time/", "", statistics.mean) for name, rows in timed.items()}  # none: train_rm.py
+    bars(ax[1, 1], {name: {"whole step": statistics.mean(r["perf/step_s"] for r in timed[name]), **v} if v else {}
+                    for name, v in phases.items()}, "seconds per phase (mean, step 1 left out)", "seconds", "%.2f")
     bars(ax[1, 2], {name: per_phase(rows, "memory/", "_device_peak_gib", max) for name, rows in steps.items()},
          "GPU memory per phase (peak)", "GiB (bars: the whole device, |: the trainer's own)", "%.1f",
          {name: per_phase(rows, "memory/", "_peak_gib", max) for name, rows in steps.items()}, "memory/* (a CPU run?)")
+    # only the panels with something to draw (a CPU run has no GPU memory; train_rm.py's runs no KL, no phases), 3 a row
+    shown = [a for a in ax.flat if a.has_data()] or [ax[0, 1]]
+    cols = {1: 1, 2: 2, 4: 2}.get(len(shown), 3)
+    grid = fig.add_gridspec(-(-len(shown) // cols), cols)
+    for a in ax.flat:
+        a.set_subplotspec(grid[shown.index(a)]) if a in shown else a.remove()
+    fig.set_size_inches(16 / 3 * cols, 8.5 / 2 * grid.nrows)
     if len(runs) > 1:
-        fig.legend(handles=[ax[0, 0].plot([], [], color=f"C{i}", label=n)[0] for i, n in enumerate(runs)],
+        fig.legend(handles=[shown[0].plot([], [], color=f"C{i}", label=n)[0] for i, n in enumerate(runs)],
                    loc="outside upper center", ncol=min(len(runs), 6))
     else:
         fig.suptitle(next(iter(runs)))
     fig.savefig(out + ".tmp", format="png", dpi=100)
     os.replace(out + ".tmp", out)  # whole or not at all: a viewer never reads a half-written PNG
+    return [a.get_title() for a in shown]
 
 
 _said = set()  # write_curves' console lines, each printed once per process

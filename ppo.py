@@ -34,7 +34,6 @@ exit_on_interrupt("ppo.py")
 import numpy as np
 import torch
 import torch.distributed as dist
-import tyro
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, source_name,
@@ -42,13 +41,13 @@ from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, c
 from fsdp import (all_reduce, all_reduce_dict, balance, batch_forward, batch_logprobs, clip_and_step, compute_dtype, forward_tokens,
                   init_distributed, load_model, lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
-from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, package_rules, size_for_cpu
+from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, package_rules, parse_args, size_for_cpu
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
 from rollout import SGLangOptions, Sampling, graph_batch, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
-from runlog import RunLog, claim_run_dir, launch_time, log_line, print0, progress, run_info
+from runlog import RunLog, StepClock, claim_run_dir, launch_time, legend, log_line, print0, progress, run_info
 from server import ServerEngine, launch_servers
-from tools import TOOLS, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
+from tools import TOOLS, TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
 
 
@@ -86,7 +85,7 @@ class Args:
     # --- sampling
     prompts_per_step: int = 32
     """prompts per step over all ranks (must divide by the number of ranks)"""
-    samples_per_prompt: int = 1
+    group_size: int = 1
     """completions per prompt (each one is its own episode: the critic is the baseline)"""
     temperature: float = 1.0
     """sampling temperature (log-probs are computed at the same temperature)"""
@@ -277,19 +276,27 @@ class Args:
 
 
 # PLUMBING: without a GPU, these replace the defaults of the flags not given: 16 samples of up to 64 tokens a step, as grpo.py.
-CPU_SIZES = {"prompts_per_step": 8, "samples_per_prompt": 2, "max_new_tokens": 64, "num_eval_prompts": 16,
+CPU_SIZES = {"prompts_per_step": 8, "group_size": 2, "max_new_tokens": 64, "num_eval_prompts": 16,
              "micro_batch_size": 16}
-# PLUMBING: the console line of a step: (name, metric, format)
-CONSOLE = [("reward", "rollout/reward_mean", ".3f"), ("acc", "rollout/strict_acc", ".3f"), ("format", "rollout/format_rate", ".2f"),
-           ("len", "rollout/response_len_mean", ".0f"), ("trunc", "rollout/truncated_frac", ".2f"),
-           ("kl", "train/kl_per_response", ".4f"), ("clip", "train/clip_frac", ".3f"), ("ent", "train/entropy", ".3f"),
-           ("vloss", "critic/value_loss", ".4f"), ("ev", "critic/explained_var", ".3f"), ("gnorm", "train/grad_norm", ".3f"),
-           ("rollout s", "time/generate", ".1f"), ("sync s", "time/sync_weights", ".2f"), ("logp s", "time/logprob", ".1f"),
-           ("update s", "time/update", ".1f"), ("step s", "perf/step_s", ".1f"), ("tok/s", "perf/rollout_tokens_per_s", ".0f")]
-
-
-TOOLS_CONSOLE = [("turns", "tools/turns_mean", ".2f"), ("calls", "tools/calls_per_sample", ".2f"),
-                 ("tool errors", "tools/errors", ".0f")]
+# PLUMBING: a step's console line: (name, metric, format, what it is: the legend printed before step 1)
+CONSOLE = [
+    ("reward", "rollout/reward_mean", ".3f", "mean reward of the step's samples"),
+    ("acc", "rollout/strict_acc", ".2f", "share right in the asked format (judged as the data line says)"),
+    ("format", "rollout/format_rate", ".2f", "share with an answer in the asked format"),
+    ("len", "rollout/response_len_mean", ".0f", "mean response tokens"),
+    ("ent", "train/entropy", ".2f", "entropy per response token (nats)"),
+    ("vloss", "critic/value_loss", ".2g", "the critic's value loss"),
+    ("ev", "critic/explained_var", ".2f", "explained variance: the share of the returns' variance the values explain"),
+    ("gnorm", "train/grad_norm", ".2f", "the actor's gradient norm before clipping"),
+    ("rollout s", "time/generate", ".1f", "seconds generating"),
+    ("step s", "perf/step_s", ".1f", "seconds of the step"),
+    ("tok/s", "perf/rollout_tokens_per_s", ".0f", "tokens sampled per second"),
+]
+IF_NOT_0 = [  # shown after the others, on a step where they are not 0
+    ("trunc", "rollout/truncated_frac", ".2f", "share cut at --max-new-tokens (where not 0)"),
+    ("kl", "train/kl_per_response", ".2g", "KL(actor || reference) per response (where not 0)"),
+    ("clip", "train/clip_frac", ".2g", "share of tokens clipped (where not 0: several updates a batch)"),
+]
 
 # ----------------------------------------------------------------------------------------------
 # ALGO: the PPO pieces, pure functions of tensors (tests/test_ppo_math.py checks them by hand)
@@ -404,14 +411,14 @@ def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: int, n: int
 
 def check_args(args: Args, world_size: int):
     """Bad input fails here, before anything is loaded or written."""
-    per_rank = args.prompts_per_step // world_size * args.samples_per_prompt
+    per_rank = args.prompts_per_step // world_size * args.group_size
     a, server = args, args.rollout_mode == "server"
     local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count()
     check_flags([  # (flag, value, holds, what it must be)
         ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
         ("--prompts-per-step", a.prompts_per_step, a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
          f">= 1 and divide by the {world_size} ranks"),
-        ("--samples-per-prompt", a.samples_per_prompt, a.samples_per_prompt >= 1, ">= 1"),
+        ("--group-size", a.group_size, a.group_size >= 1, ">= 1"),
         ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
         ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
         ("--lr", a.lr, a.lr > 0, "> 0"),
@@ -542,7 +549,7 @@ def main(args: Args):
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
     server = args.rollout_mode == "server"  # the samples each engine or server decodes at once: its CUDA graphs
     engines = (len(args.rollout_url) or args.rollout_gpus // args.rollout_tp) if server else world_size // args.rollout_tp
-    per_engine = args.prompts_per_step * args.samples_per_prompt // engines
+    per_engine = args.prompts_per_step * args.group_size // engines
     sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=args.rollout_tp,
                            attention_backend=args.sglang_attention_backend, sampling_backend=args.sglang_sampling_backend,
                            cuda_graph_max_bs=graph_batch(per_engine, args.sglang_cuda_graph_max_bs),
@@ -646,6 +653,7 @@ def main(args: Args):
         again = f"{launcher} {' '.join(sys.argv)}{'' if args.resume else ' --resume'}"  # no checkpoint: from step 0 (checkpoint_to_resume)
         mem.close()
         log.finish()  # curves.png too
+        clock.summary(run_dir, EVAL_LINE, stopped=True)
         print0(f"stopped by {signal.Signals(signum).name} after step {done}; continue from step {last_saved} with: {again}")
         dist.destroy_process_group()
         raise SystemExit(128 + signum)
@@ -668,7 +676,7 @@ def main(args: Args):
         they generate in the background (--async-rollout), with the weights the engine has now."""
         before = sampler.state_dict()  # the data position before this draw (a checkpoint's, while it generates)
         prompt_idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)  # this rank's prompts
-        sample_idx = [i for i in prompt_idx for _ in range(args.samples_per_prompt)]
+        sample_idx = [i for i in prompt_idx for _ in range(args.group_size)]
         seeds = [seed_for(args.seed, "sample", step, rank, k) for k in range(len(sample_idx))]
         pending = send(engine, [train_prompts.ids[i] for i in sample_idx], seeds, sampling=sampling, tool_use=tool_use,
                        tokenizer=tokenizer, tp=tp, ahead=ahead)
@@ -679,6 +687,9 @@ def main(args: Args):
     tis_cap = args.tis_cap if args.tis_cap is not None else 2.0 * args.async_rollout  # 0: off
     max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
     ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
+    console = CONSOLE + TOOLS_LINE * bool(tools) + RM_LINE * bool(rm)
+    print0(legend(console + IF_NOT_0))
+    clock = StepClock(total=args.steps, start=start_step, launched=t_launch)  # 'step 3/200 | eta 1:02', the last lines
     for step in range(start_step + 1, args.steps + 1):
         t_step = time.time()
         mem.reset()
@@ -695,7 +706,7 @@ def main(args: Args):
             with mem.phase("eval"):
                 evaluate(step - 1)  # after step-1 updates
 
-        # -- 2. rollout: samples_per_prompt episodes per prompt, scored
+        # -- 2. rollout: group_size episodes per prompt, scored
         with mem.phase("generate"):
             pending, ahead = ahead or send_rollout(step), None
             samples = pending.result()
@@ -830,8 +841,8 @@ def main(args: Args):
         if step == start_step + 1:
             metrics["time/startup_to_first_step_s"] = time.time() - t_launch
             metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
-        errors = [c for c in REWARD_LINE if metrics[c[1]]]  # samples scored 0: raised, NaN/inf, timed out
-        print0(log_line(f"step {step}", metrics, CONSOLE + TOOLS_CONSOLE * bool(tools) + RM_LINE * bool(rm) + errors))
+        rare = [c for c in IF_NOT_0 + REWARD_LINE if metrics.get(c[1])]  # REWARD_LINE: samples scored 0
+        print0(log_line(clock.label(step), metrics, console + rare))
         log.log(metrics)
         n_updates = args.epochs * args.num_minibatches * (2 if update_actor else 1)
         if warning := nonfinite.after_step(step, int(metrics["train/nonfinite_skips"]), n_updates):
@@ -851,9 +862,10 @@ def main(args: Args):
     mem.close()
     stop_engine(engine, watch)
     log.finish()
+    clock.summary(run_dir, EVAL_LINE)  # steps, time, held-out accuracy, where the checkpoint and curves are
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard
     with friendly_errors("ppo.py"):
-        main(tyro.cli(Args))
+        main(parse_args(Args, CPU_SIZES))

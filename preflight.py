@@ -13,16 +13,21 @@ message also goes where torchrun looks for a rank's error (`tell_torchrun`): its
 thing it prints, shows it.
 """
 
+import ast
 import dataclasses
 import gc
+import inspect
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
 from contextlib import contextmanager
+from typing import Annotated
 
 
 class InputError(ValueError):
@@ -200,6 +205,55 @@ def exit_on_interrupt(script: str):
 
     if os.path.basename(sys.argv[0]) == script:
         signal.signal(signal.SIGINT, stop)
+
+
+# one name for a flag in every script (issue 40): an old name is refused in one line that names the new one
+RENAMED = {
+    "--samples-per-prompt": "--group-size",
+    "--num-prompts": "--num-eval-prompts",
+    "--engine": "--rollout-engine",
+    "--mem-fraction": "--sglang-mem-fraction",
+}
+
+
+def parse_args(cls, cpu_sizes: dict | None = None, argv: list[str] | None = None):
+    """tyro.cli(cls) of a script's flat Args, where a flag's old name (RENAMED) is bad input, and the help groups the
+    flags as the comment rules of `cls` do ('# --- sampling'), each of `cpu_sizes` (size_for_cpu's) beside its default,
+    '(default: 16; CPU: 4)': -h a line a flag, -H with each flag's docstring."""
+    import tyro  # lazy: `import preflight` stays light
+
+    argv = sys.argv[1:] if argv is None else argv
+    if old := [a.split("=")[0] for a in argv if a.split("=")[0] in RENAMED]:
+        raise InputError(f"{old[0]} is now {RENAMED[old[0]]}, its name in every script: pass {RENAMED[old[0]]}")
+    if asked := [a for a in argv if a in ("-h", "--help", "-H", "--help-verbose")]:
+        about = sys.modules[cls.__module__].__doc__.strip().splitlines()[0] + " The flags by purpose."
+        about += " '(CPU: N)': the default on a machine without a GPU (the run's first line says so)." * bool(cpu_sizes)
+        # tyro groups flags by nested dataclasses only: a nested copy of `cls` for the help, its flags unprefixed
+        config = (tyro.conf.OmitArgPrefixes,)
+        tyro.cli(help_groups(cls, cpu_sizes or {}), args=asked[:1], description=about, compact_help=True, config=config)
+    return tyro.cli(cls, args=argv)
+
+
+def help_groups(cls, cpu_sizes: dict):
+    """A dataclass of dataclasses, one per comment rule of `cls` ('# --- sampling'), each with the fields below its
+    rule, their docstrings as help: what tyro draws as a box per group."""
+    import tyro
+
+    source, fields, groups = textwrap.dedent(inspect.getsource(cls)), {f.name: f for f in dataclasses.fields(cls)}, {}
+    rules = [(n, m[1]) for n, text in enumerate(source.splitlines(), 1) if (m := re.match(r"\s*# --- (.+)", text))]
+    body = ast.parse(source).body[0].body
+    for a, b in zip(body, body[1:] + [None]):  # a field, and the docstring under it
+        if isinstance(a, ast.AnnAssign):
+            f, cpu = fields[a.target.id], cpu_sizes.get(a.target.id)
+            doc = " ".join(b.value.value.split()) if isinstance(b, ast.Expr) else ""
+            hint = None if cpu is None else (lambda default, cpu=cpu: f"(default: {default}; CPU: {cpu})")
+            default = () if f.default is dataclasses.MISSING else (f.default,)
+            title = next((t for n, t in reversed(rules) if n < a.lineno), "flags")
+            arg = tyro.conf.arg(help=doc, help_behavior_hint=hint)
+            groups.setdefault(title, []).append((f.name, Annotated[f.type, arg], *default))
+    boxes = [dataclasses.make_dataclass(f"Group{k}", g) for k, g in enumerate(groups.values())]
+    named = [(f"group{k}", Annotated[box, tyro.conf.arg(name=t)]) for k, (t, box) in enumerate(zip(groups, boxes))]
+    return dataclasses.make_dataclass(cls.__name__, named)
 
 
 def given_flags(argv: list[str]) -> set[str]:

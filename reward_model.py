@@ -23,7 +23,10 @@ from fsdp import all_reduce, all_reduce_dict, load_model, shard_model
 from preflight import InputError, check_model, given_flags
 from rollout import plain_ids
 
-RM_LINE = [("rm", "rollout/rm_score", ".3f"), ("rm s", "time/reward_model", ".1f")]  # the console's (name, metric, format)
+RM_LINE = [  # the console's (name, metric, format, meaning)
+    ("rm", "rollout/rm_score", ".3f", "the reward model's score, mean"),
+    ("rm s", "time/reward_model", ".1f", "seconds scoring with the reward model"),
+]
 
 
 def rm_flag_rules(a) -> list[tuple[str, object, bool, str]]:

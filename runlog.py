@@ -5,7 +5,10 @@
     log.log({"step": 3, "rollout/reward_mean": 0.41, ...})     # metrics.jsonl (+ wandb with track=True);
                                                                # an eval row (and finish) redraws curves.png
     log.samples(3, samples)                                    # a few completions: console, samples.jsonl
-    print0(log_line("step 3", metrics, [("reward", "rollout/reward_mean", ".3f"), ...]))
+    print0(legend(console))                                    # once: what each name of a step's line is
+    clock = StepClock(total=200, start=0, launched=launch_time())
+    print0(log_line(clock.label(3), metrics, console))         # 'step 3/200 | eta 1:02:03 | reward 0.41 | ...'
+    clock.summary(run_dir, eval_line)                          # the run's last lines: time, held-out metrics, files
     for rows in progress(micro_batches, "update", rank):       # a bar on rank 0 when a person watches
 
 PLUMBING: nothing here changes what is trained.
@@ -18,7 +21,9 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import sys
+import textwrap
 import time
 
 import torch
@@ -26,7 +31,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpoint import gib, latest_checkpoint, out_of_space
-from plot import parse_row, write_curves
+from plot import parse_row, read_metrics, write_curves
 from preflight import InputError, RunFailed, check_writable, run_folder
 from sandbox import memory_bound
 
@@ -196,9 +201,55 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-def log_line(label: str, metrics: dict, keys: list[tuple[str, str, str]]) -> str:
-    """One console line: 'step 12 | reward 0.41 | acc 0.33 | ...' from (name, metric key, format)."""
-    return " | ".join([label] + [f"{name} {format(metrics[key], fmt)}" for name, key, fmt in keys if key in metrics])
+def log_line(label: str, metrics: dict, keys: list[tuple]) -> str:
+    """One console line: 'step 12/200 | reward 0.41 | acc 0.33 | ...' from (name, metric key, format[, meaning])."""
+    shown = [f"{name} {format(metrics[key], fmt)}" for name, key, fmt, *_ in keys if key in metrics]
+    return " | ".join([label, *shown])
+
+
+def legend(keys: list[tuple]) -> str:
+    """What the names of a step's line mean, from its (name, metric key, format, meaning) entries: printed once."""
+    names = ["eta = time left (the steps left x the median seconds of the last 10)"]
+    names += [f"{key[0]} = {key[3]}" for key in keys if len(key) > 3]
+    return textwrap.fill("step lines: " + "; ".join(names), width=120, subsequent_indent="  ")
+
+
+def hms(seconds: float) -> str:
+    """'1:02:03', '2:03'."""
+    minutes, s = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{s:02d}" if minutes >= 60 else f"{minutes}:{s:02d}"
+
+
+class StepClock:
+    """A step line's 'step 3/200 | eta 1:02:03' (the steps left times the median seconds of the last 10 steps: an
+    evaluation or a checkpoint makes one step slow, not the estimate), and the run's closing lines."""
+
+    def __init__(self, *, total: int, start: int, launched: float):
+        self.total, self.start, self.done, self.launched = total, start, start, launched
+        self.seconds, self.last = [], time.time()
+
+    def label(self, step: int) -> str:
+        now, self.done = time.time(), step
+        self.seconds, self.last = (self.seconds + [now - self.last])[-10:], now
+        left = (self.total - step) * statistics.median(self.seconds)
+        return f"step {step}/{self.total}" + f" | eta {hms(left)}" * (step < self.total)
+
+    def summary(self, run_dir: str, eval_line: list[tuple], stopped: bool = False):
+        """The run's closing lines on rank 0: the steps done and the time since launch, the last held-out evaluation,
+        where the last checkpoint, curves.png and metrics.jsonl are."""
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        metrics, curves = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "curves.png")
+        evals = [r for r in read_metrics(metrics) if eval_line[0][1] in r] if os.path.exists(metrics) else []
+        held = "no held-out evaluation"
+        if evals:
+            held = log_line(f"held out after step {int(evals[-1]['step'])}", evals[-1], eval_line)
+        steps = f"{self.done}/{self.total} steps" + f" ({self.done - self.start} in this launch)" * (self.start > 0)
+        took = hms(time.time() - self.launched) + " since launch"
+        took += f", {statistics.median(self.seconds):.1f} s a step" if self.seconds else ""
+        print0(f"{'stopped' if stopped else 'done'}: {steps} in {took} | {held}")
+        curves = curves if os.path.exists(curves) else "not drawn"
+        print0(f"  checkpoint: {latest_checkpoint(run_dir) or 'none saved'} | curves: {curves} | metrics: {metrics}")
 
 
 def progress(items, desc: str, rank: int):

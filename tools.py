@@ -151,6 +151,13 @@ def tool_call_stop_ids(tokenizer) -> list[int]:
     return ids if len(ids) == 1 else []
 
 
+TOOLS_LINE = [  # a step's console line with --tools: (name, metric, format, meaning), tool_stats' keys
+    ("turns", "tools/turns_mean", ".2f", "model turns a sample"),
+    ("calls", "tools/calls_per_sample", ".2f", "tool calls a sample"),
+    ("tool errors", "tools/errors", ".0f", "calls that failed (bad arguments, an error, an unknown tool)"),
+]
+
+
 def tool_stats(samples) -> dict:
     """Turns and tool calls of a step's samples, over all ranks."""
     import torch  # lazy: the sandbox's own process never imports this module's metrics

@@ -30,14 +30,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import tyro
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import PromptSampler, load_pairs, shard, source_name, split_pairs
 from fsdp import all_reduce_dict, clip_and_step, compute_dtype, init_distributed, load_model, lr_lambda, shard_model
-from preflight import InputError, check_flags, check_model, friendly_errors, package_rules, size_for_cpu
+from preflight import InputError, check_flags, check_model, friendly_errors, package_rules, parse_args, size_for_cpu
 from reward_model import chat_template, conversation, has_reward_head, last_token_scores, pad, rm_tokens, score
-from runlog import RunLog, claim_run_dir, log_line, print0, run_info
+from runlog import RunLog, StepClock, claim_run_dir, launch_time, legend, log_line, print0, run_info
 from stop import NonFinite, agreed_signal, allow_interrupt, handle_signals
 
 
@@ -81,6 +80,7 @@ class Args:
     """gradient clipping by global norm"""
     seed: int = 0
     """seeds the data order and the held-out split"""
+    # --- memory and systems
     gradient_checkpointing: bool = False
     """recompute activations in backward (less memory, ~30% more compute)"""
     attn_implementation: str = "sdpa"
@@ -110,10 +110,17 @@ class Args:
     """wandb project"""
 
 
-# PLUMBING: without a GPU, these replace the defaults of the flags not given; the console lines: (name, metric, format)
+# PLUMBING: without a GPU, these replace the defaults of the flags not given; the console lines: (name, metric, format,
+# what it is: the legend printed before step 1)
 CPU_SIZES = {"pairs_per_step": 8, "max_len": 256, "num_eval_pairs": 64}
-CONSOLE = [("loss", "train/loss", ".4f"), ("acc", "train/pair_acc", ".3f"), ("margin", "train/margin", ".3f"),
-           ("gnorm", "train/grad_norm", ".3f"), ("lr", "train/lr", ".1e"), ("step s", "perf/step_s", ".2f")]
+CONSOLE = [
+    ("loss", "train/loss", ".4f", "-log sigmoid(r_chosen - r_rejected), the step's mean"),
+    ("acc", "train/pair_acc", ".3f", "share of the step's pairs scored chosen over rejected"),
+    ("margin", "train/margin", ".3f", "r_chosen - r_rejected, mean"),
+    ("gnorm", "train/grad_norm", ".3f", "gradient norm before clipping"),
+    ("lr", "train/lr", ".1e", "learning rate"),
+    ("step s", "perf/step_s", ".2f", "seconds of the step"),
+]
 EVAL_LINE = [("acc", "eval/pair_acc", ".3f"), ("margin", "eval/margin", ".3f"), ("loss", "eval/loss", ".4f")]
 
 # ----------------------------------------------------------------------------------------------
@@ -162,6 +169,7 @@ def check_args(a: Args, world_size: int):
 
 
 def main(args: Args):
+    t_launch = launch_time()
     handle_signals()  # Ctrl-C and SIGTERM stop the run after the step in progress (stop.py)
     allow_interrupt(True)  # until the loop: a signal ends the run at once, nothing to save yet
     args = size_for_cpu(args, CPU_SIZES, "train_rm.py")
@@ -270,6 +278,8 @@ def main(args: Args):
     model.train()  # HF's gradient checkpointing runs in training mode only (no dropout either way: fsdp.load_model)
     if args.eval_every and args.eval_before_train and start_step == 0:
         evaluate(0)
+    print0(legend(CONSOLE))
+    clock = StepClock(total=args.steps, start=start_step, launched=t_launch)  # 'step 3/200 | eta 1:02', the last lines
     for step in range(start_step + 1, args.steps + 1):
         t_step = time.time()
         mine = shard(sampler.draw(args.pairs_per_step), rank, world_size)  # this rank's pairs: as many on every rank
@@ -292,7 +302,7 @@ def main(args: Args):
         if device.type == "cuda":  # the trainer's peak, and what torch's caching allocator holds (nvidia-smi sees that)
             metrics |= {"perf/peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30, "perf/reserved_gib": torch.cuda.memory_reserved() / 2**30}
         metrics = {k: float(v) for k, v in metrics.items()}
-        print0(log_line(f"step {step}", metrics, CONSOLE))
+        print0(log_line(clock.label(step), metrics, CONSOLE))
         log.log(metrics)
         if warning := nonfinite.after_step(step, int(metrics["train/nonfinite_skips"]), 1):
             print0(warning)
@@ -304,15 +314,17 @@ def main(args: Args):
             if args.save_on_signal and args.save_every >= 0 and step > last_saved:
                 save(step)
             log.finish()
+            clock.summary(run_dir, EVAL_LINE, stopped=True)
             again = " ".join(sys.argv) + " --resume" * (not args.resume)
             print0(f"stopped by {signal.Signals(signum).name} after step {step}; continue from step {last_saved} with: "
                    f"{'torchrun --nproc_per_node=' + str(world_size) if 'RANK' in os.environ else 'python'} {again}")
             dist.destroy_process_group()
             raise SystemExit(128 + signum)
     log.finish()  # curves.png too
+    clock.summary(run_dir, EVAL_LINE)  # steps, time, held-out accuracy, where the checkpoint and curves are
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     with friendly_errors("train_rm.py"):
-        main(tyro.cli(Args))
+        main(parse_args(Args, CPU_SIZES))

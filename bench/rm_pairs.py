@@ -3,7 +3,7 @@
     python bench/rm_pairs.py --model HuggingFaceTB/SmolLM2-135M-Instruct --dataset addition --out pairs.jsonl
     python train_rm.py --model HuggingFaceTB/SmolLM2-135M-Instruct --dataset pairs.jsonl --eval-dataset pairs.eval.jsonl
 
-Samples `--samples-per-prompt` completions of each prompt (temperature 1), judges each by the rule grpo.py
+Samples `--group-size` completions of each prompt (temperature 1), judges each by the rule grpo.py
 rewards with (reward.correct), and writes rows {"prompt", "chosen", "rejected", "group"}, the chosen side
 earning more under that rule. From one sampled completion c with a number in it, c' = c with its last number
 set to the right answer N, and c'' = c with it set to a wrong M within 10 of N:
@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from data import BUILTIN_TASKS, load_examples, tokenize_prompts  # noqa: E402
-from preflight import InputError, check_engine, check_flags, check_model, friendly_errors  # noqa: E402
+from preflight import InputError, check_engine, check_flags, check_model, friendly_errors, parse_args  # noqa: E402
 from reward import correct  # noqa: E402
 from rollout import SGLangOptions, Sampling, generate, start_engine, stop_token_ids  # noqa: E402
 from stop import stop_engine  # noqa: E402
@@ -49,7 +48,7 @@ class Args:
     """prompts of the train split to sample"""
     eval_prompts: int = 400
     """prompts of the held-out split to sample"""
-    samples_per_prompt: int = 8
+    group_size: int = 8
     """completions of each prompt"""
     number_pairs: int = 1
     """'number' pairs per prompt, each from another of its samples (the group a reward model learns last)"""
@@ -57,13 +56,13 @@ class Args:
     """response length limit"""
     seed: int = 0
     """the task's split (use the training runs' --seed) and the sampling"""
-    engine: Literal["auto", "sglang", "hf"] = "auto"
+    rollout_engine: Literal["auto", "sglang", "hf"] = "auto"
     """'sglang' on a GPU, 'hf' on CPU"""
-    mem_fraction: float = 0.5
+    sglang_mem_fraction: float = 0.5
     """SGLang memory fraction"""
     prompts_per_call: int = 256
-    """prompts sent to the engine at once (x --samples-per-prompt requests): with all 3000 x 8 at once, SGLang's
-    scheduler grew to 70 GB of an H100 at --mem-fraction 0.15 (bench/README.md)"""
+    """prompts sent to the engine at once (x --group-size requests): with all 3000 x 8 at once, SGLang's
+    scheduler grew to 70 GB of an H100 at --sglang-mem-fraction 0.15 (bench/README.md)"""
 
 
 _NUMBER = re.compile(r"\d+")
@@ -102,12 +101,12 @@ def main(args: Args):
          "a .jsonl file in a folder that exists (train_rm.py reads .jsonl)"),
         ("--train-prompts", a.train_prompts, a.train_prompts >= 1, ">= 1"),
         ("--eval-prompts", a.eval_prompts, a.eval_prompts >= 1, ">= 1"),
-        ("--samples-per-prompt", a.samples_per_prompt, a.samples_per_prompt >= 1, ">= 1"),
+        ("--group-size", a.group_size, a.group_size >= 1, ">= 1"),
         ("--number-pairs", a.number_pairs, a.number_pairs >= 0, ">= 0"),
         ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
         ("--prompts-per-call", a.prompts_per_call, a.prompts_per_call >= 1, ">= 1"),
     ])
-    kind = check_engine(args.engine, "--engine")
+    kind = check_engine(args.rollout_engine)
     tokenizer, _ = check_model(args.model)
     if args.dataset in BUILTIN_TASKS:
         train, test = BUILTIN_TASKS[args.dataset](args.seed)
@@ -115,14 +114,14 @@ def main(args: Args):
         train, test = load_examples(args.dataset, "train"), load_examples(args.dataset, "test")
     if any(not re.fullmatch(r"-?\d+", e.answer) for e in train[:10] + test[:10]):
         raise InputError(f"--dataset {args.dataset!r}: the 'number' pairs need whole-number answers")
-    engine = start_engine(kind, args.model, seed=args.seed, sglang=SGLangOptions(mem_fraction=args.mem_fraction,
-                                                                                load_format="auto"))
+    sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, load_format="auto")
+    engine = start_engine(kind, args.model, seed=args.seed, sglang=sglang)
     sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_token_ids(tokenizer, args.model), temperature=1.0)
     rng, counts = random.Random(args.seed), {}
     for split, examples, path in [("train", train[:args.train_prompts], args.out),
                                   ("eval", test[:args.eval_prompts], args.out.removesuffix(".jsonl") + ".eval.jsonl")]:
         ids, kept, _ = tokenize_prompts(tokenizer, examples, 1024, args.dataset)
-        n = args.samples_per_prompt
+        n = args.group_size
         t0 = time.time()
         samples = []  # request j's seed is j, however the prompts are split into calls
         for k in range(0, len(ids), args.prompts_per_call):
@@ -147,4 +146,4 @@ def main(args: Args):
 
 if __name__ == "__main__":  # SGLang spawns its scheduler: keep this guard
     with friendly_errors("bench/rm_pairs.py"):
-        main(tyro.cli(Args))
+        main(parse_args(Args))

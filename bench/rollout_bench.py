@@ -36,10 +36,10 @@ class Args:
     """model folder (SmolLM2, or a random-weight folder from bench/make_random_model.py)"""
     out: str
     """JSON file to write"""
-    num_prompts: int = 32
+    prompts_per_step: int = 32
     """distinct prompts of the built-in addition task"""
     group_size: int = 16
-    """samples per prompt (num_prompts x group_size requests in one generate call)"""
+    """samples per prompt (prompts_per_step x group_size requests in one generate call)"""
     max_new_tokens: int = 512
     """length limit of each response"""
     temperature: float = 1.0
@@ -48,13 +48,13 @@ class Args:
     """nucleus sampling"""
     reps: int = 3
     """timed repetitions of each mode (after one untimed warm-up of each)"""
-    mem_fraction: float = 0.6
+    sglang_mem_fraction: float = 0.6
     """SGLang memory fraction"""
     cuda_graph_max_bs: int | None = None
     """largest decode batch captured as a CUDA graph; None: SGLang's default"""
     prefill_cuda_graph: bool = False
     """SGLang's default piecewise prefill graphs (grpo.py's default: off)"""
-    engine: str = "sglang"
+    rollout_engine: str = "sglang"
     """'sglang', or 'hf' to check this script on a CPU"""
     log_level: str = "error"
     """SGLang's log level ('info' prints its start-up stages with timestamps)"""
@@ -64,9 +64,9 @@ def main(args: Args):
     t_launch = time.time()
     _, _, device = init_distributed()
     t0 = time.time()
-    if args.engine == "sglang":
+    if args.rollout_engine == "sglang":
         engine = start_sglang(args.model, gpu_id=0, options=SGLangOptions(
-            mem_fraction=args.mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
+            mem_fraction=args.sglang_mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
             prefill_cuda_graph=args.prefill_cuda_graph, log_level=args.log_level))
     else:
         engine = HFEngine(args.model)
@@ -81,7 +81,7 @@ def main(args: Args):
     model_s = time.time() - t0
     n_params = sum(p.numel() for p in policy.parameters())
     examples, _, _ = load_task("addition", None, seed=0, num_eval=0)
-    prompts, examples, _ = tokenize_prompts(tokenizer, examples[:args.num_prompts], 256)
+    prompts, examples, _ = tokenize_prompts(tokenizer, examples[:args.prompts_per_step], 256)
     ids = [p for p in prompts for _ in range(args.group_size)]                     # [B] lists of token ids
     seeds = list(range(len(ids)))
     sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p)
@@ -134,7 +134,7 @@ def main(args: Args):
         "rollout_efficiency": med["ours"] / med["raw"], "rollout_efficiency_vs_raw_logprob": med["ours"] / med["raw_logprob"],
         "sync_s": med["sync_s"], "identical_responses_ours_vs_raw": statistics.mean(results["identical"]),
         "engine_start_s": engine_s, "model_load_and_shard_s": model_s, "script_s": time.time() - t_launch,
-        "engine_settings": {"mem_fraction": args.mem_fraction, "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "engine_settings": {"mem_fraction": args.sglang_mem_fraction, "cuda_graph_max_bs": args.cuda_graph_max_bs,
                             "prefill_cuda_graph": args.prefill_cuda_graph, "attention_backend": "triton",
                             "sampling_backend": "pytorch"},
         "all_reps": results,

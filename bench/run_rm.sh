@@ -20,7 +20,7 @@ limit() {  # the command, killed with SIGTERM before DEADLINE
 }
 if [ ! -s "$OUTDIR/pairs.eval.jsonl" ]; then
   limit python3 bench/rm_pairs.py --model "$SMOLLM2" --dataset addition --out "$OUTDIR/pairs.jsonl" --train-prompts 3000 --number-pairs "${NUMBER_PAIRS:-4}" \
-    --eval-prompts 500 --samples-per-prompt 8 --max-new-tokens 256 --mem-fraction "$MEM" > "$OUTDIR/pairs.log" 2>&1 || exit 1
+    --eval-prompts 500 --group-size 8 --max-new-tokens 256 --sglang-mem-fraction "$MEM" > "$OUTDIR/pairs.log" 2>&1 || exit 1
 fi
 rm_final="$OUTDIR/$RM_NAME/checkpoints/step_$(printf %06d "$RM_STEPS")/model"
 if [ ! -d "$rm_final" ]; then

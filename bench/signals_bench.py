@@ -107,7 +107,7 @@ class Args:
     """where each case's run folder and console log go"""
     cases: tuple[str, ...] = CASES
     """which cases to run"""
-    wait_for: str = "step 1 |"
+    wait_for: str = "step 1/"
     """the console text after which the signal is sent"""
     consoles: str | None = None
     """also write every case's console output into this one file"""

@@ -40,7 +40,7 @@ class Args:
     """where rank 0 writes the result"""
     reps: int = 5
     """timed syncs each way"""
-    mem_fraction: float = 0.4
+    sglang_mem_fraction: float = 0.4
     """SGLang's share of each GPU"""
 
 
@@ -63,7 +63,7 @@ def main(args: Args):
     group = tp.process_group or dist.new_group([0])  # one GPU: a group of one, to run the per-rank path there too
     engine = None
     if rank == tp.owner:
-        engine = start_sglang(args.model, gpu_id=0, options=SGLangOptions(mem_fraction=args.mem_fraction, tp_size=world,
+        engine = start_sglang(args.model, gpu_id=0, options=SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=world,
                                                                           disable_cuda_graph=True))
     dist.barrier()
     policy = load_model(args.model, device, torch.float32)

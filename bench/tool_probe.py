@@ -1,9 +1,9 @@
 """Before RL with tools: does the model call them at all? Step-0 tool-call rate and accuracy.
 
     python bench/tool_probe.py --model $SMOLLM2 --dataset multiplication --tools calculator --out probe.json
-    python bench/tool_probe.py --model ./smollm2 --engine hf --num-prompts 8 --samples 4     # on a CPU
+    python bench/tool_probe.py --model ./smollm2 --rollout-engine hf --num-eval-prompts 8 --group-size 4     # on a CPU
 
-Samples `--samples` completions of `--num-prompts` held-out prompts at the sampling temperature,
+Samples `--group-size` completions of `--num-eval-prompts` held-out prompts at the sampling temperature,
 through the same prompt (system prompt or the template's tools), episode loop and tools as
 `grpo.py --tools`, and reports the share of samples with a tool call, with a well-formed call, with
 a right strict answer (with tools and, for comparison, without), and a few transcripts. If no
@@ -35,9 +35,9 @@ class Args:
     """a built-in task ('multiplication', 'addition')"""
     tools: str = "calculator"
     """comma-separated tools"""
-    num_prompts: int = 64
+    num_eval_prompts: int = 64
     """held-out prompts"""
-    samples: int = 4
+    group_size: int = 4
     """samples per prompt"""
     temperature: float = 1.0
     """sampling temperature (as in training)"""
@@ -45,7 +45,7 @@ class Args:
     """response budget, tool replies included"""
     max_turns: int = 4
     """model turns per sample at most"""
-    engine: str = "sglang"
+    rollout_engine: str = "sglang"
     """'sglang', or 'hf' on a CPU"""
     out: str | None = None
     """write the summary here"""
@@ -57,19 +57,19 @@ def main(args: Args):
     context, specs = tools_prompt(tokenizer, tools, ADDITION_PROMPT)
     stop_ids = stop_token_ids(tokenizer, args.model)
     engine = (start_sglang(args.model, gpu_id=0, options=SGLangOptions(load_format="auto", disable_cuda_graph=True))
-              if args.engine == "sglang" else HFEngine(args.model))
-    result = {"model": args.model, "dataset": args.dataset, "tools": args.tools, "engine": args.engine,
-              "context": context, "samples": args.num_prompts * args.samples}
+              if args.rollout_engine == "sglang" else HFEngine(args.model))
+    result = {"model": args.model, "dataset": args.dataset, "tools": args.tools, "engine": args.rollout_engine,
+              "context": context, "samples": args.num_eval_prompts * args.group_size}
     for with_tools in (True, False):
         chat = {"context": context, "tools": specs} if with_tools else {}
-        _, held, _ = task_prompts(tokenizer, args.dataset, None, seed=0, num_eval=args.num_prompts, max_prompt_len=4096,
+        _, held, _ = task_prompts(tokenizer, args.dataset, None, seed=0, num_eval=args.num_eval_prompts, max_prompt_len=4096,
                                   template=ADDITION_PROMPT, **chat)
-        ids = [p for p in held.ids for _ in range(args.samples)]
+        ids = [p for p in held.ids for _ in range(args.group_size)]
         sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             stop_ids=stop_ids + (tool_call_stop_ids(tokenizer) if with_tools else []))
         tool_use = ToolUse(tools, tokenizer, ThreadPoolExecutor(16), max_turns=args.max_turns) if with_tools else None
         samples = generate(engine, ids, list(range(len(ids))), sampling=sampling, tokenizer=tokenizer, tool_use=tool_use)
-        for s, e in zip(samples, [e for e in held.examples for _ in range(args.samples)]):
+        for s, e in zip(samples, [e for e in held.examples for _ in range(args.group_size)]):
             s.answer = e.answer
         n, counts = len(samples), judge(samples, int_match_reward)
         key = "with_tools" if with_tools else "without_tools"

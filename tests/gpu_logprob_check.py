@@ -1,7 +1,7 @@
 """After a weight sync, SGLang's log-probs of its sampled tokens must match the FSDP2 model's.
 
     python tests/gpu_logprob_check.py --model $SMOLLM2 --out result.json
-    python tests/gpu_logprob_check.py --model $SMOLLM2 --engine launched   # an SGLang server (--rollout-gpus's)
+    python tests/gpu_logprob_check.py --model $SMOLLM2 --rollout-engine launched   # an SGLang server (--rollout-gpus's)
 
 Four measurements of the mean absolute difference over response tokens:
   synced:        sync, sample, rescore with the training model                  -> small (bf16 numerics)
@@ -38,13 +38,13 @@ class Args:
     """model folder or hub id"""
     out: str = "logprob_check.json"
     """where to write the measurements"""
-    num_prompts: int = 64
+    num_eval_prompts: int = 64
     """prompts sampled per measurement"""
     max_new_tokens: int = 64
     """tokens per response"""
-    mem_fraction: float = 0.5
+    sglang_mem_fraction: float = 0.5
     """SGLang memory fraction"""
-    engine: str = "sglang"
+    rollout_engine: str = "sglang"
     """'sglang' (in this process), 'launched' (an SGLang server), or 'hf' to check the logic on a CPU"""
 
 
@@ -66,13 +66,13 @@ def main(args: Args):
     global DEVICE
     _, _, DEVICE = init_distributed()
     backend = None  # of the weight sync to a launched server
-    if args.engine == "sglang":
-        engine = start_sglang(args.model, gpu_id=0, options=SGLangOptions(mem_fraction=args.mem_fraction, disable_cuda_graph=True))
-    elif args.engine == "launched":
+    if args.rollout_engine == "sglang":
+        engine = start_sglang(args.model, gpu_id=0, options=SGLangOptions(mem_fraction=args.sglang_mem_fraction, disable_cuda_graph=True))
+    elif args.rollout_engine == "launched":
         two = torch.cuda.device_count() >= 2
         backend = "nccl" if two else "gloo"
         urls, processes = launch_servers(args.model, gpus=[1 if two else 0], tp_size=1, seed=0, mem_fraction=None if two else
-                                         args.mem_fraction, options=SGLangOptions(disable_cuda_graph=True),
+                                         args.sglang_mem_fraction, options=SGLangOptions(disable_cuda_graph=True),
                                          log_dir=os.path.dirname(os.path.abspath(args.out)))
         engine = ServerEngine(urls, processes=processes, timeout_s=300, model=args.model, sync_backend=backend)
     else:
@@ -85,7 +85,7 @@ def main(args: Args):
     policy = load_model(args.model, DEVICE, torch.float32)
     shard_model(policy)
     _, test = addition_task(seed=0)
-    prompts, _, _ = tokenize_prompts(tokenizer, test[:args.num_prompts], 256)
+    prompts, _, _ = tokenize_prompts(tokenizer, test[:args.num_eval_prompts], 256)
     log = MemoryLog()
     result = {}
 
@@ -114,7 +114,7 @@ def main(args: Args):
     result["garbage"] = mean_abs_diff(engine, policy, prompts, stop_ids, args, 3000)
 
     result.update({"model": args.model, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                   "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "engine": args.engine,
+                   "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "engine": args.rollout_engine,
                    "sync_backend": backend})
     print(json.dumps(result, indent=2))
     with open(args.out, "w") as f:

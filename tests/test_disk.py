@@ -244,7 +244,7 @@ def test_ctrl_c_saves_the_finished_steps_and_the_line_it_prints_goes_on(trained_
     from test_failures import console_lines, start, stop_with, wait_for
 
     proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--save-every", "100", *QUIET, script=script)
-    wait_for(tmp_path, "step 2 |", proc)
+    wait_for(tmp_path, "step 2/", proc)
     assert stop_with(proc, signal.SIGINT) < 30 and proc.returncode == 130
     last = console_lines(tmp_path)[-1]
     done = int(last.split("after step ")[1].split(";")[0])
@@ -262,7 +262,7 @@ def test_a_run_stopped_before_its_first_checkpoint_has_one_way_on(trained_tiny_m
     from test_failures import console_lines, start, stop_with, wait_for
 
     proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--no-save-on-signal", *QUIET, script=script)
-    wait_for(tmp_path, "step 2 |", proc)
+    wait_for(tmp_path, "step 2/", proc)
     assert stop_with(proc, signal.SIGINT) < 30 and proc.returncode == 130
     last, run_dir = console_lines(tmp_path)[-1], tmp_path / "r"
     assert " after step " in last and "; continue from step 0 with: " in last and last.endswith(" --resume")

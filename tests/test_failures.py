@@ -4,6 +4,7 @@ signals and a dead engine (CPU, HF engine, subprocess runs of grpo.py and ppo.py
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -229,7 +230,7 @@ def console_lines(out_dir) -> list[str]:
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
-@pytest.mark.parametrize("when", ["start-up", "step 1 |", "step 2 |"])
+@pytest.mark.parametrize("when", ["start-up", "step 1/", "step 2/"])
 def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp_path, script, when):
     """SIGINT during start-up or anywhere in a step: out in seconds, exit code 130, a last line
     that says so, and no traceback; the finished steps are saved (none during start-up)."""
@@ -246,6 +247,10 @@ def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp
         done = int(lines[-1].split("after step ")[1].split(";")[0])
         assert lines[-1].startswith(f"stopped by SIGINT after step {done}; continue from step {done} with: ")
         assert os.listdir(tmp_path / "r" / "checkpoints") == [f"step_{done:06d}"]
+        # the closing summary before it (issue 40, item 16): steps, time, the last evaluation, where things are
+        assert re.match(rf"stopped: {done}/200 steps in \d+:\d\d since launch.* \| (held out after step \d+ \| eval strict "
+                        rf"acc|no held-out evaluation)", lines[-3]), lines[-3]
+        assert lines[-2].startswith(f"  checkpoint: {tmp_path / 'r' / 'checkpoints' / f'step_{done:06d}'} | curves: ")
 
 
 OTHER_FLAGS = {  # resumed with other algorithm flags: the refusal names them as saved and as given
@@ -263,7 +268,7 @@ def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(trained_tiny_mode
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
     args = ["--eval-every", "0", "--save-every", "100", "--log-samples-every", "0"]
     proc = start(trained_tiny_model_dir, stopped, "--steps", "8", *args, *algo, script=script)
-    wait_for(stopped, "step 3 |", proc)
+    wait_for(stopped, "step 3/", proc)
     seconds = stop_with(proc, signal.SIGTERM)
     lines = console_lines(stopped)
     assert proc.returncode == 143 and seconds < 30, lines[-5:]
@@ -277,7 +282,8 @@ def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(trained_tiny_mode
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-3000:]
     assert f"{said}: resume with the flags it started with" in refused.stderr
     assert (stopped / "r" / "args.json").read_text() == saved_args
-    run_grpo(trained_tiny_model_dir, stopped, "--steps", str(done + 1), "--resume", *args, *algo, script=script)
+    resumed = run_grpo(trained_tiny_model_dir, stopped, "--steps", str(done + 1), "--resume", *args, *algo, script=script)
+    assert f"\ndone: {done + 1}/{done + 1} steps (1 in this launch) in " in resumed.stdout  # the closing summary
     run_grpo(trained_tiny_model_dir, straight, "--steps", str(done + 1), *args, *algo, script=script)
     keep = ("rollout/", "train/", "critic/")
     a = {k: v for k, v in rows(straight)[-1].items() if k.startswith(keep)}
@@ -324,7 +330,7 @@ def test_a_signal_while_a_slow_reward_runs_stops_the_run_in_seconds(trained_tiny
 def test_sigterm_under_torchrun_stops_every_rank_and_saves(trained_tiny_model_dir, tmp_path):
     proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "0", "--save-every", "100",
                  nproc=2)
-    wait_for(tmp_path, "step 2 |", proc, timeout=240)
+    wait_for(tmp_path, "step 2/", proc, timeout=240)
     seconds = stop_with(proc, signal.SIGTERM, timeout=60)
     console = "\n".join(console_lines(tmp_path))
     assert seconds < 30 and "stopped by SIGTERM after step" in console
@@ -346,7 +352,7 @@ def test_a_dead_engine_process_ends_the_run_naming_it(trained_tiny_model_dir, tm
     60 s, naming the process, its exit code and the phase, instead of waiting forever."""
     proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "0",
                  launch=[os.path.join("tests", "patched_run.py"), "engine_child"])
-    console = wait_for(tmp_path, "step 2 |", proc)
+    console = wait_for(tmp_path, "step 2/", proc)
     pid = int(console.split("engine child pid ")[1].split()[0])
     t0 = time.time()
     os.kill(pid, signal.SIGKILL)

@@ -87,7 +87,7 @@ def test_readme_cpu_line_relative_folder(tiny_model_dir, tmp_path):
     shutil.copytree(tiny_model_dir, tmp_path / "tiny-model")
     code, out, _ = run("grpo.py", "--model", "./tiny-model", "--steps", "1", "--eval-every", "0", "--save-every", "-1",
                        "--output-dir", tmp_path / "runs", cwd=tmp_path, tmp=tmp_path)
-    assert code == 0 and "step 1 |" in out, out[-3000:]
+    assert code == 0 and "step 1/" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("remove, missing", [
@@ -176,7 +176,7 @@ def test_cpu_machine_says_so_and_sizes_the_run_for_it(tiny_model_dir, tmp_path):
     assert f"computing in {str(compute_dtype(torch.device('cpu'))).removeprefix('torch.')}" in line  # fsdp.compute_dtype's
     args = json.loads((tmp_path / "runs" / "r" / "args.json").read_text())
     assert (args["prompts_per_step"], args["group_size"], args["max_new_tokens"]) == (4, 2, 64)
-    assert "step 1 |" in out
+    assert "step 1/" in out
 
 
 def test_sglang_asked_for_without_a_gpu(tiny_model_dir, tmp_path):
@@ -266,7 +266,7 @@ def test_several_bad_flags_are_listed_together(tmp_path):
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--num-prompts", "0", "--num-prompts 0 must be >= 1"),
+    ("--num-prompts", "8", "--num-prompts is now --num-eval-prompts, its name in every script: pass --num-eval-prompts"),
     ("--max-new-tokens", "0", "--max-new-tokens 0 must be >= 1"),
     ("--out", "no/such/dir/eval.json", "--out 'no/such/dir/eval.json': its folder does not exist"),
 ])
@@ -274,6 +274,55 @@ def test_evaluate_bad_flags(tmp_path, flag, value, message):
     code, out, _ = run("evaluate.py", "--model", tmp_path / "no-model", flag, value, cwd=tmp_path)
     assert_clean_failure(code, out, message)
     assert os.listdir(tmp_path) == []
+
+
+def test_help_groups_the_flags_with_their_cpu_defaults(capsys, monkeypatch):
+    """--help was 319 lines in one box, GPU defaults only (issue 40, item 17): a group per comment rule of Args (tyro
+    draws groups of nested dataclasses only: preflight.help_groups nests a copy), -h a line a flag, -H with each flag's
+    docstring, each CPU-sized default beside its GPU one; every flag once, its group's in order."""
+    import dataclasses
+    import inspect
+
+    import evaluate
+    import grpo
+    import ppo
+    import train_rm
+    from preflight import parse_args
+
+    monkeypatch.setenv("COLUMNS", "100")  # one column (a wide terminal gets two)
+    for script in (grpo, ppo, train_rm, evaluate):
+        out = {}
+        for asked in ("--help", "-H")[:1 + (script is grpo)]:  # -H's groups are -h's, each flag with its docstring
+            with pytest.raises(SystemExit) as e:
+                parse_args(script.Args, getattr(script, "CPU_SIZES", None), argv=["--lr", "1", asked])
+            out[asked] = capsys.readouterr().out
+            assert e.value.code == 0
+        titles = re.findall(r"# --- (.+)", inspect.getsource(script.Args))
+        found = re.findall(r"^\W*(.+?) options\b", out["--help"], re.M)
+        assert found == titles, found
+        flags = re.findall(r"^\W*--([a-z][\w-]*)[ ,]", out["--help"], re.M)  # a line each, in Args' order
+        assert flags == [f.name.replace("_", "-") for f in dataclasses.fields(script.Args)], flags
+        if script is grpo:  # -H's lines wrap: compared with the spaces collapsed
+            assert "--group-size INT (default: 16; CPU: 4) " in out["--help"] and "normalized within" not in out["--help"]
+            assert "per prompt; advantages are normalized within each group (default: 16; CPU: 4)" in " ".join(out["-H"].split())
+
+
+@pytest.mark.parametrize("script, old, new", [("ppo.py", "--samples-per-prompt", "--group-size"),
+                                              ("evaluate.py", "--engine=hf", "--rollout-engine"),
+                                              ("evaluate.py", "--mem-fraction", "--sglang-mem-fraction")])
+def test_a_flag_by_its_old_name_names_the_new_one(capsys, script, old, new):
+    """One name for a thing in every script (issue 40, item 18: --samples-per-prompt was ppo.py's --group-size,
+    evaluate.py had --num-prompts, --engine, --mem-fraction): the old name is bad input, one line naming the new one,
+    exit 2 (the path of the scripts' own `friendly_errors(...): main(parse_args(Args))`; evaluate.py's as a subprocess
+    in test_evaluate_bad_flags)."""
+    import importlib
+
+    from preflight import friendly_errors, parse_args
+
+    with pytest.raises(SystemExit) as e, friendly_errors(script):
+        parse_args(importlib.import_module(script.removesuffix(".py")).Args, argv=[old, "4"])
+    flag = old.split("=")[0]
+    assert e.value.code == 2 and capsys.readouterr().err == f"{script}: {flag} is now {new}, its name in every script: pass {new}\n"
 
 
 def test_a_template_with_another_placeholder_is_refused_before_anything_loads(tmp_path):
@@ -472,7 +521,7 @@ def test_a_reward_that_returns_no_number_stops_the_first_step(tiny_model_dir, tm
     code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--dataset", "addition", "--eval-dataset", caps,
                        "--reward", "r.py:reward", "--eval-before-train", "--output-dir", "runs", cwd=tmp_path)
     message = ours_last(code, out, "grpo.py", "--reward 'r.py:reward' returned '1' (str), not a number: return a float")
-    assert len(message) == 1 and "step 1 |" not in out
+    assert len(message) == 1 and "step 1/" not in out
     assert "data: 7600 train prompts, 2 eval prompts" in out and f"eval prompts from {caps}" in out
     assert "eval after step 0 | eval strict acc" in out
     assert {p: p.read_bytes() for p in inputs} == inputs and not list(tmp_path.glob("runs/*/checkpoints"))

@@ -48,8 +48,8 @@ def test_a_launched_server_takes_the_weights(tmp_path):
     """server.launch_servers (what --rollout-gpus runs): SGLang's launcher on GPU 1 with NCCL, or on a
     one-GPU machine beside the trainer with gloo; the same four measurements as the in-process engine."""
     out = tmp_path / "logprob_check.json"
-    run([sys.executable, "tests/gpu_logprob_check.py", "--model", MODEL, "--out", str(out), "--engine", "launched",
-         "--mem-fraction", "0.3"])
+    run([sys.executable, "tests/gpu_logprob_check.py", "--model", MODEL, "--out", str(out), "--rollout-engine", "launched",
+         "--sglang-mem-fraction", "0.3"])
     result = json.loads(out.read_text())
     print("launched server, mean |logprob diff|:", {k: result[k] for k in ("synced", "stale", "synced_twice", "garbage", "sync_s")})
     assert result["synced"] < LOGPROB_TOLERANCE and result["synced_twice"] < LOGPROB_TOLERANCE

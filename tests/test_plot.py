@@ -7,7 +7,7 @@ import struct
 import subprocess
 import sys
 
-from plot import read_metrics, write_curves
+from plot import draw, read_metrics, write_curves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,7 +81,7 @@ def test_write_curves_draws_and_says_where_once(tmp_path, capsys):
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/strict_acc": 0.0}) + "\n")  # eval before step 1
     write_curves(str(run))
-    assert png_size(run / "curves.png") == (1600, 850)
+    assert png_size(run / "curves.png") == (533, 425)  # the one panel it has: held-out accuracy
     assert capsys.readouterr().out == f"curves: {run / 'curves.png'} (redrawn at each evaluation and at the end)\n"
     run = fake_run(tmp_path / "b", gpu=True, evals=True)
     write_curves(run)
@@ -111,10 +111,43 @@ def test_a_run_log_redraws_at_the_end_only_rows_no_evaluation_drew(tmp_path):
     log.log({"step": 1, "train/loss": 0.5})
     assert not png.exists()  # a step alone draws nothing
     log.log({"step": 1, "eval/strict_acc": 0.25})
-    assert png_size(png) == (1600, 850)
+    assert png_size(png) == (1066, 425)  # two panels: the loss, the accuracy
     png.unlink()
     log.finish()  # the evaluation was the last row: the figure is up to date
     assert not png.exists()
     log.log({"step": 2, "train/loss": 0.4})
     log.finish()
-    assert png_size(png) == (1600, 850)
+    assert png_size(png) == (1066, 425)
+
+
+def test_only_the_panels_a_run_logs_are_drawn(tmp_path):
+    """Issue 40, item 19: a CPU run's GPU-memory panel was empty (and train_rm.py's KL, seconds and memory panels):
+    drawn now are the panels some run logs, three a row (a GPU run's six: test_cli_overlays_runs_...)."""
+    cpu = fake_run(tmp_path / "cpu", gpu=False, evals=True)
+    titles = ["reward (sampled, mean)", "held-out accuracy (greedy; a reward model's: pairwise)",
+              "response length (tokens, sampled, mean)", "KL and entropy (log scale above 1e-4)",
+              "seconds per phase (mean, step 1 left out)", "GPU memory per phase (peak)"]
+    assert draw([cpu], str(tmp_path / "cpu.png")) == titles[:5] and png_size(tmp_path / "cpu.png") == (1600, 850)
+    rm = tmp_path / "rm"  # train_rm.py's rows: no rollouts, no phases, no GPU memory on a CPU
+    rm.mkdir()
+    (rm / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 1, "train/loss": 0.69, "train/pair_acc": 0.5, "train/margin": 0.0, "train/grad_norm": 1.0, "perf/step_s": 2.0},
+        {"step": 1, "eval/pair_acc": 0.6, "eval/margin": 0.1, "eval/loss": 0.6, "eval/pair_acc/format": 0.9}]))
+    assert draw([str(rm)], str(rm / "curves.png")) == ["Bradley-Terry loss", titles[1], "margin r(chosen) - r(rejected), mean"]
+    assert png_size(rm / "curves.png") == (1600, 425)
+
+
+def test_step_clock_eta_from_the_median_of_recent_steps(monkeypatch, capsys):
+    """'step 4/10 | eta 0:06': the steps left x the median of the last 10 steps' seconds, so one slow step (an
+    evaluation, a save) does not move it; h:mm:ss from an hour; none on the last step."""
+    import runlog
+
+    now = [1000.0]
+    monkeypatch.setattr(runlog.time, "time", lambda: now[0])
+    clock = runlog.StepClock(total=10, start=0, launched=990.0)
+    labels = []
+    for step, seconds in enumerate([1.0, 1.0, 100.0, 1.0], 1):
+        now[0] += seconds
+        labels.append(clock.label(step))
+    assert labels == ["step 1/10 | eta 0:09", "step 2/10 | eta 0:08", "step 3/10 | eta 0:07", "step 4/10 | eta 0:06"]
+    assert runlog.hms(3725) == "1:02:05" and clock.label(10) == "step 10/10"

@@ -218,7 +218,7 @@ def test_rm_pairs_runs_in_calls_of_prompts_per_call(trained_tiny_model_dir, tmp_
     samples come back (completions 10 and 6), the pairs and the summary are written; bad counts and a --out not .jsonl stop in one line."""
     out = str(tmp_path / "pairs.jsonl")
     cmd = [sys.executable, os.path.join(ROOT, "bench", "rm_pairs.py"), "--model", trained_tiny_model_dir, "--out", out,
-           "--train-prompts", "5", "--eval-prompts", "3", "--samples-per-prompt", "2", "--max-new-tokens", "8"]
+           "--train-prompts", "5", "--eval-prompts", "3", "--group-size", "2", "--max-new-tokens", "8"]
     proc = subprocess.run(cmd + ["--prompts-per-call", "2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.load(open(str(tmp_path / "pairs.summary.json")))
@@ -227,10 +227,10 @@ def test_rm_pairs_runs_in_calls_of_prompts_per_call(trained_tiny_model_dir, tmp_
     rows = [json.loads(line) for line in open(out)]
     assert len(rows) == sum(summary["train"]["pairs"].values()) and os.path.isfile(str(tmp_path / "pairs.eval.jsonl"))
     before = open(out).read()  # bad counts stop in one line before the earlier pairs file is touched
-    proc = subprocess.run(cmd + ["--prompts-per-call", "0", "--train-prompts", "0", "--samples-per-prompt", "0"],
+    proc = subprocess.run(cmd + ["--prompts-per-call", "0", "--train-prompts", "0", "--group-size", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and open(out).read() == before
-    assert all(f"{flag} 0 must be >= 1" in proc.stderr for flag in ("--prompts-per-call", "--train-prompts", "--samples-per-prompt"))
+    assert all(f"{flag} 0 must be >= 1" in proc.stderr for flag in ("--prompts-per-call", "--train-prompts", "--group-size"))
     proc = subprocess.run(cmd[:5] + [str(tmp_path / "pairs.txt")] + cmd[6:], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "must be a .jsonl file in a folder that exists" in proc.stderr
 

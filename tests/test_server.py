@@ -303,7 +303,7 @@ def test_a_server_killed_mid_run_ends_it_with_exit_code_1(server_process, tiny_m
     url, server = server_process
     proc = start(tiny_model_dir, tmp_path, "--rollout-mode", "server", "--rollout-url", url, "--steps", "200",
                  "--eval-every", "0", "--save-every", "1", "--keep-checkpoints", "0")
-    wait_for(tmp_path, "step 2 |", proc, timeout=240)
+    wait_for(tmp_path, "step 2/", proc, timeout=240)
     server.kill()
     t0 = time.time()
     proc.wait(timeout=120)
@@ -334,7 +334,7 @@ def test_grpo_async_under_torchrun_is_one_step_off_policy(server_process, traine
     assert all(0 <= r["rollout/correction_frac"] <= 1 and r["rollout/mismatch_ratio_max"] > 0 for r in train)
     # the server's view: batch k+1 is asked for before the weights of update k arrive (one flush per sync)
     assert [e[2] for e in events(url) if e[0] == "generate"] == [1, 1, 2, 3]
-    assert "step 4 |" in proc.stdout
+    assert "step 4/" in proc.stdout
 
 
 def test_ppo_async_against_a_server(server_process, trained_tiny_model_dir, tmp_path):
@@ -362,7 +362,7 @@ def test_a_sync_that_fails_on_the_servers_side_never_hangs_the_run(stand_in, tin
     timeout = "600" if case == "SIGTERM" else "8"
     proc = start(tiny_model_dir, tmp_path, "--rollout-mode", "server", "--rollout-url", url, "--steps", "5",
                  "--eval-every", "0", "--save-every", "1", "--rollout-timeout", timeout)
-    wait_for(tmp_path, "step 1 |", proc, timeout=240)
+    wait_for(tmp_path, "step 1/", proc, timeout=240)
     t0 = time.time()
     if case == "SIGTERM":
         time.sleep(1.0)  # the second sync is under way: the server has taken the announcement, not the bytes

@@ -7,6 +7,7 @@ checkpoints) is the code that runs on GPUs.
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small and fast; --format-weight 0.5 makes rewards vary for the tiny model, so updates are real.
 COMMON = ["--prompts-per-step", "4", "--max-new-tokens", "24", "--micro-batch-size", "4", "--num-eval-prompts", "8",
           "--lr", "1e-4", "--format-weight", "0.5", "--log-samples-every", "1", "--rollout-engine", "hf"]
-PER_SCRIPT = {"grpo.py": ["--group-size", "4"], "ppo.py": ["--samples-per-prompt", "4", "--critic-lr", "1e-3"]}
+PER_SCRIPT = {"grpo.py": ["--group-size", "4"], "ppo.py": ["--group-size", "4", "--critic-lr", "1e-3"]}
 
 
 def command(model, out_dir, *extra, launcher, script="grpo.py", launch=()):
@@ -54,7 +55,8 @@ def test_grpo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
     assert any(r["train/grad_norm"] > 0 for r in train)  # a real update happened
     assert all(r["rollout/logprob_abs_diff"] < 0.05 for r in train)  # the engine got the trained weights
     assert all(r["rollout/mismatch_kl"] >= 0 and r["rollout/correction_frac"] == 0 for r in train)  # logged, no correction
-    assert "step 3 |" in proc.stdout and "sample (reward" in proc.stdout and "| corrected" not in proc.stdout
+    assert "sample (reward" in proc.stdout and "| corrected" not in proc.stdout
+    assert_console(proc.stdout, tmp_path / "r", "grpo.py", "eval strict acc")
     assert os.path.getsize(os.path.join(tmp_path, "r", "curves.png")) > 10_000 and "curves: " in proc.stdout  # no wandb needed
     # the console holds the run's own lines: no transformers bars for loading or saving a model
     assert "Loading weights" not in proc.stderr and "Writing model shards" not in proc.stderr
@@ -67,6 +69,26 @@ def test_grpo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
     AutoModelForCausalLM.from_pretrained(model_dir)
+
+
+def assert_console(stdout: str, run_dir, script: str, held_out: str, steps: int = 3):
+    """What a person reads (issue 40, item 16): the data line names the answer kind, a legend explains every name of
+    the step lines once, each step line says 'step N/total' and the time left and stays short, and the last two lines
+    sum the run up: steps, time, the final held-out metrics, the checkpoint, curves.png and metrics.jsonl."""
+    lines, words = stdout.strip().splitlines(), " ".join(stdout.split())
+    step_lines = [x for x in lines if re.match(r"step \d+/", x)]
+    assert [x.split(" |")[0] for x in step_lines] == [f"step {n}/{steps}" for n in range(1, steps + 1)]
+    assert all(" | eta " in x for x in step_lines[:-1]) and " | eta " not in step_lines[-1]
+    assert max(map(len, step_lines)) <= 160, step_lines
+    module = __import__(script.removesuffix(".py"))
+    for name, _, _, meaning in module.CONSOLE:  # the legend, before step 1
+        assert f"{name} = {meaning}" in words and words.index(f"{name} = ") < words.index("step 1/")
+    if script != "train_rm.py":
+        assert "answers judged as addition int (#### N)" in words
+    assert re.fullmatch(rf"done: {steps}/{steps} steps in \d+:\d\d since launch, [\d.]+ s a step \| held out after step "
+                        rf"{steps} \| {held_out} .*", lines[-2]), lines[-2]
+    assert lines[-1] == (f"  checkpoint: {run_dir / 'checkpoints' / f'step_{steps:06d}'} | curves: {run_dir / 'curves.png'} "
+                         f"| metrics: {run_dir / 'metrics.jsonl'}")
 
 
 def test_grpo_torchrun_two_ranks_all_variants(trained_tiny_model_dir, tmp_path):
@@ -154,7 +176,7 @@ def test_grpo_two_nodes(trained_tiny_model_dir, tmp_path):
     node0, node1 = run_two_nodes(trained_tiny_model_dir, tmp_path, "--steps", "2", "--eval-every", "2")
     assert node0.count("engine hf started by") == 1 and "engine hf started by rank 0 on node 0 (local rank 0" in node0
     assert node1.count("engine hf started by") == 1 and "engine hf started by rank 1 on node 1 (local rank 0" in node1
-    assert "| 2 ranks, engine hf" in node0 and "step 2 |" in node0 and "step 1 |" not in node1  # rank 0 logs, on node 0
+    assert "| 2 ranks, engine hf" in node0 and "step 2/" in node0 and "step 1/" not in node1  # rank 0 logs, on node 0
     train, evals = metrics(tmp_path)
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["train/loss"]) for r in train) and len(evals) == 1
     ckpt = tmp_path / "r" / "checkpoints" / "step_000002"
@@ -204,6 +226,7 @@ def test_ppo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
     the checkpoint exports the actor and the critic as Hugging Face folders."""
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "2", "--critic-warmup-steps", "1",
                     "--kl-coef", "0.05", "--adaptive-kl", "--target-kl", "0.001", "--kl-estimator", "k3", script="ppo.py")
+    assert_console(proc.stdout, tmp_path / "r", "ppo.py", "eval strict acc")
     # no warnings a user can do nothing about: the critic's new head, FSDP2 on its output view
     assert "LOAD REPORT" not in proc.stderr and "Warning" not in proc.stderr and "not sharded" not in proc.stderr, proc.stderr
     train, evals = metrics(tmp_path)
@@ -238,8 +261,8 @@ def test_ppo_torchrun_two_ranks(trained_tiny_model_dir, tmp_path):
 def test_evaluate_script_on_a_checkpoint(trained_tiny_model_dir, tmp_path):
     """evaluate.py scores a model folder greedily and writes the summary and every completion."""
     out = tmp_path / "eval.json"
-    proc = subprocess.run([sys.executable, "evaluate.py", "--model", trained_tiny_model_dir, "--num-prompts", "8",
-                           "--max-new-tokens", "24", "--engine", "hf", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "evaluate.py", "--model", trained_tiny_model_dir, "--num-eval-prompts", "8",
+                           "--max-new-tokens", "24", "--rollout-engine", "hf", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(out.read_text())

@@ -131,6 +131,9 @@ def test_train_rm_learns_a_learnable_preference(rm_run):
     assert evals[-1]["eval/pair_acc/format"] == 1.0 and evals[-1]["eval/pair_acc"] > 0.6  # "number": a coin toss
     assert evals[-1]["eval/margin"] > 0.3 and evals[-1]["eval/loss"] < 0.6
     assert "eval after step 20 | acc " in console and "| format 1.000 | number " in console
+    from test_smoke import assert_console
+
+    assert_console(console, run_dir, "train_rm.py", "acc", steps=20)
     assert os.path.getsize(run_dir / "curves.png") > 10_000
 
 
