@@ -20,10 +20,11 @@ from preflight import exit_on_interrupt  # first (stdlib only): a Ctrl-C while t
 exit_on_interrupt("evaluate.py")
 import torch
 
-from data import BUILTIN_TASKS, load_examples, load_task, source_name, template_rule, tokenize_prompts
+from data import BUILTIN_TASKS, load_examples, load_task, seed_for, source_name, template_rule, tokenize_prompts
 from preflight import InputError, check_context, check_engine, check_flags, check_model, friendly_errors, parse_args
-from reward import judge
-from rollout import HFEngine, SGLangOptions, Sampling, generate, start_sglang, stop_token_ids
+from reward import judge, sampled_eval_stats
+from rollout import HFEngine, SGLangOptions, Sampling, generate, generate_groups, start_sglang, stop_token_ids
+from runlog import code_commit
 from stop import stop_engine
 
 
@@ -47,7 +48,14 @@ class Args:
     max_new_tokens: int = 256
     """response length limit"""
     seed: int | None = None
-    """the built-in tasks' split seed; default: the run's --seed (a run's checkpoint), else 0"""
+    """the built-in tasks' split seed and the samples'; default: the run's --seed (a run's checkpoint), else 0"""
+    eval_samples: int = 0
+    """beside the greedy answer, this many samples a prompt at --eval-temperature: avg@K, pass@1,2,4..K (Chen et
+    al.'s unbiased estimator), maj@K (majority vote) of strict answers (0: greedy only)"""
+    eval_temperature: float = 1.0
+    """temperature of those samples"""
+    eval_top_p: float = 1.0
+    """top-p of those samples"""
     # --- how prompts are asked and judged (unset: as the run whose checkpoint --model is)
     prompt_field: str | None = None
     """the prompt's column, as the training run's (grpo.py -H says more of these five)"""
@@ -75,6 +83,10 @@ def main(args: Args):
         ("--max-prompt-len", args.max_prompt_len, args.max_prompt_len >= 1, ">= 1"),
         ("--sglang-mem-fraction", args.sglang_mem_fraction, 0 < args.sglang_mem_fraction < 1, "in (0, 1)"),
         ("--split", args.split, args.split in ("test", "train"), "'test' or 'train'"),
+        ("--eval-samples", args.eval_samples, 0 <= args.eval_samples <= 1024, ">= 0 (0: greedy only) and at most 1024"),
+        ("--eval-temperature", args.eval_temperature, args.eval_temperature > 0 or not args.eval_samples,
+         "> 0 with --eval-samples (at 0 every sample is the greedy answer)"),
+        ("--eval-top-p", args.eval_top_p, 0 < args.eval_top_p <= 1, "in (0, 1]"),
         template_rule(args.prompt_template),  # {prompt}, and no other placeholder (data.py)
     ])
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
@@ -93,12 +105,16 @@ def main(args: Args):
     print(f"evaluating {len(prompts)} prompts, {rows} ({dropped} dropped as longer than "
           f"{args.max_prompt_len} tokens) with {args.model}, engine {kind}", flush=True)
     sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, load_format="auto", disable_cuda_graph=True)
-    seed = args.seed or 0
+    seed = args.seed if args.seed is not None else run["seed"] if run else 0  # the split's, and the samples'
     engine = start_sglang(args.model, gpu_id=0, seed=seed, options=sglang) if kind == "sglang" else HFEngine(args.model)
     greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)
     samples = generate(engine, prompts, [seed] * len(prompts), sampling=greedy, tokenizer=tokenizer)
-    for s, e in zip(samples, kept):
-        s.answer, s.kind = e.answer, e.kind
+    sampled = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.eval_temperature,
+                       top_p=args.eval_top_p)
+    K = args.eval_samples
+    groups = generate_groups(engine, prompts, K, seed=seed_for(seed, "eval"), sampling=sampled, tokenizer=tokenizer) if K else []
+    for s, e in zip(samples + sum(groups, []), kept + [e for e in kept for _ in range(K)]):
+        s.answer, s.kind, s.source = e.answer, e.kind, e.source
     n, counts = len(samples), judge(samples)
     summary = {
         "model": args.model, "rows": rows, "trained_on": bool(trained), "prompts": n, "dropped": dropped,
@@ -107,13 +123,19 @@ def main(args: Args):
         "response_len_mean": sum(len(s.response_ids) for s in samples) / n,
         "engine": kind, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
+    if K:  # what a paper reports beside the greedy numbers, with every setting that made them
+        summary |= {k.removeprefix("eval/"): v for k, v in sampled_eval_stats(groups).items()}
+        summary |= {"eval_samples": K, "eval_temperature": args.eval_temperature, "eval_top_p": args.eval_top_p}
+    summary |= {"max_new_tokens": args.max_new_tokens, "seed": seed, "dataset": args.dataset, "split": args.split,
+                "commit": code_commit()}
     print(json.dumps(summary, indent=2))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=2)
         with open(args.out.removesuffix(".json") + ".samples.jsonl", "w") as f:
-            for e, s in zip(kept, samples):
-                f.write(json.dumps({"prompt": e.prompt, "answer": e.answer, "completion": s.text}) + "\n")
+            for e, s, group in zip(kept, samples, groups or [[]] * len(kept)):
+                row = {"prompt": e.prompt, "answer": e.answer, "completion": s.text}
+                f.write(json.dumps(row | ({"samples": [g.text for g in group]} if K else {})) + "\n")
     stop_engine(engine, None)
 
 

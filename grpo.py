@@ -43,8 +43,9 @@ from fsdp import (all_reduce, all_reduce_dict, balance, batch_logprobs, clip_and
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, given_flags, package_rules, parse_args, size_for_cpu
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
-from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats, score_all
-from rollout import SGLangOptions, Sampling, graph_batch, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
+from reward import (EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats,
+                    sampled_eval_stats, sampled_line, score_all)
+from rollout import SGLangOptions, Sampling, generate_groups, graph_batch, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
 from runlog import RunLog, StepClock, claim_run_dir, launch_time, legend, log_line, print0, progress, run_info
 from server import ServerEngine, launch_servers
 from tools import TOOLS, TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
@@ -260,6 +261,13 @@ class Args:
     """greedy evaluation every this many steps (0: never), and after the last step"""
     eval_before_train: bool = False
     """also evaluate before the first update"""
+    eval_samples: int = 0
+    """beside the greedy answer, this many samples a held-out prompt at --eval-temperature: avg@K, pass@1,2,4..K
+    (Chen et al.'s unbiased estimator) and maj@K (majority vote) of strict answers (0: greedy only)"""
+    eval_temperature: float = 1.0
+    """temperature of those samples"""
+    eval_top_p: float = 1.0
+    """top-p of those samples"""
     save_every: int = 100
     """checkpoint every this many steps (0: only at the end; -1: never, for benchmarks)"""
     keep_checkpoints: int = 2
@@ -552,6 +560,10 @@ def check_args(args: Args, world_size: int):
         ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
         ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
         ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
+        ("--eval-samples", a.eval_samples, 0 <= a.eval_samples <= 1024, ">= 0 (0: greedy only) and at most 1024"),
+        ("--eval-temperature", a.eval_temperature, a.eval_temperature > 0 or not a.eval_samples,
+         "> 0 with --eval-samples (at 0 every sample is the greedy answer)"),
+        ("--eval-top-p", a.eval_top_p, 0 < a.eval_top_p <= 1, "in (0, 1]"),
         ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
         ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
         ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
@@ -624,6 +636,8 @@ def main(args: Args):
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p)
     greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)  # evaluation
+    sampled = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.eval_temperature,
+                       top_p=args.eval_top_p)  # --eval-samples
 
     # ---- ALGO: the task. How a prompt is asked (a template with {prompt}, then the chat template) and
     # what a completion earns: any (completion, answer) -> float can be the reward (--reward FILE.py:function).
@@ -666,7 +680,7 @@ def main(args: Args):
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
     server = args.rollout_mode == "server"  # the samples each engine or server decodes at once: its CUDA graphs
     engines = (len(args.rollout_url) or args.rollout_gpus // args.rollout_tp) if server else world_size // args.rollout_tp
-    per_engine = args.prompts_per_step * args.group_size // engines
+    per_engine = max(args.prompts_per_step * args.group_size, args.num_eval_prompts * args.eval_samples) // engines
     sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=args.rollout_tp,
                            attention_backend=args.sglang_attention_backend, sampling_backend=args.sglang_sampling_backend,
                            cuda_graph_max_bs=graph_batch(per_engine, args.sglang_cuda_graph_max_bs),
@@ -758,16 +772,23 @@ def main(args: Args):
         raise SystemExit(128 + signum)
 
     def evaluate(step: int):
-        """Greedy accuracy on the held-out prompts (engine awake), each rank a strided share."""
+        """Greedy accuracy on the held-out prompts (engine awake), each rank a strided share; with --eval-samples K,
+        K samples a prompt too: avg@K, pass@1..K, maj@K (reward.sampled_eval_stats)."""
         share = range(rank, len(eval_prompts.ids), world_size)
-        samples = generate(engine, [eval_prompts.ids[i] for i in share], [0] * len(share), sampling=greedy,
-                           tokenizer=tokenizer, tp=tp, tool_use=tool_use)
+        prompt_ids, examples = [eval_prompts.ids[i] for i in share], [eval_prompts.examples[i] for i in share]
+        samples = generate(engine, prompt_ids, [0] * len(share), sampling=greedy, tokenizer=tokenizer, tp=tp,
+                           tool_use=tool_use)
+        K, seed = args.eval_samples, seed_for(args.seed, "eval", step, rank)
+        groups = generate_groups(engine, prompt_ids, K, seed=seed, sampling=sampled, tokenizer=tokenizer, tp=tp,
+                                 tool_use=tool_use) if K else []
         if signum := agreed_signal():  # a signal cut the evaluation short: not logged
             stop_now(signum, step, ahead.before if ahead else sampler.state_dict())  # not the batch in flight
-        for s, ex in zip(samples, (eval_prompts.examples[i] for i in share)):
+        for s, ex in zip(samples + sum(groups, []), examples + [ex for ex in examples for _ in range(K)]):
             s.answer, s.kind, s.source = ex.answer, ex.kind, ex.source
         out = eval_stats(samples, sources=eval_prompts.sources)
-        print0(log_line(f"eval after step {step}", out, EVAL_LINE + EVAL_TOOLS_LINE * bool(tools)))
+        out |= sampled_eval_stats(groups, sources=eval_prompts.sources) if K else {}
+        shown = EVAL_LINE + sampled_line(K) + EVAL_TOOLS_LINE * bool(tools)
+        print0(log_line(f"eval after step {step}", out, shown))
         log.log({"step": step, **out})
 
     def send_rollout(step: int, rounds: int, ahead: bool = False):

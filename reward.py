@@ -476,5 +476,10 @@ def sampled_eval_stats(groups: list[list], sources: list[str] = ()) -> dict:
 EVAL_LINE = [("eval strict acc", "eval/strict_acc", ".3f"), ("flexible acc", "eval/flexible_acc", ".3f"),
              ("format", "eval/format_rate", ".3f")]  # the console line of an evaluation
 EVAL_TOOLS_LINE = [("used a tool", "eval/tool_used_frac", ".3f")]  # and with tools
+
+
+def sampled_line(k: int) -> list[tuple]:
+    """The console's part of --eval-samples K (K = 0: nothing is logged under these names)."""
+    return [(f"{name}@{k}", f"eval/{name}@{k}", ".3f") for name in ("avg", "pass", "maj")]
 REWARD_LINE = [("reward errors", "rollout/reward_errors", ".0f"), ("NaN rewards", "rollout/reward_nonfinite", ".0f"),
                ("reward timeouts", "rollout/reward_timeouts", ".0f")]  # a step's console line shows those not 0

@@ -275,6 +275,15 @@ def generate(engine, prompt_ids: list[list[int]], seeds: list[int], *, sampling:
     return send(engine, prompt_ids, seeds, sampling=sampling, tokenizer=tokenizer, tp=tp, tool_use=tool_use).result()
 
 
+def generate_groups(engine, prompt_ids: list[list[int]], k: int, *, seed: int, sampling: Sampling, tokenizer=None,
+                    tp: TPGroup | None = None, tool_use: "ToolUse | None" = None) -> list[list[Sample]]:
+    """k samples of each prompt, each with a seed of its own from `seed`, as [prompt][k] (pass@k and maj@k's input)."""
+    ids = [p for p in prompt_ids for _ in range(k)]
+    samples = generate(engine, ids, [seed_for(seed, n) for n in range(len(ids))], sampling=sampling, tokenizer=tokenizer,
+                       tp=tp, tool_use=tool_use)
+    return [samples[i : i + k] for i in range(0, len(samples), k)]
+
+
 def send(engine, prompt_ids: list[list[int]], seeds: list[int], *, sampling: Sampling, tokenizer=None,
          tp: TPGroup | None = None, tool_use: "ToolUse | None" = None, ahead: bool = False) -> "Pending":
     """`generate`'s first half: the group's requests gathered on the owner and run there, at once,

@@ -22,6 +22,7 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import textwrap
 import time
@@ -270,12 +271,22 @@ def launch_time() -> float:
         return time.time()
 
 
+def code_commit() -> str | None:
+    """This code's commit (git's short hash, '+' where the tree has changes); None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "describe", "--always", "--dirty=+"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
 def run_info(world_size: int, engine: str, python_sandbox: str | None = None, tool_workers: int = 1) -> dict:
     """What ran where: for reports (and where the python tool ran programs, 'process' marked weaker, and the most
     memory its programs can hold)."""
     cuda = torch.cuda.is_available()
     return {"script": os.path.basename(sys.argv[0]),  # the one script that may write into its folder (claim_run_dir)
-            "command": " ".join(sys.argv), "world_size": world_size, "engine": engine,
+            "command": " ".join(sys.argv), "commit": code_commit(), "world_size": world_size, "engine": engine,
             "gpu": torch.cuda.get_device_name() if cuda else "cpu",
             "gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30 if cuda else None,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),

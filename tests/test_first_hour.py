@@ -223,7 +223,25 @@ BAD_FLAGS = [  # (flag, value, what the run says)
     ("--prompts-per-step", "0", "--prompts-per-step 0 must be >= 1"),
     ("--micro-batch-size", "0", "--micro-batch-size 0 must be >= 1"),
     ("--steps", "0", "--steps 0 must be >= 1 (to only evaluate a model: python evaluate.py)"),
+    ("--eval-samples", "-1", "--eval-samples -1 must be >= 0 (0: greedy only) and at most 1024"),
+    ("--eval-top-p", "0", "--eval-top-p 0.0 must be in (0, 1]"),
 ]
+
+
+def test_sampled_evaluation_at_temperature_0_is_refused():
+    """K samples at temperature 0 would be K copies of the greedy answer: refused, in the three scripts that take it."""
+    import evaluate
+    import grpo
+    import ppo
+    from preflight import InputError
+
+    message = "--eval-temperature 0.0 must be > 0 with --eval-samples (at 0 every sample is the greedy answer)"
+    for script in (grpo, ppo):
+        with pytest.raises(InputError, match=re.escape(message)):
+            script.check_args(script.Args(eval_samples=4, eval_temperature=0.0), world_size=1)
+        script.check_args(script.Args(eval_samples=0, eval_temperature=0.0), world_size=1)  # greedy only: fine
+    with pytest.raises(InputError, match=re.escape(message)):
+        evaluate.main(evaluate.Args(model="no-model", eval_samples=4, eval_temperature=0.0))
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
@@ -396,12 +414,19 @@ def test_evaluate_a_runs_checkpoint_says_which_rows_it_scored(tiny_model_dir, tm
     data = write_rows(tmp_path / "my.jsonl", [{"prompt": f"Q{i}?", "answer": str(i)} for i in range(40)])
     model, _ = a_run(tmp_path, dataset=(data,), seed=3, num_eval_prompts=16)
     shutil.copytree(tiny_model_dir, model)
-    code, out, _ = run("evaluate.py", "--model", model, "--max-new-tokens", 2, "--out", tmp_path / "e.json")
+    code, out, _ = run("evaluate.py", "--model", model, "--max-new-tokens", 2, "--out", tmp_path / "e.json",
+                       "--eval-samples", 4, "--eval-temperature", 0.7)
     assert code == 0, out[-3000:]
     assert f"evaluating 4 prompts, the prompts {tmp_path / 'runs' / 'r'} held out of {data} (seed 3) (0 dropped" in out
-    assert "note:" not in out and json.loads((tmp_path / "e.json").read_text())["trained_on"] is False
+    summary = json.loads((tmp_path / "e.json").read_text())
+    assert "note:" not in out and summary["trained_on"] is False
     rows = [json.loads(line) for line in (tmp_path / "e.samples.jsonl").read_text().splitlines()]
-    assert [r["answer"] for r in rows] == ["15", "37", "34", "8"]
+    assert [r["answer"] for r in rows] == ["15", "37", "34", "8"] and all(len(r["samples"]) == 4 for r in rows)
+    # --eval-samples 4: what a paper reports, with the settings that made it (issue 43)
+    assert {"avg@4", "pass@1", "pass@2", "pass@4", "maj@4"} <= summary.keys() and summary["avg@4"] == summary["pass@1"]
+    assert summary["pass@1"] <= summary["pass@2"] <= summary["pass@4"]
+    assert (summary["eval_samples"], summary["eval_temperature"], summary["eval_top_p"], summary["max_new_tokens"],
+            summary["seed"]) == (4, 0.7, 1.0, 2, 3) and summary["commit"]
 
 
 def test_debug_shows_the_traceback(tmp_path):

@@ -48,10 +48,14 @@ def metrics(out_dir):
 
 
 def test_grpo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
-    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "2", "--eval-before-train")
+    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "2", "--eval-before-train",
+                    "--eval-samples", "3")
     train, evals = metrics(tmp_path)
     assert [r["step"] for r in train] == [1, 2, 3]
     assert [r["step"] for r in evals] == [0, 2, 3]  # before training, after 2 updates, final
+    for r in evals:  # --eval-samples 3: avg@3 (= pass@1), pass@1..3 (powers of 2 and K), maj@3 beside the greedy numbers
+        assert r["eval/avg@3"] == r["eval/pass@1"] <= r["eval/pass@2"] <= r["eval/pass@3"] and 0 <= r["eval/maj@3"] <= 1
+    assert "| avg@3 " in proc.stdout and "| pass@3 " in proc.stdout and "| maj@3 " in proc.stdout
     assert any(r["train/grad_norm"] > 0 for r in train)  # a real update happened
     assert all(r["rollout/logprob_abs_diff"] < 0.05 for r in train)  # the engine got the trained weights
     assert all(r["rollout/mismatch_kl"] >= 0 and r["rollout/correction_frac"] == 0 for r in train)  # logged, no correction
