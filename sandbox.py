@@ -29,9 +29,8 @@ What the jail holds (`bwrap`), and why each part: the boundary is the kernel's, 
   per call capping the memory (tmpfs included) and processes of the whole jail.
 - The user outside: run as root, bwrap runs as user 65534 (`outside_user`) where that user can read
   this Python (a system, /opt or /usr/local Python; not one under root's 0700 home). Where it can't,
-  the jail's uid is root's to the kernel, without capabilities: root-only (0400) files of the jail's
-  /proc can be read (kernel layout, not the trainer's data), and the kernel waives RLIMIT_NPROC for
-  root, so only a cgroup caps processes there; without one a fork bomb runs until `seconds`.
+  the jail's uid is root's to the kernel, without capabilities: /proc's root-only files are masked,
+  and the kernel waives RLIMIT_NPROC for root, so only a cgroup caps processes there.
 - On the trainer's side: output read with a deadline, each stream's first `output_chars` bytes kept
   and the rest discarded; at the deadline the jail's pid 1 is killed by its host pid (it may have
   cleared the parent-death signal bwrap gave it), and its pid namespace takes every descendant with
@@ -49,6 +48,7 @@ import os
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -220,6 +220,8 @@ def jail_command(*, code_fd: int, seccomp_fd: int, lim: dict) -> list[str]:
     cmd += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]  # as root the jail's uid is root's: read-only
     for path in ("/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs"):  # sysctls, sysrq, devices
         cmd += ["--ro-bind-try", path, path]
+    for path in closed_proc_entries():  # as root the jail's uid is root's: it could read them
+        cmd += ["--tmpfs", path, "--remount-ro", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
     cmd += ["--dev", "/dev", "--size", str(lim["disk_mb"] << 20), "--tmpfs", "/dev/shm",
             "--size", str(lim["disk_mb"] << 20), "--tmpfs", "/tmp"]
     for prefix in python_prefixes():  # read-only
@@ -233,6 +235,21 @@ def python_prefixes() -> list[str]:
     """This Python's folders outside /usr: a venv, a Python of its own (pyenv, uv, conda)."""
     found = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}
     return sorted(p for p in found if p != "/usr" and not p.startswith("/usr/"))
+
+
+@functools.cache
+def closed_proc_entries() -> tuple[str, ...]:
+    """What of /proc only root may read (kernel log, page flags, slab and vmalloc layout, timers, tty drivers),
+    but /proc/sys and the processes' own folders: masked in the jail (empty), whose uid may be root's outside."""
+    found = []
+    for folder, dirs, files in os.walk("/proc"):
+        dirs[:] = [d for d in dirs if folder != "/proc" or not (d.isdigit() or d in ("sys", "self", "thread-self"))]
+        for name in dirs + files:
+            mode = os.lstat(os.path.join(folder, name)).st_mode
+            if not (stat.S_ISLNK(mode) or mode & stat.S_IROTH):
+                found.append(os.path.join(folder, name))
+        dirs[:] = [d for d in dirs if os.path.join(folder, d) not in found]
+    return tuple(found)
 
 
 @functools.cache

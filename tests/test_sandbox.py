@@ -53,6 +53,9 @@ SECRETS = (WANDB_KEY, HF_TOKEN, SECRET_ARGV, SECRET_IN_MEMORY, SECRET_FILE)
 PWNED = f"PWNED-{os.getpid()}"  # the file name programs try to create on the host
 DISK = os.stat("/").st_dev  # the host's disk, as a device number a program could mknod
 HOST_STAT = {path: os.stat(path) for path in ("/usr/bin/env", os.path.realpath(sys.executable))}
+# /proc's root-only (0400) files and folders: this kernel's, and four that every kernel has
+PROC_CLOSED = sorted({"/proc/kpageflags", "/proc/slabinfo", "/proc/vmallocinfo", "/proc/timer_list"}.union(
+    sandbox.closed_proc_entries()))
 
 
 def has_cgroup(limit_file: str) -> bool:
@@ -108,7 +111,7 @@ def stand_in(tmp_path_factory):
     (secret_dir / "secret.txt").write_text(SECRET_FILE)
     values = {"TRAINER_PID": os.getpid(), "TRAINER_PGID": os.getpgid(0), "WORKER_PID": worker.pid,
               "PORT": tcp.getsockname()[1], "ABSTRACT": f"sandbox-test-{os.getpid()}", "SECRET_DIR": str(secret_dir),
-              "REPO": ROOT, "HOME_DIR": os.path.expanduser("~"), "PWNED": PWNED}
+              "REPO": ROOT, "HOME_DIR": os.path.expanduser("~"), "PWNED": PWNED, "PROC_CLOSED": PROC_CLOSED}
     yield {"values": values, "tcp": tcp, "unix": unix, "worker": worker, "secret_dir": str(secret_dir)}
     worker.kill()
     worker.wait()
@@ -370,13 +373,10 @@ ESCAPE = [  # route 1: undo the jail
                  "    open('/proc/sys/fs/lease-break-time', 'w').write(value)  # the value it has: nothing changes on the host\n"
                  "    print('host sysctl write DONE')\nexcept OSError as e:\n    print('host sysctl write', type(e).__name__)",
                  lambda r: "core_pattern writable False" in r and "write DONE" not in r, id="proc_sys_write"),
-    pytest.param(ATTEMPT + "for p in ('/proc/kpageflags', '/proc/slabinfo', '/proc/vmallocinfo', '/proc/timer_list'):\n"
-                 "    attempt(p, lambda: open(p, 'rb').read(64))",
-                 refused("/proc/kpageflags", "/proc/slabinfo", "/proc/vmallocinfo", "/proc/timer_list"), id="proc_root_only_files",
-                 marks=pytest.mark.xfail(JAIL_HOST_UID == 0, strict=True, reason=(
-                     "KNOWN (information, sandbox.py's docstring): where bwrap must run as root (user 65534 can't read "
-                     "this Python), root-only (0400) kernel files in the jail's /proc are readable: page flags, slab and "
-                     "vmalloc layout, timers; not the trainer's data"))),
+    pytest.param("import os\nfor p in PROC_CLOSED:  # root-only: masked (empty), or closed where the jail's uid isn't root's\n"
+                 "    try:\n        print(p, 'read', len(os.listdir(p) if os.path.isdir(p) else open(p, 'rb').read(4096)))\n"
+                 "    except OSError as e:\n        print(p, type(e).__name__)",
+                 lambda r: all(re.search(rf"^{p} (read 0|\w+Error)$", r, re.M) for p in PROC_CLOSED), id="proc_root_only_files"),
 ]
 
 TRAINER = [  # route 2: reach the trainer's secrets, processes, files and network
