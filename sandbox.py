@@ -22,11 +22,14 @@ What the jail holds (`bwrap`), and why each part: the boundary is the kernel's, 
   widens the kernel's surface: ptrace, other processes' memory, pidfds, namespaces and mounts, bpf,
   io_uring, keyrings, modules, kexec, perf, userfaultfd, vsock (a VM's host side, which network
   namespaces don't separate), files in memory (outside the disk cap), SysV shared memory and message
-  queues (kernel memory outside every rlimit), inotify and flock (a per-uid quota, a whole file: one
-  call starving the others). Int arguments are compared on their low 32 bits, as the kernel reads them.
-- Limits: rlimits set before the program runs (address space, CPU, file size, processes, open
+  queues (kernel memory outside every rlimit), a socket's buffer size (its default, 208 KiB, not 8 MiB),
+  inotify and flock (a per-uid quota, a whole file: one call starving the others). Int arguments are
+  compared on their low 32 bits, as the kernel reads them.
+- Limits: rlimits set before the program runs (address space, CPU, file size, processes, 64 open
   files; a program can lower them, never raise them), and where this process may make cgroups, one
-  per call capping the memory (tmpfs included) and processes of the whole jail.
+  per call capping the memory (tmpfs, sockets, inodes included) and processes of the whole jail.
+  Without one, `memory_bound` says at start what a call can hold: its processes x RLIMIT_AS, and kernel
+  memory no rlimit counts (socket and pipe buffers, a tmpfs's files: its size counts blocks).
 - The user outside: run as root, bwrap runs as user 65534 (`outside_user`) where that user can read
   this Python (a system, /opt or /usr/local Python; not one under root's 0700 home). Where it can't,
   the jail's uid is root's to the kernel, without capabilities: /proc's root-only files are masked,
@@ -57,17 +60,19 @@ import urllib.error
 import urllib.request
 
 LIMITS = {"seconds": 10.0, "memory_mb": 1024, "file_mb": 16, "disk_mb": 64, "processes": 32, "output_chars": 4000}
+OPEN_FILES = 64  # RLIMIT_NOFILE of each process in the jail: a descriptor can hold a socket's buffers, kernel memory
 SERVICE_GRACE_S = 5.0  # a sandbox service's answer may take this long past `seconds` (queueing, start-up)
 SERVICE_MAX_BYTES = 4 << 20  # a sandbox service's answer is read up to this size
 
 # Runs first in the program's interpreter: the limits, then the program. The audit hook (PEP 578) is
 # not a boundary (the program can undo it): it only tells the model at once what the jail would refuse
-# anyway. argv: work folder, memory MB, CPU s, file MB, processes.
+# anyway. argv: work folder, memory MB, CPU s, file MB, processes, open files.
 _BOOTSTRAP = r"""
 import ctypes, os, resource, sys
-root, memory_mb, cpu_s, file_mb, processes = sys.argv[1], *map(int, sys.argv[2:6])
+root, memory_mb, cpu_s, file_mb, processes, open_files = sys.argv[1], *map(int, sys.argv[2:7])
 for limit, value in ((resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_CORE, 0),
-                     (resource.RLIMIT_FSIZE, file_mb << 20), (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_NOFILE, 256)):
+                     (resource.RLIMIT_FSIZE, file_mb << 20), (resource.RLIMIT_NPROC, processes),
+                     (resource.RLIMIT_NOFILE, open_files)):
     resource.setrlimit(limit, (value, value))
 for flags in (0x40000000, 0x10000000 | 0x40000000):  # --python-sandbox process: no network where the kernel allows
     if ctypes.CDLL(None, use_errno=True).unshare(flags) == 0:  # CLONE_NEWNET (as a user, with CLONE_NEWUSER)
@@ -114,7 +119,7 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
             with open(os.path.join(root, "main.py"), "w") as f:
                 f.write(code)
             cmd, env = [sys.executable, "-I", "-c", _BOOTSTRAP], {**JAIL_ENV, "HOME": root, "TMPDIR": root}
-        cmd += [root, str(lim["memory_mb"]), str(cpu_s), str(lim["file_mb"]), str(lim["processes"])]
+        cmd += [root, str(lim["memory_mb"]), str(cpu_s), str(lim["file_mb"]), str(lim["processes"]), str(OPEN_FILES)]
         groups = make_cgroups(lim)
         if sandbox == "bwrap":
             cmd = outside_user() + cmd
@@ -154,15 +159,25 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
 
 def memory_bound(workers: int, limits: dict | None = None) -> str:
     """The most memory the python tool's programs can hold, `workers` calls at once, as one start-up line."""
-    lim = {**LIMITS, **(limits or {})}
+    lim, ram_gib = {**LIMITS, **(limits or {})}, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
     if any(f in ("memory.max", "memory.limit_in_bytes") for _, files in cgroup_parents() for f in files):
-        per_call, how = lim["memory_mb"], "a memory cgroup holds each call's jail, its tmpfs included"
-    else:  # RLIMIT_AS is per process: a call of `processes` processes, each at its cap, and both tmpfs full
-        per_call = lim["processes"] * lim["memory_mb"] + 2 * lim["disk_mb"]
-        how = (f"no memory cgroup here (root or a delegated cgroup makes one): {lim['memory_mb']} MiB caps each process "
-               f"of a call, not the call: {lim['processes']} processes and two tmpfs of {lim['disk_mb']} MiB")
-    return (f"python tool: at most {per_call / 1024:.1f} GiB a call ({how}), {workers} calls at once (--tool-workers): "
-            f"{workers * per_call / 1024:.1f} GiB of host memory at worst")
+        per_call, how = lim["memory_mb"], "a memory cgroup holds each call's jail: tmpfs, sockets, inodes included"
+    else:  # RLIMIT_AS is per process; the kernel's own memory for a call's sockets, pipes and files has no rlimit
+        socket_kib = int(_read("/proc/sys/net/core/wmem_default") or 212992) >> 10
+        pipes_mib = int(_read("/proc/sys/fs/pipe-user-pages-soft") or 16384) / 256  # a user's pipes past 4 KiB each
+        buffers = lim["processes"] * OPEN_FILES * socket_kib / 1024 + pipes_mib
+        inodes = os.sysconf("SC_PHYS_PAGES") // 2  # a tmpfs's files, whatever its size (~1 KiB each)
+        per_call = lim["processes"] * lim["memory_mb"] + 2 * lim["disk_mb"] + buffers + 2 * inodes / 1024
+        how = (
+            f"no memory cgroup here (root or a delegated cgroup makes one): {lim['memory_mb']} MiB caps each process, "
+            f"not the call: {lim['processes']} processes, two tmpfs of {lim['disk_mb']} MiB, and kernel memory "
+            f"no rlimit counts: {buffers / 1024:.1f} GiB of socket and pipe buffers ({OPEN_FILES} descriptors "
+            f"a process, {socket_kib} KiB each), {2 * inodes / 2**20:.1f} GiB of tmpfs inodes ({inodes} files a tmpfs)"
+        )
+    return (
+        f"python tool: at most {per_call / 1024:.1f} GiB a call ({how}), {workers} calls at once (--tool-workers): "
+        f"{workers * per_call / 1024:.1f} GiB of host memory at worst, on a machine of {ram_gib:.1f} GiB"
+    )
 
 
 def descendants(pid: int) -> list[int]:
@@ -282,6 +297,9 @@ def seccomp_filter() -> bytes:
     # AF_VSOCK (network namespaces don't hold it). socket's domain is an int: the kernel reads the low 32 bits of the
     # 64-bit argument, so the rule compares those alone, or (1 << 32) | 40 would pass it and open a vsock
     f.add_rule(pyseccomp.ERRNO(1), "socket", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0xFFFFFFFF, 40))
+    for option in (7, 8):  # SOL_SOCKET's SO_SNDBUF, SO_RCVBUF: a socket queues its default (208 KiB), not 8 MiB
+        level, name = (pyseccomp.Arg(i, pyseccomp.MASKED_EQ, 0xFFFFFFFF, value) for i, value in ((1, 1), (2, option)))
+        f.add_rule(pyseccomp.ERRNO(1), "setsockopt", level, name)
     fd = _memfd("seccomp", b"")
     with os.fdopen(fd, "w+b") as file:
         f.export_bpf(file)

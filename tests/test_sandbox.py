@@ -32,13 +32,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
 import pytest
 
 import sandbox
-from sandbox import LIMITS, cgroup_parents, run_program
+from sandbox import LIMITS, OPEN_FILES, cgroup_parents, run_program
 from tools import call_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,8 +73,6 @@ def jail_host_uid() -> int:
     uid_map can't say: bwrap's --disable-userns nests a second user namespace, mapped to the first's root).
     0 (root) is what the kernel checks some /proc files against instead of capabilities, and exempts from
     RLIMIT_NPROC; sandbox.outside_user makes it 65534 where it can."""
-    import threading
-
     call = threading.Thread(target=run_program, args=("import time; time.sleep(2)",))
     call.start()
     try:
@@ -130,6 +129,22 @@ def rss_mb() -> float:
     return int(re.search(r"VmRSS:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) / 1024
 
 
+def available_mb() -> float:
+    return int(re.search(r"MemAvailable:\s+(\d+) kB", open("/proc/meminfo").read()).group(1)) / 1024
+
+
+# The host's available memory may fall by a call's memory_mb and this much during it: the jail's own processes
+# (bwrap, page tables), and whatever else the machine runs meanwhile (the other test worker). The attacks that
+# got past the limits took 1.5 to 9.4 GB.
+HOST_MARGIN_MB = 1024
+
+
+def lowest_available(done: threading.Event, available: list[float]):
+    """Append the host's available memory every 10 ms until `done`."""
+    while not done.wait(0.01):
+        available.append(available_mb())
+
+
 def jail_pids() -> set[int]:
     """Live processes this test process's jails could have left: those in another pid namespace than this test's
     (every process a program starts is in its jail's), and any running the bootstrap or bwrap, less those whose
@@ -171,15 +186,23 @@ def run_jailed(code: str, trainer: dict, **limits) -> tuple[str | TimeoutError, 
     TimeoutError raised; seconds taken). Asserts what must hold after any program whatever it did."""
     values = trainer["values"]
     code = re.sub("|".join(rf"\b{name}\b" for name in values), lambda m: str(values[m.group(0)]), code)
-    pids, folders, rss = jail_pids(), leftover_folders(), rss_mb()
+    pids, folders, rss, available = jail_pids(), leftover_folders(), rss_mb(), [available_mb()]
+    done = threading.Event()
+    watch = threading.Thread(target=lowest_available, args=(done, available))
+    watch.start()
     t0 = time.monotonic()
     try:
         reply = run_program(code, sandbox="bwrap", limits=limits or None)
     except TimeoutError as e:
         reply = e
+    finally:
+        done.set()
+        watch.join()
     took = time.monotonic() - t0
     text = str(reply)
     assert rss_mb() - rss < 200, f"the trainer's RSS grew {rss_mb() - rss:.0f} MB during one call"
+    cap = {**LIMITS, **limits}["memory_mb"] + HOST_MARGIN_MB
+    assert available[0] - min(available) < cap, f"the host's available memory fell {available[0] - min(available):.0f} MB"
     assert not [s for s in SECRETS if s in text], f"a secret reached the reply:\n{text}"
     assert trainer["worker"].poll() is None, f"the stand-in worker died (status {trainer['worker'].returncode})"
     reached = select.select([trainer["tcp"], trainer["unix"]], [], [], 0)[0]
@@ -606,12 +629,56 @@ def test_output_flood_is_cut(code, seconds, trainer):
 def test_file_descriptors_and_threads_are_capped(trainer):
     reply, _ = run_jailed("import os\nn = 0\ntry:\n    while True:\n        os.pipe(); n += 2\nexcept OSError as e:\n"
                           "    print(type(e).__name__, e.errno)\nprint('fds', n)", trainer)
-    assert "OSError 24" in reply and int(re.search(r"fds (\d+)", reply).group(1)) <= 256, reply  # EMFILE at RLIMIT_NOFILE
+    assert "OSError 24" in reply and int(re.search(r"fds (\d+)", reply).group(1)) <= OPEN_FILES, reply  # EMFILE
     reply, _ = run_jailed("import threading, time\nn = 0\ntry:\n    while n < 5000:\n"
                           "        threading.Thread(target=time.sleep, args=(5,), daemon=True).start(); n += 1\n"
                           "except RuntimeError as e:\n    print(e)\nprint('threads', n)", trainer)
-    cap = LIMITS["processes"] if PROCESS_CAP else 256  # else RLIMIT_AS bounds their stacks
+    cap = LIMITS["processes"] if PROCESS_CAP else 1024  # else RLIMIT_AS bounds their stacks
     assert "can't start new thread" in reply and int(re.search(r"threads (\d+)", reply).group(1)) < cap, reply
+
+
+SOCKETS = r"""
+import socket
+try:  # the kernel's cap on a socket's buffer is 4 MiB here (net.core.wmem_max): 8 MiB queued a socket
+    socket.socket().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    print('sndbuf DONE')
+except OSError as e:
+    print('sndbuf', e.errno)
+pairs, queued, chunk = [], 0, b'x' * 65536
+try:
+    while True:  # unix socket pairs, both ends full, until the descriptors run out
+        pairs.append(socket.socketpair())
+        for end in pairs[-1]:
+            end.setblocking(False)
+            try:
+                while True:
+                    queued += end.send(chunk)
+            except BlockingIOError:
+                pass
+except OSError as e:
+    print('pairs', len(pairs), 'errno', e.errno)
+print('queued KiB', queued >> 10)
+"""
+
+
+def test_socket_buffers_are_bounded(trainer):
+    """Kernel memory no rlimit counts: 28 processes x 120 full socket pairs queued 1.5 GB, and SO_SNDBUF takes a socket
+    to 8 MiB. Refused SO_SNDBUF/SO_RCVBUF, each descriptor queues at most its default (208 KiB; one 64 KiB send over)."""
+    reply, _ = run_jailed(SOCKETS, trainer)
+    per_socket_kib = int(open("/proc/sys/net/core/wmem_default").read()) // 1024 + 64
+    assert "sndbuf 1" in reply and "errno 24" in reply, reply  # EPERM, then EMFILE at OPEN_FILES
+    assert int(re.search(r"queued KiB (\d+)", reply).group(1)) <= OPEN_FILES * per_socket_kib, reply
+
+
+INODES = "import os\nn = 0\nwhile True:\n    os.close(os.open(f'/tmp/{n}', os.O_CREAT | os.O_WRONLY))\n    n += 1"
+
+
+@pytest.mark.skipif(not MEMORY_CGROUP, reason="no memory cgroup here: the start-up line says what tmpfs inodes can take")
+def test_empty_files_count_against_the_memory_cgroup(trainer):
+    """A tmpfs's size counts blocks, not files: empty files took ~1 GB of kernel memory (~1 KiB each). The call's
+    memory cgroup counts them: at 128 MiB the program is killed after ~100k files (0.5 s here)."""
+    reply, took = run_jailed(INODES, trainer, memory_mb=128)
+    assert "killed by Killed" in str(reply) and took < 5, (reply, took)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -750,11 +817,21 @@ def test_a_run_with_the_python_tool_in_each_sandbox(tool_model_dir, tmp_path, se
 
 def test_the_memory_the_python_tool_can_hold_is_said_with_and_without_a_cgroup(monkeypatch):
     """Where a memory cgroup holds each call: its cap x the calls at once. Without one (an ordinary user's job)
-    RLIMIT_AS caps each process: 32 processes x 1024 MiB + 2 x 64 MiB of tmpfs = 32896 MiB (32.1 GiB) a call."""
+    RLIMIT_AS caps each process: 32 processes x 1024 MiB + 2 x 64 MiB of tmpfs, and kernel memory no rlimit counts:
+    socket buffers (32 x 64 descriptors x 208 KiB) and a user's pipes (64 MiB), tmpfs inodes (1 KiB a file, as many
+    files a tmpfs as the machine has pages / 2: the kernel's default where only the size is set). On 16 GiB:
+    32768 + 128 + 416 + 64 + 2 x 2048 = 37472 MiB = 36.6 GiB a call, x 16 = 585.5 GiB."""
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
     monkeypatch.setattr(sandbox, "cgroup_parents", lambda: (("/c", ("memory.max", "pids.max")),))
-    assert sandbox.memory_bound(16) == ("python tool: at most 1.0 GiB a call (a memory cgroup holds each call's jail, its "
-                                        "tmpfs included), 16 calls at once (--tool-workers): 16.0 GiB of host memory at worst")
+    assert sandbox.memory_bound(16) == ("python tool: at most 1.0 GiB a call (a memory cgroup holds each call's jail: tmpfs, "
+                                        "sockets, inodes included), 16 calls at once (--tool-workers): 16.0 GiB of host "
+                                        f"memory at worst, on a machine of {ram:.1f} GiB")
     monkeypatch.setattr(sandbox, "cgroup_parents", lambda: (("/c", ("pids.max",)),))
-    line = sandbox.memory_bound(16)
-    assert line.startswith("python tool: at most 32.1 GiB a call (no memory cgroup here") and line.endswith(": 514.0 GiB "
-                                                                                                        "of host memory at worst")
+    monkeypatch.setattr(sandbox, "_read", lambda path: {"/proc/sys/net/core/wmem_default": "212992",
+                                                        "/proc/sys/fs/pipe-user-pages-soft": "16384"}[path])
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PHYS_PAGES": 4 << 20, "SC_PAGE_SIZE": 4096}[name])  # 16 GiB
+    assert sandbox.memory_bound(16) == (
+        "python tool: at most 36.6 GiB a call (no memory cgroup here (root or a delegated cgroup makes one): 1024 MiB caps "
+        "each process, not the call: 32 processes, two tmpfs of 64 MiB, and kernel memory no rlimit counts: 0.5 GiB of "
+        "socket and pipe buffers (64 descriptors a process, 208 KiB each), 4.0 GiB of tmpfs inodes (2097152 files a "
+        "tmpfs)), 16 calls at once (--tool-workers): 585.5 GiB of host memory at worst, on a machine of 16.0 GiB")
