@@ -16,13 +16,16 @@ what the jail must refuse; read the reply for what it reached. A case marked xfa
 found and not yet fixed (its reason says what and why): when sandbox.py closes it, the case passes, pytest
 reports XPASS as a failure, and the mark should go.
 
-At the end: the same limits through a SandboxFusion server (tests/stand_in_sandbox.py), what a person
+Then the same programs with the trainer as an ordinary user (test_attacks_as_an_ordinary_user: no cgroup,
+rlimits only, 16 calls at once, one subprocess as user 65534: tests/user_trainer.py), where the test runs as
+root. At the end: the same limits through a SandboxFusion server (tests/stand_in_sandbox.py), what a person
 meets when the jail can't run (one line, exit 2, nothing written), and a run with the python tool in each
 sandbox.
 
     pytest tests/test_sandbox.py -q --durations=10      # ~70 s on 2 cores; skipped without bubblewrap
 """
 
+import json
 import os
 import platform
 import re
@@ -145,15 +148,15 @@ def lowest_available(done: threading.Event, available: list[float]):
         available.append(available_mb())
 
 
-def jail_pids() -> set[int]:
+def jail_pids(owner: int = 0) -> set[int]:
     """Live processes this test process's jails could have left: those in another pid namespace than this test's
     (every process a program starts is in its jail's), and any running the bootstrap or bwrap, less those whose
     environment names another owner (SANDBOX_OWNER: another test worker's or another trainer's jails). Compared
     before and after a call, so a process that was there before (another container's) never counts; a marker in
     the program's argv would miss what it execs, and a parent-pid walk misses what re-parents to init. Zombies
     don't count: a jail killed at its deadline leaves its pid 1 dead, for the host's init to reap (this machine's
-    init takes ~2 s), holding no memory and running nothing."""
-    mine, owner, found = os.readlink("/proc/self/ns/pid"), f"SANDBOX_OWNER={os.getpid()}".encode(), set()
+    init takes ~2 s), holding no memory and running nothing. `owner`: another trainer's pid, for its jails."""
+    mine, owner, found = os.readlink("/proc/self/ns/pid"), f"SANDBOX_OWNER={owner or os.getpid()}".encode(), set()
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -524,20 +527,27 @@ def test_without_a_cgroup_the_deadline_still_ends_every_process(code, printed, t
     outlive_the_limit(code, printed, trainer)
 
 
+EXIT_152 = "import os; print('answer 42', flush=True); os._exit(152)"
+
+
 def test_an_exit_code_is_not_taken_for_a_signal(trainer):
     """bwrap exits 128 + n for a program killed by signal n, and 152 for one that exits 152 itself: that program's
     output comes back, not 'used more than N s of CPU time' (the kernel's CPU count tells RLIMIT_CPU's kill)."""
-    reply, _ = run_jailed("import os; print('answer 42', flush=True); os._exit(152)", trainer)
+    reply, _ = run_jailed(EXIT_152, trainer)
     assert reply == "answer 42\n", reply
 
 
 def outlive_the_limit(code, printed, trainer):
     reply, took = run_jailed(code, trainer, seconds=2)
-    assert took < 3, f"the call took {took:.1f} s with seconds=2"
-    if printed is None:  # still running at the deadline
-        assert isinstance(reply, TimeoutError), f"expected a TimeoutError, got:\n{reply}"
-    else:  # the program exited (its leftovers went with its pid namespace)
-        assert reply == (printed + "\n" if printed else ""), f"unexpected reply:\n{reply}"
+    assert ended_in_time(reply, took, printed), f"took {took:.1f} s with seconds=2 (printed {printed!r}):\n{reply}"
+
+
+def ended_in_time(reply, took: float, printed: str | None) -> bool:
+    """Within seconds (2) + 1: a TimeoutError for a program still running then (`printed` None), else what it
+    printed (its leftovers went with its pid namespace)."""
+    if printed is None:
+        return took < 3 and isinstance(reply, TimeoutError)
+    return took < 3 and reply == (printed + "\n" if printed else "")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -575,10 +585,19 @@ def test_disk_stops_at_disk_mb(folders, errno, trainer):
     assert shutil.disk_usage("/").used - used < LIMITS["disk_mb"] << 19, "the host's disk filled up during the call"
 
 
+BIG_ALLOCATION = ATTEMPT + (
+    "import mmap\nattempt('bytearray', bytearray, 8 << 30)\n"
+    "attempt('mmap', mmap.mmap, -1, 8 << 30)"
+)
+
+
+def big_allocation_refused(reply: str) -> bool:
+    return refused("bytearray", "mmap")(reply) and "bytearray MemoryError" in reply and "mmap OSError 12" in reply
+
+
 def test_big_allocation_fails_inside(trainer):
-    code = ATTEMPT + "import mmap\nattempt('bytearray', bytearray, 8 << 30)\nattempt('mmap', mmap.mmap, -1, 8 << 30)"
-    reply, _ = run_jailed(code, trainer)
-    assert refused("bytearray", "mmap")(reply) and "bytearray MemoryError" in reply and "mmap OSError 12" in reply, reply
+    reply, _ = run_jailed(BIG_ALLOCATION, trainer)
+    assert big_allocation_refused(reply), reply
 
 
 @pytest.mark.skipif(not MEMORY_CGROUP, reason="no memory cgroup here: RLIMIT_AS caps each process, not the jail (sandbox.py's docstring)")
@@ -602,13 +621,18 @@ print('held 600 MB', statuses.count(0), 'killed', sum(os.WIFSIGNALED(s) for s in
     assert held < 2, f"{held} processes held 600 MB at once past memory_mb={LIMITS['memory_mb']}:\n{reply}"
 
 
+FORKS_COUNTED = (
+    "import os, time\nn = failed = 0\nwhile failed < 20:\n    try:\n        if os.fork() == 0:\n"
+    "            time.sleep(30)\n        n += 1\n    except OSError as e:\n        failed += 1\nprint('forked', n)"
+)
+FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+
+
 @pytest.mark.skipif(not PROCESS_CAP, reason="no pids cgroup, and bwrap runs as root, exempt from RLIMIT_NPROC (sandbox.py's docstring)")
 def test_fork_bomb_stops_at_the_process_cap(trainer):
-    counted = "import os, time\nn = failed = 0\nwhile failed < 20:\n    try:\n        if os.fork() == 0:\n" \
-              "            time.sleep(30)\n        n += 1\n    except OSError as e:\n        failed += 1\nprint('forked', n)"
-    reply, _ = run_jailed(counted, trainer, seconds=3)
+    reply, _ = run_jailed(FORKS_COUNTED, trainer, seconds=3)
     assert int(re.search(r"forked (\d+)", reply).group(1)) < LIMITS["processes"], reply
-    reply, took = run_jailed("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", trainer, seconds=2)
+    reply, took = run_jailed(FORK_BOMB, trainer, seconds=2)
     assert isinstance(reply, TimeoutError) and took < 3, (reply, took)
 
 
@@ -626,15 +650,28 @@ def test_output_flood_is_cut(code, seconds, trainer):
         assert code.startswith("while True"), f"a finite flood timed out: {reply}"
 
 
+PIPES = (
+    "import os\nn = 0\ntry:\n    while True:\n        os.pipe(); n += 2\nexcept OSError as e:\n"
+    "    print(type(e).__name__, e.errno)\nprint('fds', n)"
+)
+THREADS = ("import threading, time\nn = 0\ntry:\n    while n < 5000:\n"
+           "        threading.Thread(target=time.sleep, args=(5,), daemon=True).start(); n += 1\n"
+           "except RuntimeError as e:\n    print(e)\nprint('threads', n)")
+
+
+def pipes_capped(reply: str) -> bool:
+    return "OSError 24" in reply and int(re.search(r"fds (\d+)", reply).group(1)) <= OPEN_FILES  # EMFILE
+
+
+def threads_capped(reply: str, cap: int) -> bool:
+    return "can't start new thread" in reply and int(re.search(r"threads (\d+)", reply).group(1)) < cap
+
+
 def test_file_descriptors_and_threads_are_capped(trainer):
-    reply, _ = run_jailed("import os\nn = 0\ntry:\n    while True:\n        os.pipe(); n += 2\nexcept OSError as e:\n"
-                          "    print(type(e).__name__, e.errno)\nprint('fds', n)", trainer)
-    assert "OSError 24" in reply and int(re.search(r"fds (\d+)", reply).group(1)) <= OPEN_FILES, reply  # EMFILE
-    reply, _ = run_jailed("import threading, time\nn = 0\ntry:\n    while n < 5000:\n"
-                          "        threading.Thread(target=time.sleep, args=(5,), daemon=True).start(); n += 1\n"
-                          "except RuntimeError as e:\n    print(e)\nprint('threads', n)", trainer)
-    cap = LIMITS["processes"] if PROCESS_CAP else 1024  # else RLIMIT_AS bounds their stacks
-    assert "can't start new thread" in reply and int(re.search(r"threads (\d+)", reply).group(1)) < cap, reply
+    reply, _ = run_jailed(PIPES, trainer)
+    assert pipes_capped(reply), reply
+    reply, _ = run_jailed(THREADS, trainer)
+    assert threads_capped(reply, LIMITS["processes"] if PROCESS_CAP else 1024), reply  # else RLIMIT_AS: their stacks
 
 
 SOCKETS = r"""
@@ -661,13 +698,19 @@ print('queued KiB', queued >> 10)
 """
 
 
+def socket_buffers_bounded(reply: str) -> bool:
+    """SO_SNDBUF refused (EPERM), then EMFILE at OPEN_FILES, each descriptor's socket holding at most its default
+    buffer (208 KiB here; one 64 KiB send over)."""
+    per_socket_kib = int(open("/proc/sys/net/core/wmem_default").read()) // 1024 + 64
+    queued = int(re.search(r"queued KiB (\d+)", reply).group(1))
+    return "sndbuf 1" in reply and "errno 24" in reply and queued <= OPEN_FILES * per_socket_kib
+
+
 def test_socket_buffers_are_bounded(trainer):
     """Kernel memory no rlimit counts: 28 processes x 120 full socket pairs queued 1.5 GB, and SO_SNDBUF takes a socket
-    to 8 MiB. Refused SO_SNDBUF/SO_RCVBUF, each descriptor queues at most its default (208 KiB; one 64 KiB send over)."""
+    to 8 MiB. With a cgroup it counts them; without one, this is the bound (memory_bound says it)."""
     reply, _ = run_jailed(SOCKETS, trainer)
-    per_socket_kib = int(open("/proc/sys/net/core/wmem_default").read()) // 1024 + 64
-    assert "sndbuf 1" in reply and "errno 24" in reply, reply  # EPERM, then EMFILE at OPEN_FILES
-    assert int(re.search(r"queued KiB (\d+)", reply).group(1)) <= OPEN_FILES * per_socket_kib, reply
+    assert socket_buffers_bounded(reply), reply
 
 
 INODES = "import os\nn = 0\nwhile True:\n    os.close(os.open(f'/tmp/{n}', os.O_CREAT | os.O_WRONLY))\n    n += 1"
@@ -679,6 +722,122 @@ def test_empty_files_count_against_the_memory_cgroup(trainer):
     memory cgroup counts them: at 128 MiB the program is killed after ~100k files (0.5 s here)."""
     reply, took = run_jailed(INODES, trainer, memory_mb=128)
     assert "killed by Killed" in str(reply) and took < 5, (reply, took)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer as an ordinary user (most cluster jobs): no cgroup, rlimits only. The programs above run as the
+# rollout runs them, 16 at once, by a stand-in trainer as user 65534 (tests/user_trainer.py), in one process
+
+AS_NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
+# Not contained without a cgroup, and said at start (memory_bound): RLIMIT_AS caps each process, not the call. Three
+# processes each hold 200 MB, each refused memory_mb alone. (Empty files in the jail's tmpfs, kernel memory, are not
+# run: without a cgroup nothing stops them but the deadline; the start-up line says what they can take.)
+FORKS_HOLD_MEMORY = """
+import os, time
+kids = []
+for _ in range(3):
+    pid = os.fork()
+    if pid == 0:
+        b = b'x' * (200 << 20)  # touched: resident
+        try:
+            bytearray(MEMORY_MB << 20)
+            os._exit(2)
+        except MemoryError:
+            time.sleep(1)
+            os._exit(0)
+    kids.append(pid)
+print('held 200 MB', [os.waitpid(pid, 0)[1] for pid in kids].count(0))
+""".replace("MEMORY_MB", str(LIMITS["memory_mb"]))
+
+
+def user_attacks() -> dict:
+    """What test_attacks_as_an_ordinary_user runs: {name: (code, limits, contained(reply, seconds) -> bool)}, a
+    reply being what the program printed or the TimeoutError raised. The counted attacks (the summary's
+    sandbox_attacks_contained_nonroot) are all but forks_hold_memory, the documented hole."""
+    def printed(check):
+        return lambda reply, _: isinstance(reply, str) and check(reply)
+
+    runs = {p.id: (p.values[0], {}, printed(p.values[1])) for p in ESCAPE + TRAINER + FORGED
+            if not any(m.name == "skipif" and m.args[0] for m in p.marks)}
+    for p in TIME:
+        runs[p.id] = (p.values[0], {"seconds": 2}, lambda reply, took, out=p.values[1]: ended_in_time(reply, took, out))
+    return {**runs,
+            "exit_code_152": (EXIT_152, {}, printed(lambda r: r == "answer 42\n")),
+            "disk_tmp": (FILL.replace("FOLDER", "/tmp"), {},
+                         printed(lambda r: megabytes_written(r) <= LIMITS["disk_mb"] and "OSError 28" in r)),
+            "big_allocation": (BIG_ALLOCATION, {}, printed(big_allocation_refused)),
+            "forks_counted": (FORKS_COUNTED, {"seconds": 3},
+                              printed(lambda r: int(re.search(r"forked (\d+)", r).group(1)) < LIMITS["processes"])),
+            "fork_bomb": (FORK_BOMB, {"seconds": 2}, lambda r, took: ended_in_time(r, took, None)),
+            "print_forever": ("while True: print('x' * 1000)", {"seconds": 2},
+                              lambda r, took: ended_in_time(r, took, None)),
+            "file_descriptors": (PIPES, {}, printed(pipes_capped)),
+            "threads": (THREADS, {}, printed(lambda r: threads_capped(r, LIMITS["processes"]))),
+            "socket_buffers": (SOCKETS, {}, printed(socket_buffers_bounded)),
+            "forks_hold_memory": (FORKS_HOLD_MEMORY, {}, printed(lambda r: "held 200 MB 3" in r))}
+
+
+def user_python() -> str | None:
+    """A Python 3.10+ that user 65534 can read (and not only run: here a Python under /root's 0700 runs for it,
+    but without its own library): this one where others may read it, else the system's."""
+    can_read = ("import ctypes, os, sys\nassert sys.version_info >= (3, 10)\n"
+                "assert os.access(os.path.realpath(sys.executable), os.R_OK)")
+    for python in dict.fromkeys([sys.executable, shutil.which("python3") or "/", "/usr/bin/python3"]):
+        check = [*AS_NOBODY, python, "-c", can_read]
+        if subprocess.run(check, capture_output=True).returncode == 0:
+            return python
+    return None
+
+
+# The host's available memory during the whole batch: 16 calls at once, the most memory-hungry holding 600 MB
+# (forks_hold_memory), a full 64 MB tmpfs, 1.3 MB of socket buffers and 16 interpreters; the rest is margin
+USER_MARGIN_MB = 2048
+
+
+def test_attacks_as_an_ordinary_user(monkeypatch):
+    """Every program above, as a trainer that is an ordinary user runs it: no cgroup (asserted), bwrap as that user,
+    16 calls at once; each contained as its own test asserts as root, and forks_hold_memory not (said at start)."""
+    if os.geteuid() != 0:
+        pytest.skip(f"this test process is user {os.geteuid()} already: the tests above ran as an ordinary user")
+    python = user_python()
+    assert python, "no Python user 65534 can read (this one is in a folder others can't read): apt-get install python3"
+    folder = tempfile.mkdtemp(prefix="sandbox-user-")  # readable by that user: sandbox.py, pyseccomp, the trainer
+    import pyseccomp
+
+    for path in (os.path.join(ROOT, "sandbox.py"), os.path.join(ROOT, "tests", "user_trainer.py"), pyseccomp.__file__):
+        shutil.copy(path, folder)
+    os.chmod(folder, 0o755)
+    attacks = user_attacks()
+    given = {"programs": {name: [code, limits] for name, (code, limits, _) in attacks.items()},
+             "values": {"PWNED": PWNED, "PROC_CLOSED": PROC_CLOSED}}
+    secrets = {"WANDB_API_KEY": WANDB_KEY, "HF_TOKEN": HF_TOKEN, "SECRET_ARGV": SECRET_ARGV, "SECRET_FILE": SECRET_FILE}
+    before = jail_pids(owner=-1)  # processes of other pid namespaces already here: not this test's
+    proc = subprocess.Popen([*AS_NOBODY, python, "user_trainer.py"], cwd=folder, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={"PATH": "/usr/bin:/bin", **secrets})
+    try:
+        proc.stdin.write(json.dumps(given) + "\n")
+        proc.stdin.flush()
+        assert select.select([proc.stdout], [], [], 120)[0], "the stand-in trainer did not answer in 120 s"
+        out = json.loads(proc.stdout.readline())
+        deadline = time.monotonic() + 2  # killed processes take a moment to go
+        while (survivors := jail_pids(owner=out["pid"]) - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pwned = host_pwned(out["home"]) + [p for p in [os.path.join(folder, PWNED)] if os.path.lexists(p)]
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        shutil.rmtree(folder)
+    monkeypatch.setattr(sandbox, "cgroup_parents", lambda: ())
+    assert out["uid"] == 65534 and out["cgroups"] == [] and out["memory_bound"] == sandbox.memory_bound(16), out
+    replies = {name: TimeoutError(r["timeout"]) if isinstance(r, dict) else r for name, r in out["replies"].items()}
+    failed = {name: replies[name] for name, (_, _, contained) in attacks.items()
+              if not contained(replies[name], out["seconds"][name])}
+    assert not failed, f"not contained as user 65534 ({len(failed)} of {len(attacks)}):\n" + "\n".join(
+        f"{name} ({out['seconds'][name]:.1f} s): {reply}" for name, reply in failed.items())
+    assert not [s for s in SECRETS if any(s in str(r) for r in replies.values())], "a secret reached a reply"
+    assert out["worker_alive"] and not out["reached"] and not out["folders_left"], out
+    assert not survivors and not pwned, f"processes outlived their calls: {survivors}; written on the host: {pwned}"
+    assert out["rss_growth_mb"] < 200 and out["available_drop_mb"] < USER_MARGIN_MB, out
 
 
 # ----------------------------------------------------------------------------------------------
