@@ -846,11 +846,33 @@ def test_attacks_as_an_ordinary_user(monkeypatch):
 
 @pytest.mark.skipif(not cgroup_parents(), reason="calls get no cgroup here")
 def test_cgroups_are_removed(trainer):
+    """Each call's cgroups go when it returns; this process's own group (its calls' parent) when it exits."""
     for code in ("print(1)", "import os\nif os.fork() == 0:\n    os.setsid(); import time; time.sleep(60)", "while True: pass"):
         run_jailed(code, trainer, seconds=1)
-    left = [os.path.join(parent, name) for parent, _ in cgroup_parents() for name in os.listdir(parent)
-            if name.startswith(f"sandbox-{os.getpid()}-")]
+    groups = [os.path.join(parent, f"sandbox-{os.getpid()}") for parent, _ in cgroup_parents()]
+    left = [os.path.join(g, name) for g in groups for name in os.listdir(g) if name.isdigit()]
     assert not left, f"cgroups left behind: {left}"
+    exited = subprocess.run([sys.executable, "-c", "import os, sandbox\nsandbox.run_program('print(1)')\nprint(os.getpid())"],
+                            cwd=ROOT, capture_output=True, text=True, check=True)
+    pid = exited.stdout.split()[-1]
+    assert not [p for p, _ in cgroup_parents() if os.path.exists(os.path.join(p, f"sandbox-{pid}"))], exited.stdout
+
+
+@pytest.mark.skipif(not (has_cgroup("cpu.shares") or has_cgroup("cpu.weight")), reason="calls get no cpu cgroup here")
+def test_calls_share_one_process_worth_of_cpu(trainer):
+    """Two calls at once run in their own cgroups inside this process's group, whose CPU weight is a new group's
+    default, one process's at nice 0 (bench/sandbox_bench.py measures what it costs the trainer)."""
+    calls = [threading.Thread(target=run_program, args=("import time; time.sleep(1.5)",)) for _ in range(2)]
+    for call in calls:
+        call.start()
+    time.sleep(1)
+    parent, files = next((p, f) for p, f in cgroup_parents() if {"cpu.shares", "cpu.weight"} & set(f))
+    group = os.path.join(parent, f"sandbox-{os.getpid()}")
+    running = [open(os.path.join(group, n, "cgroup.procs")).read().split() for n in os.listdir(group) if n.isdigit()]
+    for call in calls:
+        call.join()
+    weight = open(os.path.join(group, files[-1])).read().strip()
+    assert len(running) == 2 and all(running) and weight == {"cpu.shares": "1024", "cpu.weight": "100"}[files[-1]]
 
 
 def test_process_sandbox_bounds_output_and_time():
