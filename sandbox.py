@@ -417,7 +417,7 @@ def make_cgroups(lim: dict) -> list[str]:
 def trainer_group(path: str) -> str:
     """This process's cgroup (`path`: <parent>/sandbox-<pid>), made at its first call, removed at exit: its calls'
     go in it and share its CPU weight, a new group's default, one process's at nice 0, however many run. 16 busy
-    calls slowed the trainer's own thread 7x on 2 cores, each call weighing as a process; now 1.1x, and a lone call
+    calls slowed the trainer's own thread 6.6x on 2 cores, each call weighing as a process; now 1.5x, and a lone call
     beside busy processes is not starved as a small weight per call would be (bench/results/sandbox_cpu.json)."""
     os.makedirs(path, exist_ok=True)
     enabled = _read(os.path.join(os.path.dirname(path), "cgroup.subtree_control")).split()  # v2: pass them on
