@@ -243,6 +243,22 @@ def refused(*names):
     return lambda reply: all(re.search(rf"^{re.escape(n)} [A-Za-z]*[Ee]rror", reply, re.M) for n in names) and "DONE" not in reply
 
 
+# What bench/results/summary.json counts. sandbox_attacks_contained: every item of these tests, run as root.
+# sandbox_attacks_contained_nonroot: every program of user_attacks() but forks_hold_memory (the documented hole).
+ATTACK_TESTS = (
+    "test_program_is_contained",
+    "test_program_cannot_outlive_its_limit",
+    "test_without_a_cgroup_the_deadline_still_ends_every_process",
+    "test_an_exit_code_is_not_taken_for_a_signal",
+    "test_disk_stops_at_disk_mb",
+    "test_big_allocation_fails_inside",
+    "test_forks_touching_600_mb_each_are_killed",
+    "test_fork_bomb_stops_at_the_process_cap",
+    "test_output_flood_is_cut",
+    "test_file_descriptors_and_threads_are_capped",
+    "test_socket_buffers_are_bounded",
+    "test_empty_files_count_against_the_memory_cgroup",
+)
 X86_64 = pytest.mark.skipif(platform.machine() != "x86_64", reason="the programs use x86_64 system call numbers")
 
 
