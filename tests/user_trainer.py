@@ -61,11 +61,11 @@ def main():
     tcp, unix = socket.create_server(("127.0.0.1", 0)), socket.socket(socket.AF_UNIX)
     unix.bind(f"\0user-trainer-{os.getpid()}")
     unix.listen()
-    worker = subprocess.Popen(
+    worker = subprocess.Popen(  # the keys in its environment; not holding the test's pipes open
         [sys.executable, "-c", "import time; time.sleep(3600)", os.environ["SECRET_ARGV"]],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-    )  # not the test's pipes
+    )
     try:
         report(given, home, tcp, unix, worker)
     finally:
