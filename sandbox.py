@@ -22,25 +22,29 @@ What the jail holds (`bwrap`), and why each part: the boundary is the kernel's, 
   widens the kernel's surface: ptrace, other processes' memory, pidfds, namespaces and mounts, bpf,
   io_uring, keyrings, modules, kexec, perf, userfaultfd, vsock (a VM's host side, which network
   namespaces don't separate), files in memory (outside the disk cap), SysV shared memory and message
-  queues (kernel memory outside every rlimit), inotify and flock (a per-uid quota, a whole file: one
-  call starving the others). Int arguments are compared on their low 32 bits, as the kernel reads them.
-- Limits: rlimits set before the program runs (address space, CPU, file size, processes, open
+  queues (kernel memory outside every rlimit), a socket's buffer size (its default, 208 KiB, not 8 MiB),
+  inotify and flock (a per-uid quota, a whole file: one call starving the others). Int arguments are
+  compared on their low 32 bits, as the kernel reads them.
+- Limits: rlimits set before the program runs (address space, CPU, file size, processes, 64 open
   files; a program can lower them, never raise them), and where this process may make cgroups, one
-  per call capping the memory (tmpfs included) and processes of the whole jail.
+  per call capping the memory (tmpfs, sockets, inodes included) and processes of the whole jail.
+  Without one, `memory_bound` says at start what a call can hold: its processes x RLIMIT_AS, and kernel
+  memory no rlimit counts (socket and pipe buffers, a tmpfs's files: its size counts blocks).
 - The user outside: run as root, bwrap runs as user 65534 (`outside_user`) where that user can read
   this Python (a system, /opt or /usr/local Python; not one under root's 0700 home). Where it can't,
-  the jail's uid is root's to the kernel, without capabilities: root-only (0400) files of the jail's
-  /proc can be read (kernel layout, not the trainer's data), and the kernel waives RLIMIT_NPROC for
-  root, so only a cgroup caps processes there; without one a fork bomb runs until `seconds`.
+  the jail's uid is root's to the kernel, without capabilities: /proc's root-only files are masked,
+  and the kernel waives RLIMIT_NPROC for root, so only a cgroup caps processes there.
 - On the trainer's side: output read with a deadline, each stream's first `output_chars` bytes kept
   and the rest discarded; at the deadline the jail's pid 1 is killed by its host pid (it may have
   cleared the parent-death signal bwrap gave it), and its pid namespace takes every descendant with
   it, a daemon or a new session included, with or without a cgroup; then the call returns.
+- CPU: where there are cgroups, this process's calls share one process's CPU weight (`trainer_group`).
 What it does not hold: kernel bugs (a jail shares the kernel; SandboxFusion's service puts programs
-on other machines), CPU time taken from the trainer within `seconds` (the cgroup caps memory and
-processes, not CPU share), and whatever a user's own tool does (tools.py: those run in a thread).
+on other machines), CPU time taken from the trainer within `seconds` where there is no cgroup (each
+call weighs as a process), and whatever a user's own tool does (tools.py: those run in a thread).
 """
 
+import atexit
 import functools
 import itertools
 import json
@@ -49,6 +53,7 @@ import os
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -57,17 +62,19 @@ import urllib.error
 import urllib.request
 
 LIMITS = {"seconds": 10.0, "memory_mb": 1024, "file_mb": 16, "disk_mb": 64, "processes": 32, "output_chars": 4000}
+OPEN_FILES = 64  # RLIMIT_NOFILE of each process in the jail: a descriptor can hold a socket's buffers, kernel memory
 SERVICE_GRACE_S = 5.0  # a sandbox service's answer may take this long past `seconds` (queueing, start-up)
 SERVICE_MAX_BYTES = 4 << 20  # a sandbox service's answer is read up to this size
 
 # Runs first in the program's interpreter: the limits, then the program. The audit hook (PEP 578) is
 # not a boundary (the program can undo it): it only tells the model at once what the jail would refuse
-# anyway. argv: work folder, memory MB, CPU s, file MB, processes.
+# anyway. argv: work folder, memory MB, CPU s, file MB, processes, open files.
 _BOOTSTRAP = r"""
 import ctypes, os, resource, sys
-root, memory_mb, cpu_s, file_mb, processes = sys.argv[1], *map(int, sys.argv[2:6])
+root, memory_mb, cpu_s, file_mb, processes, open_files = sys.argv[1], *map(int, sys.argv[2:7])
 for limit, value in ((resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_CORE, 0),
-                     (resource.RLIMIT_FSIZE, file_mb << 20), (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_NOFILE, 256)):
+                     (resource.RLIMIT_FSIZE, file_mb << 20), (resource.RLIMIT_NPROC, processes),
+                     (resource.RLIMIT_NOFILE, open_files)):
     resource.setrlimit(limit, (value, value))
 for flags in (0x40000000, 0x10000000 | 0x40000000):  # --python-sandbox process: no network where the kernel allows
     if ctypes.CDLL(None, use_errno=True).unshare(flags) == 0:  # CLONE_NEWNET (as a user, with CLONE_NEWUSER)
@@ -114,7 +121,7 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
             with open(os.path.join(root, "main.py"), "w") as f:
                 f.write(code)
             cmd, env = [sys.executable, "-I", "-c", _BOOTSTRAP], {**JAIL_ENV, "HOME": root, "TMPDIR": root}
-        cmd += [root, str(lim["memory_mb"]), str(cpu_s), str(lim["file_mb"]), str(lim["processes"])]
+        cmd += [root, str(lim["memory_mb"]), str(cpu_s), str(lim["file_mb"]), str(lim["processes"]), str(OPEN_FILES)]
         groups = make_cgroups(lim)
         if sandbox == "bwrap":
             cmd = outside_user() + cmd
@@ -154,15 +161,25 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
 
 def memory_bound(workers: int, limits: dict | None = None) -> str:
     """The most memory the python tool's programs can hold, `workers` calls at once, as one start-up line."""
-    lim = {**LIMITS, **(limits or {})}
+    lim, ram_gib = {**LIMITS, **(limits or {})}, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
     if any(f in ("memory.max", "memory.limit_in_bytes") for _, files in cgroup_parents() for f in files):
-        per_call, how = lim["memory_mb"], "a memory cgroup holds each call's jail, its tmpfs included"
-    else:  # RLIMIT_AS is per process: a call of `processes` processes, each at its cap, and both tmpfs full
-        per_call = lim["processes"] * lim["memory_mb"] + 2 * lim["disk_mb"]
-        how = (f"no memory cgroup here (root or a delegated cgroup makes one): {lim['memory_mb']} MiB caps each process "
-               f"of a call, not the call: {lim['processes']} processes and two tmpfs of {lim['disk_mb']} MiB")
-    return (f"python tool: at most {per_call / 1024:.1f} GiB a call ({how}), {workers} calls at once (--tool-workers): "
-            f"{workers * per_call / 1024:.1f} GiB of host memory at worst")
+        per_call, how = lim["memory_mb"], "a memory cgroup holds each call's jail: tmpfs, sockets, inodes included"
+    else:  # RLIMIT_AS is per process; the kernel's own memory for a call's sockets, pipes and files has no rlimit
+        socket_kib = int(_read("/proc/sys/net/core/wmem_default") or 212992) >> 10
+        pipes_mib = int(_read("/proc/sys/fs/pipe-user-pages-soft") or 16384) / 256  # a user's pipes past 4 KiB each
+        buffers = lim["processes"] * OPEN_FILES * socket_kib / 1024 + pipes_mib
+        inodes = os.sysconf("SC_PHYS_PAGES") // 2  # a tmpfs's files, whatever its size (~1 KiB each)
+        per_call = lim["processes"] * lim["memory_mb"] + 2 * lim["disk_mb"] + buffers + 2 * inodes / 1024
+        how = (
+            f"no memory cgroup here (root or a delegated cgroup makes one): {lim['memory_mb']} MiB caps each process, "
+            f"not the call: {lim['processes']} processes, two tmpfs of {lim['disk_mb']} MiB, and kernel memory "
+            f"no rlimit counts: {buffers / 1024:.1f} GiB of socket and pipe buffers ({OPEN_FILES} descriptors "
+            f"a process, {socket_kib} KiB each), {2 * inodes / 2**20:.1f} GiB of tmpfs inodes ({inodes} files a tmpfs)"
+        )
+    return (
+        f"python tool: at most {per_call / 1024:.1f} GiB a call ({how}), {workers} calls at once (--tool-workers): "
+        f"{workers * per_call / 1024:.1f} GiB of host memory at worst, on a machine of {ram_gib:.1f} GiB"
+    )
 
 
 def descendants(pid: int) -> list[int]:
@@ -220,6 +237,8 @@ def jail_command(*, code_fd: int, seccomp_fd: int, lim: dict) -> list[str]:
     cmd += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]  # as root the jail's uid is root's: read-only
     for path in ("/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs"):  # sysctls, sysrq, devices
         cmd += ["--ro-bind-try", path, path]
+    for path in closed_proc_entries():  # as root the jail's uid is root's: it could read them
+        cmd += ["--tmpfs", path, "--remount-ro", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
     cmd += ["--dev", "/dev", "--size", str(lim["disk_mb"] << 20), "--tmpfs", "/dev/shm",
             "--size", str(lim["disk_mb"] << 20), "--tmpfs", "/tmp"]
     for prefix in python_prefixes():  # read-only
@@ -233,6 +252,21 @@ def python_prefixes() -> list[str]:
     """This Python's folders outside /usr: a venv, a Python of its own (pyenv, uv, conda)."""
     found = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}
     return sorted(p for p in found if p != "/usr" and not p.startswith("/usr/"))
+
+
+@functools.cache
+def closed_proc_entries() -> tuple[str, ...]:
+    """What of /proc only root may read (kernel log, page flags, slab and vmalloc layout, timers, tty drivers),
+    but /proc/sys and the processes' own folders: masked in the jail (empty), whose uid may be root's outside."""
+    found = []
+    for folder, dirs, files in os.walk("/proc"):
+        dirs[:] = [d for d in dirs if folder != "/proc" or not (d.isdigit() or d in ("sys", "self", "thread-self"))]
+        for name in dirs + files:
+            mode = os.lstat(os.path.join(folder, name)).st_mode
+            if not (stat.S_ISLNK(mode) or mode & stat.S_IROTH):
+                found.append(os.path.join(folder, name))
+        dirs[:] = [d for d in dirs if os.path.join(folder, d) not in found]
+    return tuple(found)
 
 
 @functools.cache
@@ -265,6 +299,9 @@ def seccomp_filter() -> bytes:
     # AF_VSOCK (network namespaces don't hold it). socket's domain is an int: the kernel reads the low 32 bits of the
     # 64-bit argument, so the rule compares those alone, or (1 << 32) | 40 would pass it and open a vsock
     f.add_rule(pyseccomp.ERRNO(1), "socket", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0xFFFFFFFF, 40))
+    for option in (7, 8):  # SOL_SOCKET's SO_SNDBUF, SO_RCVBUF: a socket queues its default (208 KiB), not 8 MiB
+        level, name = (pyseccomp.Arg(i, pyseccomp.MASKED_EQ, 0xFFFFFFFF, value) for i, value in ((1, 1), (2, option)))
+        f.add_rule(pyseccomp.ERRNO(1), "setsockopt", level, name)
     fd = _memfd("seccomp", b"")
     with os.fdopen(fd, "w+b") as file:
         f.export_bpf(file)
@@ -310,13 +347,13 @@ def read_bounded(proc, *, seconds: float, keep: int) -> tuple[bytes, bytes, int,
 
 
 # ----------------------------------------------------------------------------------------------
-# cgroups: memory and processes of the whole jail, where this process may make them
+# cgroups: memory, processes and CPU share of the whole jail, where this process may make them
 
 
 @functools.cache
 def cgroup_parents() -> tuple[tuple[str, tuple[str, ...]], ...]:
     """The cgroup folders this process may make children in, each with its limit files: this process's
-    own cgroup in a v2 hierarchy whose children get memory and pids, or in v1's memory and pids ones."""
+    own cgroup in a v2 hierarchy whose children get memory and pids (and cpu), or in v1's memory, pids, cpu."""
     parents, own = [], {}
     for line in open("/proc/self/cgroup").read().splitlines():
         _, controllers, path = line.split(":", 2)
@@ -325,7 +362,7 @@ def cgroup_parents() -> tuple[tuple[str, tuple[str, ...]], ...]:
     for line in open("/proc/self/mountinfo").read().splitlines():
         fields, (fstype, _, options) = line.split(" - ")[0].split(), line.split(" - ")[1].split()
         mount_root, mount_point = fields[3], fields[4]
-        found = [c for c in ("memory", "pids") if fstype == "cgroup" and c in options.split(",")]
+        found = [c for c in ("memory", "pids", "cpu") if fstype == "cgroup" and c in options.split(",")]
         if fstype == "cgroup2":
             found = ["(v2)"]
         for c in found:
@@ -335,8 +372,9 @@ def cgroup_parents() -> tuple[tuple[str, tuple[str, ...]], ...]:
             if c == "(v2)":
                 enabled = _read(os.path.join(where, "cgroup.subtree_control")).split()
                 files = ("memory.max", "memory.swap.max", "pids.max") if {"memory", "pids"} <= set(enabled) else ()
+                files += ("cpu.weight",) if files and "cpu" in enabled else ()
             else:
-                files = ("memory.limit_in_bytes",) if c == "memory" else ("pids.max",)
+                files = {"memory": ("memory.limit_in_bytes",), "pids": ("pids.max",), "cpu": ("cpu.shares",)}[c]
             if files and os.access(where, os.W_OK):
                 parents.append((where, files))
     return tuple(parents)
@@ -354,13 +392,16 @@ _calls = itertools.count()
 
 
 def make_cgroups(lim: dict) -> list[str]:
-    """A fresh cgroup per call in each parent, with the call's limits; [] where none can be made."""
-    made = []
+    """A fresh cgroup per call in this process's group of each parent (trainer_group), with the call's limits;
+    [] where none can be made."""
+    made, call = [], str(next(_calls))
     values = {"memory.max": lim["memory_mb"] << 20, "memory.limit_in_bytes": lim["memory_mb"] << 20,
               "memory.swap.max": 0, "pids.max": lim["processes"]}
+    values.update({"cpu.shares": 1024, "cpu.weight": 100})  # v1's and v2's default: the calls weigh alike
     for parent, files in cgroup_parents():
-        path = os.path.join(parent, f"sandbox-{os.getpid()}-{next(_calls)}")
+        path = os.path.join(parent, f"sandbox-{os.getpid()}", call)
         try:
+            trainer_group(os.path.dirname(path))
             os.mkdir(path)
             made.append(path)
             for name in files:
@@ -370,6 +411,21 @@ def make_cgroups(lim: dict) -> list[str]:
             remove_cgroups(made)
             raise RuntimeError(f"could not set up the sandbox's cgroup {path}: {e}") from None
     return made
+
+
+@functools.cache
+def trainer_group(path: str) -> str:
+    """This process's cgroup (`path`: <parent>/sandbox-<pid>), made at its first call, removed at exit: its calls'
+    go in it and share its CPU weight, a new group's default, one process's at nice 0, however many run. 16 busy
+    calls slowed the trainer's own thread 6.6x on 2 cores, each call weighing as a process; now 1.5x, and a lone call
+    beside busy processes is not starved as a small weight per call would be (bench/results/sandbox_cpu.json)."""
+    os.makedirs(path, exist_ok=True)
+    enabled = _read(os.path.join(os.path.dirname(path), "cgroup.subtree_control")).split()  # v2: pass them on
+    if enabled:
+        with open(os.path.join(path, "cgroup.subtree_control"), "w") as f:
+            f.write(" ".join("+" + c for c in ("memory", "pids", "cpu") if c in enabled))
+    atexit.register(remove_cgroups, [path])
+    return path
 
 
 def remove_cgroups(paths: list[str]):

@@ -16,13 +16,16 @@ what the jail must refuse; read the reply for what it reached. A case marked xfa
 found and not yet fixed (its reason says what and why): when sandbox.py closes it, the case passes, pytest
 reports XPASS as a failure, and the mark should go.
 
-At the end: the same limits through a SandboxFusion server (tests/stand_in_sandbox.py), what a person
+Then the same programs with the trainer as an ordinary user (test_attacks_as_an_ordinary_user: no cgroup,
+rlimits only, 16 calls at once, one subprocess as user 65534: tests/user_trainer.py), where the test runs as
+root. At the end: the same limits through a SandboxFusion server (tests/stand_in_sandbox.py), what a person
 meets when the jail can't run (one line, exit 2, nothing written), and a run with the python tool in each
 sandbox.
 
-    pytest tests/test_sandbox.py -q --durations=10      # ~70 s on 2 cores; skipped without bubblewrap
+    pytest tests/test_sandbox.py -q -n 2 --durations=10  # 70 s on 2 quiet cores, ~9 s more with the user batch
 """
 
+import json
 import os
 import platform
 import re
@@ -32,13 +35,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
 import pytest
 
 import sandbox
-from sandbox import LIMITS, cgroup_parents, run_program
+from sandbox import LIMITS, OPEN_FILES, cgroup_parents, run_program
 from tools import call_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +57,9 @@ SECRETS = (WANDB_KEY, HF_TOKEN, SECRET_ARGV, SECRET_IN_MEMORY, SECRET_FILE)
 PWNED = f"PWNED-{os.getpid()}"  # the file name programs try to create on the host
 DISK = os.stat("/").st_dev  # the host's disk, as a device number a program could mknod
 HOST_STAT = {path: os.stat(path) for path in ("/usr/bin/env", os.path.realpath(sys.executable))}
+# /proc's root-only (0400) files and folders: this kernel's, and four that every kernel has
+PROC_CLOSED = sorted({"/proc/kpageflags", "/proc/slabinfo", "/proc/vmallocinfo", "/proc/timer_list"}.union(
+    sandbox.closed_proc_entries()))
 
 
 def has_cgroup(limit_file: str) -> bool:
@@ -69,8 +76,6 @@ def jail_host_uid() -> int:
     uid_map can't say: bwrap's --disable-userns nests a second user namespace, mapped to the first's root).
     0 (root) is what the kernel checks some /proc files against instead of capabilities, and exempts from
     RLIMIT_NPROC; sandbox.outside_user makes it 65534 where it can."""
-    import threading
-
     call = threading.Thread(target=run_program, args=("import time; time.sleep(2)",))
     call.start()
     try:
@@ -108,7 +113,7 @@ def stand_in(tmp_path_factory):
     (secret_dir / "secret.txt").write_text(SECRET_FILE)
     values = {"TRAINER_PID": os.getpid(), "TRAINER_PGID": os.getpgid(0), "WORKER_PID": worker.pid,
               "PORT": tcp.getsockname()[1], "ABSTRACT": f"sandbox-test-{os.getpid()}", "SECRET_DIR": str(secret_dir),
-              "REPO": ROOT, "HOME_DIR": os.path.expanduser("~"), "PWNED": PWNED}
+              "REPO": ROOT, "HOME_DIR": os.path.expanduser("~"), "PWNED": PWNED, "PROC_CLOSED": PROC_CLOSED}
     yield {"values": values, "tcp": tcp, "unix": unix, "worker": worker, "secret_dir": str(secret_dir)}
     worker.kill()
     worker.wait()
@@ -127,15 +132,31 @@ def rss_mb() -> float:
     return int(re.search(r"VmRSS:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) / 1024
 
 
-def jail_pids() -> set[int]:
+def available_mb() -> float:
+    return int(re.search(r"MemAvailable:\s+(\d+) kB", open("/proc/meminfo").read()).group(1)) / 1024
+
+
+# The host's available memory may fall by a call's memory_mb and this much during it: the jail's own processes
+# (bwrap, page tables), and whatever else the machine runs meanwhile (the other test worker). The attacks that
+# got past the limits took 1.5 to 9.4 GB.
+HOST_MARGIN_MB = 1024
+
+
+def lowest_available(done: threading.Event, available: list[float]):
+    """Append the host's available memory every 10 ms until `done`."""
+    while not done.wait(0.01):
+        available.append(available_mb())
+
+
+def jail_pids(owner: int = 0) -> set[int]:
     """Live processes this test process's jails could have left: those in another pid namespace than this test's
     (every process a program starts is in its jail's), and any running the bootstrap or bwrap, less those whose
     environment names another owner (SANDBOX_OWNER: another test worker's or another trainer's jails). Compared
     before and after a call, so a process that was there before (another container's) never counts; a marker in
     the program's argv would miss what it execs, and a parent-pid walk misses what re-parents to init. Zombies
     don't count: a jail killed at its deadline leaves its pid 1 dead, for the host's init to reap (this machine's
-    init takes ~2 s), holding no memory and running nothing."""
-    mine, owner, found = os.readlink("/proc/self/ns/pid"), f"SANDBOX_OWNER={os.getpid()}".encode(), set()
+    init takes ~2 s), holding no memory and running nothing. `owner`: another trainer's pid, for its jails."""
+    mine, owner, found = os.readlink("/proc/self/ns/pid"), f"SANDBOX_OWNER={owner or os.getpid()}".encode(), set()
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -168,15 +189,23 @@ def run_jailed(code: str, trainer: dict, **limits) -> tuple[str | TimeoutError, 
     TimeoutError raised; seconds taken). Asserts what must hold after any program whatever it did."""
     values = trainer["values"]
     code = re.sub("|".join(rf"\b{name}\b" for name in values), lambda m: str(values[m.group(0)]), code)
-    pids, folders, rss = jail_pids(), leftover_folders(), rss_mb()
+    pids, folders, rss, available = jail_pids(), leftover_folders(), rss_mb(), [available_mb()]
+    done = threading.Event()
+    watch = threading.Thread(target=lowest_available, args=(done, available))
+    watch.start()
     t0 = time.monotonic()
     try:
         reply = run_program(code, sandbox="bwrap", limits=limits or None)
     except TimeoutError as e:
         reply = e
+    finally:
+        done.set()
+        watch.join()
     took = time.monotonic() - t0
     text = str(reply)
     assert rss_mb() - rss < 200, f"the trainer's RSS grew {rss_mb() - rss:.0f} MB during one call"
+    cap = {**LIMITS, **limits}["memory_mb"] + HOST_MARGIN_MB
+    assert available[0] - min(available) < cap, f"the host's available memory fell {available[0] - min(available):.0f} MB"
     assert not [s for s in SECRETS if s in text], f"a secret reached the reply:\n{text}"
     assert trainer["worker"].poll() is None, f"the stand-in worker died (status {trainer['worker'].returncode})"
     reached = select.select([trainer["tcp"], trainer["unix"]], [], [], 0)[0]
@@ -214,6 +243,22 @@ def refused(*names):
     return lambda reply: all(re.search(rf"^{re.escape(n)} [A-Za-z]*[Ee]rror", reply, re.M) for n in names) and "DONE" not in reply
 
 
+# What bench/results/summary.json counts. sandbox_attacks_contained: every item of these tests, run as root.
+# sandbox_attacks_contained_nonroot: every program of user_attacks() but forks_hold_memory (the documented hole).
+ATTACK_TESTS = (
+    "test_program_is_contained",
+    "test_program_cannot_outlive_its_limit",
+    "test_without_a_cgroup_the_deadline_still_ends_every_process",
+    "test_an_exit_code_is_not_taken_for_a_signal",
+    "test_disk_stops_at_disk_mb",
+    "test_big_allocation_fails_inside",
+    "test_forks_touching_600_mb_each_are_killed",
+    "test_fork_bomb_stops_at_the_process_cap",
+    "test_output_flood_is_cut",
+    "test_file_descriptors_and_threads_are_capped",
+    "test_socket_buffers_are_bounded",
+    "test_empty_files_count_against_the_memory_cgroup",
+)
 X86_64 = pytest.mark.skipif(platform.machine() != "x86_64", reason="the programs use x86_64 system call numbers")
 
 
@@ -370,13 +415,10 @@ ESCAPE = [  # route 1: undo the jail
                  "    open('/proc/sys/fs/lease-break-time', 'w').write(value)  # the value it has: nothing changes on the host\n"
                  "    print('host sysctl write DONE')\nexcept OSError as e:\n    print('host sysctl write', type(e).__name__)",
                  lambda r: "core_pattern writable False" in r and "write DONE" not in r, id="proc_sys_write"),
-    pytest.param(ATTEMPT + "for p in ('/proc/kpageflags', '/proc/slabinfo', '/proc/vmallocinfo', '/proc/timer_list'):\n"
-                 "    attempt(p, lambda: open(p, 'rb').read(64))",
-                 refused("/proc/kpageflags", "/proc/slabinfo", "/proc/vmallocinfo", "/proc/timer_list"), id="proc_root_only_files",
-                 marks=pytest.mark.xfail(JAIL_HOST_UID == 0, strict=True, reason=(
-                     "KNOWN (information, sandbox.py's docstring): where bwrap must run as root (user 65534 can't read "
-                     "this Python), root-only (0400) kernel files in the jail's /proc are readable: page flags, slab and "
-                     "vmalloc layout, timers; not the trainer's data"))),
+    pytest.param("import os\nfor p in PROC_CLOSED:  # root-only: masked (empty), or closed where the jail's uid isn't root's\n"
+                 "    try:\n        print(p, 'read', len(os.listdir(p) if os.path.isdir(p) else open(p, 'rb').read(4096)))\n"
+                 "    except OSError as e:\n        print(p, type(e).__name__)",
+                 lambda r: all(re.search(rf"^{p} (read 0|\w+Error)$", r, re.M) for p in PROC_CLOSED), id="proc_root_only_files"),
 ]
 
 TRAINER = [  # route 2: reach the trainer's secrets, processes, files and network
@@ -501,20 +543,27 @@ def test_without_a_cgroup_the_deadline_still_ends_every_process(code, printed, t
     outlive_the_limit(code, printed, trainer)
 
 
+EXIT_152 = "import os; print('answer 42', flush=True); os._exit(152)"
+
+
 def test_an_exit_code_is_not_taken_for_a_signal(trainer):
     """bwrap exits 128 + n for a program killed by signal n, and 152 for one that exits 152 itself: that program's
     output comes back, not 'used more than N s of CPU time' (the kernel's CPU count tells RLIMIT_CPU's kill)."""
-    reply, _ = run_jailed("import os; print('answer 42', flush=True); os._exit(152)", trainer)
+    reply, _ = run_jailed(EXIT_152, trainer)
     assert reply == "answer 42\n", reply
 
 
 def outlive_the_limit(code, printed, trainer):
     reply, took = run_jailed(code, trainer, seconds=2)
-    assert took < 3, f"the call took {took:.1f} s with seconds=2"
-    if printed is None:  # still running at the deadline
-        assert isinstance(reply, TimeoutError), f"expected a TimeoutError, got:\n{reply}"
-    else:  # the program exited (its leftovers went with its pid namespace)
-        assert reply == (printed + "\n" if printed else ""), f"unexpected reply:\n{reply}"
+    assert ended_in_time(reply, took, printed), f"took {took:.1f} s with seconds=2 (printed {printed!r}):\n{reply}"
+
+
+def ended_in_time(reply, took: float, printed: str | None) -> bool:
+    """Within seconds (2) + 1: a TimeoutError for a program still running then (`printed` None), else what it
+    printed (its leftovers went with its pid namespace)."""
+    if printed is None:
+        return took < 3 and isinstance(reply, TimeoutError)
+    return took < 3 and reply == (printed + "\n" if printed else "")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -552,10 +601,19 @@ def test_disk_stops_at_disk_mb(folders, errno, trainer):
     assert shutil.disk_usage("/").used - used < LIMITS["disk_mb"] << 19, "the host's disk filled up during the call"
 
 
+BIG_ALLOCATION = ATTEMPT + (
+    "import mmap\nattempt('bytearray', bytearray, 8 << 30)\n"
+    "attempt('mmap', mmap.mmap, -1, 8 << 30)"
+)
+
+
+def big_allocation_refused(reply: str) -> bool:
+    return refused("bytearray", "mmap")(reply) and "bytearray MemoryError" in reply and "mmap OSError 12" in reply
+
+
 def test_big_allocation_fails_inside(trainer):
-    code = ATTEMPT + "import mmap\nattempt('bytearray', bytearray, 8 << 30)\nattempt('mmap', mmap.mmap, -1, 8 << 30)"
-    reply, _ = run_jailed(code, trainer)
-    assert refused("bytearray", "mmap")(reply) and "bytearray MemoryError" in reply and "mmap OSError 12" in reply, reply
+    reply, _ = run_jailed(BIG_ALLOCATION, trainer)
+    assert big_allocation_refused(reply), reply
 
 
 @pytest.mark.skipif(not MEMORY_CGROUP, reason="no memory cgroup here: RLIMIT_AS caps each process, not the jail (sandbox.py's docstring)")
@@ -579,13 +637,18 @@ print('held 600 MB', statuses.count(0), 'killed', sum(os.WIFSIGNALED(s) for s in
     assert held < 2, f"{held} processes held 600 MB at once past memory_mb={LIMITS['memory_mb']}:\n{reply}"
 
 
+FORKS_COUNTED = (
+    "import os, time\nn = failed = 0\nwhile failed < 20:\n    try:\n        if os.fork() == 0:\n"
+    "            time.sleep(30)\n        n += 1\n    except OSError as e:\n        failed += 1\nprint('forked', n)"
+)
+FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+
+
 @pytest.mark.skipif(not PROCESS_CAP, reason="no pids cgroup, and bwrap runs as root, exempt from RLIMIT_NPROC (sandbox.py's docstring)")
 def test_fork_bomb_stops_at_the_process_cap(trainer):
-    counted = "import os, time\nn = failed = 0\nwhile failed < 20:\n    try:\n        if os.fork() == 0:\n" \
-              "            time.sleep(30)\n        n += 1\n    except OSError as e:\n        failed += 1\nprint('forked', n)"
-    reply, _ = run_jailed(counted, trainer, seconds=3)
+    reply, _ = run_jailed(FORKS_COUNTED, trainer, seconds=3)
     assert int(re.search(r"forked (\d+)", reply).group(1)) < LIMITS["processes"], reply
-    reply, took = run_jailed("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", trainer, seconds=2)
+    reply, took = run_jailed(FORK_BOMB, trainer, seconds=2)
     assert isinstance(reply, TimeoutError) and took < 3, (reply, took)
 
 
@@ -603,15 +666,194 @@ def test_output_flood_is_cut(code, seconds, trainer):
         assert code.startswith("while True"), f"a finite flood timed out: {reply}"
 
 
+PIPES = (
+    "import os\nn = 0\ntry:\n    while True:\n        os.pipe(); n += 2\nexcept OSError as e:\n"
+    "    print(type(e).__name__, e.errno)\nprint('fds', n)"
+)
+THREADS = ("import threading, time\nn = 0\ntry:\n    while n < 5000:\n"
+           "        threading.Thread(target=time.sleep, args=(5,), daemon=True).start(); n += 1\n"
+           "except RuntimeError as e:\n    print(e)\nprint('threads', n)")
+
+
+def pipes_capped(reply: str) -> bool:
+    return "OSError 24" in reply and int(re.search(r"fds (\d+)", reply).group(1)) <= OPEN_FILES  # EMFILE
+
+
+def threads_capped(reply: str, cap: int) -> bool:
+    return "can't start new thread" in reply and int(re.search(r"threads (\d+)", reply).group(1)) < cap
+
+
 def test_file_descriptors_and_threads_are_capped(trainer):
-    reply, _ = run_jailed("import os\nn = 0\ntry:\n    while True:\n        os.pipe(); n += 2\nexcept OSError as e:\n"
-                          "    print(type(e).__name__, e.errno)\nprint('fds', n)", trainer)
-    assert "OSError 24" in reply and int(re.search(r"fds (\d+)", reply).group(1)) <= 256, reply  # EMFILE at RLIMIT_NOFILE
-    reply, _ = run_jailed("import threading, time\nn = 0\ntry:\n    while n < 5000:\n"
-                          "        threading.Thread(target=time.sleep, args=(5,), daemon=True).start(); n += 1\n"
-                          "except RuntimeError as e:\n    print(e)\nprint('threads', n)", trainer)
-    cap = LIMITS["processes"] if PROCESS_CAP else 256  # else RLIMIT_AS bounds their stacks
-    assert "can't start new thread" in reply and int(re.search(r"threads (\d+)", reply).group(1)) < cap, reply
+    reply, _ = run_jailed(PIPES, trainer)
+    assert pipes_capped(reply), reply
+    reply, _ = run_jailed(THREADS, trainer)
+    assert threads_capped(reply, LIMITS["processes"] if PROCESS_CAP else 1024), reply  # else RLIMIT_AS: their stacks
+
+
+SOCKETS = r"""
+import socket
+try:  # the kernel's cap on a socket's buffer is 4 MiB here (net.core.wmem_max): 8 MiB queued a socket
+    socket.socket().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    print('sndbuf DONE')
+except OSError as e:
+    print('sndbuf', e.errno)
+pairs, queued, chunk = [], 0, b'x' * 65536
+try:
+    while True:  # unix socket pairs, both ends full, until the descriptors run out
+        pairs.append(socket.socketpair())
+        for end in pairs[-1]:
+            end.setblocking(False)
+            try:
+                while True:
+                    queued += end.send(chunk)
+            except BlockingIOError:
+                pass
+except OSError as e:
+    print('pairs', len(pairs), 'errno', e.errno)
+print('queued KiB', queued >> 10)
+"""
+
+
+def socket_buffers_bounded(reply: str) -> bool:
+    """SO_SNDBUF refused (EPERM), then EMFILE at OPEN_FILES, each descriptor's socket holding at most its default
+    buffer (208 KiB here; one 64 KiB send over)."""
+    per_socket_kib = int(open("/proc/sys/net/core/wmem_default").read()) // 1024 + 64
+    queued = int(re.search(r"queued KiB (\d+)", reply).group(1))
+    return "sndbuf 1" in reply and "errno 24" in reply and queued <= OPEN_FILES * per_socket_kib
+
+
+def test_socket_buffers_are_bounded(trainer):
+    """Kernel memory no rlimit counts: 28 processes x 120 full socket pairs queued 1.5 GB, and SO_SNDBUF takes a socket
+    to 8 MiB. With a cgroup it counts them; without one, this is the bound (memory_bound says it)."""
+    reply, _ = run_jailed(SOCKETS, trainer)
+    assert socket_buffers_bounded(reply), reply
+
+
+INODES = "import os\nn = 0\nwhile True:\n    os.close(os.open(f'/tmp/{n}', os.O_CREAT | os.O_WRONLY))\n    n += 1"
+
+
+@pytest.mark.skipif(not MEMORY_CGROUP, reason="no memory cgroup here: the start-up line says what tmpfs inodes can take")
+def test_empty_files_count_against_the_memory_cgroup(trainer):
+    """A tmpfs's size counts blocks, not files: empty files took ~1 GB of kernel memory (~1 KiB each). The call's
+    memory cgroup counts them: at 128 MiB the program is killed after ~100k files (0.5 s here)."""
+    reply, took = run_jailed(INODES, trainer, memory_mb=128)
+    assert "killed by Killed" in str(reply) and took < 5, (reply, took)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer as an ordinary user (most cluster jobs): no cgroup, rlimits only. The programs above run as the
+# rollout runs them, 16 at once, by a stand-in trainer as user 65534 (tests/user_trainer.py), in one process
+
+AS_NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
+# Not contained without a cgroup, and said at start (memory_bound): RLIMIT_AS caps each process, not the call. Three
+# processes each hold 200 MB, each refused memory_mb alone. (Empty files in the jail's tmpfs, kernel memory, are not
+# run: without a cgroup nothing stops them but the deadline; the start-up line says what they can take.)
+FORKS_HOLD_MEMORY = """
+import os, time
+kids = []
+for _ in range(3):
+    pid = os.fork()
+    if pid == 0:
+        b = b'x' * (200 << 20)  # touched: resident
+        try:
+            bytearray(MEMORY_MB << 20)
+            os._exit(2)
+        except MemoryError:
+            time.sleep(1)
+            os._exit(0)
+    kids.append(pid)
+print('held 200 MB', [os.waitpid(pid, 0)[1] for pid in kids].count(0))
+""".replace("MEMORY_MB", str(LIMITS["memory_mb"]))
+
+
+def user_attacks() -> dict:
+    """What test_attacks_as_an_ordinary_user runs: {name: (code, limits, contained(reply, seconds) -> bool)}, a
+    reply being what the program printed or the TimeoutError raised. The counted attacks (the summary's
+    sandbox_attacks_contained_nonroot) are all but forks_hold_memory, the documented hole."""
+    def printed(check):
+        return lambda reply, _: isinstance(reply, str) and check(reply)
+
+    runs = {p.id: (p.values[0], {}, printed(p.values[1])) for p in ESCAPE + TRAINER + FORGED
+            if not any(m.name == "skipif" and m.args[0] for m in p.marks)}
+    for p in TIME:
+        runs[p.id] = (p.values[0], {"seconds": 2}, lambda reply, took, out=p.values[1]: ended_in_time(reply, took, out))
+    return {**runs,
+            "exit_code_152": (EXIT_152, {}, printed(lambda r: r == "answer 42\n")),
+            "disk_tmp": (FILL.replace("FOLDER", "/tmp"), {},
+                         printed(lambda r: megabytes_written(r) <= LIMITS["disk_mb"] and "OSError 28" in r)),
+            "big_allocation": (BIG_ALLOCATION, {}, printed(big_allocation_refused)),
+            "forks_counted": (FORKS_COUNTED, {"seconds": 3},
+                              printed(lambda r: int(re.search(r"forked (\d+)", r).group(1)) < LIMITS["processes"])),
+            "fork_bomb": (FORK_BOMB, {"seconds": 2}, lambda r, took: ended_in_time(r, took, None)),
+            "print_forever": ("while True: print('x' * 1000)", {"seconds": 2},
+                              lambda r, took: ended_in_time(r, took, None)),
+            "file_descriptors": (PIPES, {}, printed(pipes_capped)),
+            "threads": (THREADS, {}, printed(lambda r: threads_capped(r, LIMITS["processes"]))),
+            "socket_buffers": (SOCKETS, {}, printed(socket_buffers_bounded)),
+            "forks_hold_memory": (FORKS_HOLD_MEMORY, {}, printed(lambda r: "held 200 MB 3" in r))}
+
+
+def user_python() -> str | None:
+    """A Python 3.10+ that user 65534 can read (and not only run: here a Python under /root's 0700 runs for it,
+    but without its own library): this one where others may read it, else the system's."""
+    can_read = ("import ctypes, os, sys\nassert sys.version_info >= (3, 10)\n"
+                "assert os.access(os.path.realpath(sys.executable), os.R_OK)")
+    for python in dict.fromkeys([sys.executable, shutil.which("python3") or "/", "/usr/bin/python3"]):
+        check = [*AS_NOBODY, python, "-c", can_read]
+        if subprocess.run(check, capture_output=True).returncode == 0:
+            return python
+    return None
+
+
+# The host's available memory during the whole batch: 16 calls at once, the most memory-hungry holding 600 MB
+# (forks_hold_memory), a full 64 MB tmpfs, 1.3 MB of socket buffers and 16 interpreters; the rest is margin
+USER_MARGIN_MB = 2048
+
+
+def test_attacks_as_an_ordinary_user(monkeypatch):
+    """Every program above, as a trainer that is an ordinary user runs it: no cgroup (asserted), bwrap as that user,
+    16 calls at once; each contained as its own test asserts as root, and forks_hold_memory not (said at start)."""
+    if os.geteuid() != 0:
+        pytest.skip(f"this test process is user {os.geteuid()} already: the tests above ran as an ordinary user")
+    python = user_python()
+    assert python, "no Python user 65534 can read (this one is in a folder others can't read): apt-get install python3"
+    folder = tempfile.mkdtemp(prefix="sandbox-user-")  # readable by that user: sandbox.py, pyseccomp, the trainer
+    import pyseccomp
+
+    for path in (os.path.join(ROOT, "sandbox.py"), os.path.join(ROOT, "tests", "user_trainer.py"), pyseccomp.__file__):
+        shutil.copy(path, folder)
+    os.chmod(folder, 0o755)
+    attacks = user_attacks()
+    given = {"programs": {name: [code, limits] for name, (code, limits, _) in attacks.items()},
+             "values": {"PWNED": PWNED, "PROC_CLOSED": PROC_CLOSED}}
+    secrets = {"WANDB_API_KEY": WANDB_KEY, "HF_TOKEN": HF_TOKEN, "SECRET_ARGV": SECRET_ARGV, "SECRET_FILE": SECRET_FILE}
+    before = jail_pids(owner=-1)  # processes of other pid namespaces already here: not this test's
+    proc = subprocess.Popen([*AS_NOBODY, python, "user_trainer.py"], cwd=folder, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={"PATH": "/usr/bin:/bin", **secrets})
+    try:
+        proc.stdin.write(json.dumps(given) + "\n")
+        proc.stdin.flush()
+        assert select.select([proc.stdout], [], [], 120)[0], "the stand-in trainer did not answer in 120 s"
+        out = json.loads(proc.stdout.readline())
+        deadline = time.monotonic() + 2  # killed processes take a moment to go
+        while (survivors := jail_pids(owner=out["pid"]) - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pwned = host_pwned(out["home"]) + [p for p in [os.path.join(folder, PWNED)] if os.path.lexists(p)]
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        shutil.rmtree(folder)
+    monkeypatch.setattr(sandbox, "cgroup_parents", lambda: ())
+    assert out["uid"] == 65534 and out["cgroups"] == [] and out["memory_bound"] == sandbox.memory_bound(16), out
+    replies = {name: TimeoutError(r["timeout"]) if isinstance(r, dict) else r for name, r in out["replies"].items()}
+    failed = {name: replies[name] for name, (_, _, contained) in attacks.items()
+              if not contained(replies[name], out["seconds"][name])}
+    assert not failed, f"not contained as user 65534 ({len(failed)} of {len(attacks)}):\n" + "\n".join(
+        f"{name} ({out['seconds'][name]:.1f} s): {reply}" for name, reply in failed.items())
+    assert not [s for s in SECRETS if any(s in str(r) for r in replies.values())], "a secret reached a reply"
+    assert out["worker_alive"] and not out["reached"] and not out["folders_left"], out
+    assert not survivors and not pwned, f"processes outlived their calls: {survivors}; written on the host: {pwned}"
+    assert out["rss_growth_mb"] < 200 and out["available_drop_mb"] < USER_MARGIN_MB, out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -620,11 +862,33 @@ def test_file_descriptors_and_threads_are_capped(trainer):
 
 @pytest.mark.skipif(not cgroup_parents(), reason="calls get no cgroup here")
 def test_cgroups_are_removed(trainer):
+    """Each call's cgroups go when it returns; this process's own group (its calls' parent) when it exits."""
     for code in ("print(1)", "import os\nif os.fork() == 0:\n    os.setsid(); import time; time.sleep(60)", "while True: pass"):
         run_jailed(code, trainer, seconds=1)
-    left = [os.path.join(parent, name) for parent, _ in cgroup_parents() for name in os.listdir(parent)
-            if name.startswith(f"sandbox-{os.getpid()}-")]
+    groups = [os.path.join(parent, f"sandbox-{os.getpid()}") for parent, _ in cgroup_parents()]
+    left = [os.path.join(g, name) for g in groups for name in os.listdir(g) if name.isdigit()]
     assert not left, f"cgroups left behind: {left}"
+    exited = subprocess.run([sys.executable, "-c", "import os, sandbox\nsandbox.run_program('print(1)')\nprint(os.getpid())"],
+                            cwd=ROOT, capture_output=True, text=True, check=True)
+    pid = exited.stdout.split()[-1]
+    assert not [p for p, _ in cgroup_parents() if os.path.exists(os.path.join(p, f"sandbox-{pid}"))], exited.stdout
+
+
+@pytest.mark.skipif(not (has_cgroup("cpu.shares") or has_cgroup("cpu.weight")), reason="calls get no cpu cgroup here")
+def test_calls_share_one_process_worth_of_cpu(trainer):
+    """Two calls at once run in their own cgroups inside this process's group, whose CPU weight is a new group's
+    default, one process's at nice 0 (bench/sandbox_bench.py measures what it costs the trainer)."""
+    calls = [threading.Thread(target=run_program, args=("import time; time.sleep(1.5)",)) for _ in range(2)]
+    for call in calls:
+        call.start()
+    time.sleep(1)
+    parent, files = next((p, f) for p, f in cgroup_parents() if {"cpu.shares", "cpu.weight"} & set(f))
+    group = os.path.join(parent, f"sandbox-{os.getpid()}")
+    running = [open(os.path.join(group, n, "cgroup.procs")).read().split() for n in os.listdir(group) if n.isdigit()]
+    for call in calls:
+        call.join()
+    weight = open(os.path.join(group, files[-1])).read().strip()
+    assert len(running) == 2 and all(running) and weight == {"cpu.shares": "1024", "cpu.weight": "100"}[files[-1]]
 
 
 def test_process_sandbox_bounds_output_and_time():
@@ -750,11 +1014,21 @@ def test_a_run_with_the_python_tool_in_each_sandbox(tool_model_dir, tmp_path, se
 
 def test_the_memory_the_python_tool_can_hold_is_said_with_and_without_a_cgroup(monkeypatch):
     """Where a memory cgroup holds each call: its cap x the calls at once. Without one (an ordinary user's job)
-    RLIMIT_AS caps each process: 32 processes x 1024 MiB + 2 x 64 MiB of tmpfs = 32896 MiB (32.1 GiB) a call."""
+    RLIMIT_AS caps each process: 32 processes x 1024 MiB + 2 x 64 MiB of tmpfs, and kernel memory no rlimit counts:
+    socket buffers (32 x 64 descriptors x 208 KiB) and a user's pipes (64 MiB), tmpfs inodes (1 KiB a file, as many
+    files a tmpfs as the machine has pages / 2: the kernel's default where only the size is set). On 16 GiB:
+    32768 + 128 + 416 + 64 + 2 x 2048 = 37472 MiB = 36.6 GiB a call, x 16 = 585.5 GiB."""
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
     monkeypatch.setattr(sandbox, "cgroup_parents", lambda: (("/c", ("memory.max", "pids.max")),))
-    assert sandbox.memory_bound(16) == ("python tool: at most 1.0 GiB a call (a memory cgroup holds each call's jail, its "
-                                        "tmpfs included), 16 calls at once (--tool-workers): 16.0 GiB of host memory at worst")
+    assert sandbox.memory_bound(16) == ("python tool: at most 1.0 GiB a call (a memory cgroup holds each call's jail: tmpfs, "
+                                        "sockets, inodes included), 16 calls at once (--tool-workers): 16.0 GiB of host "
+                                        f"memory at worst, on a machine of {ram:.1f} GiB")
     monkeypatch.setattr(sandbox, "cgroup_parents", lambda: (("/c", ("pids.max",)),))
-    line = sandbox.memory_bound(16)
-    assert line.startswith("python tool: at most 32.1 GiB a call (no memory cgroup here") and line.endswith(": 514.0 GiB "
-                                                                                                        "of host memory at worst")
+    monkeypatch.setattr(sandbox, "_read", lambda path: {"/proc/sys/net/core/wmem_default": "212992",
+                                                        "/proc/sys/fs/pipe-user-pages-soft": "16384"}[path])
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PHYS_PAGES": 4 << 20, "SC_PAGE_SIZE": 4096}[name])  # 16 GiB
+    assert sandbox.memory_bound(16) == (
+        "python tool: at most 36.6 GiB a call (no memory cgroup here (root or a delegated cgroup makes one): 1024 MiB caps "
+        "each process, not the call: 32 processes, two tmpfs of 64 MiB, and kernel memory no rlimit counts: 0.5 GiB of "
+        "socket and pipe buffers (64 descriptors a process, 208 KiB each), 4.0 GiB of tmpfs inodes (2097152 files a "
+        "tmpfs)), 16 calls at once (--tool-workers): 585.5 GiB of host memory at worst, on a machine of 16.0 GiB")
