@@ -46,7 +46,8 @@ from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag
 from reward import (EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats,
                     sampled_eval_stats, sampled_line, score_all)
 from rollout import SGLangOptions, Sampling, generate_groups, graph_batch, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
-from runlog import RunLog, StepClock, claim_run_dir, launch_time, legend, log_line, print0, progress, run_info
+from runlog import (CLIP, SAMPLES_LINE, TIMES_LINE, TRUNC, RunLog, StepClock, claim_run_dir, launch_time, legend, log_line,
+                    print0, progress, run_info)
 from server import ServerEngine, launch_servers
 from tools import TOOLS, TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
@@ -287,24 +288,13 @@ class Args:
 CPU_SIZES = {"prompts_per_step": 8, "group_size": 2, "max_new_tokens": 64, "num_eval_prompts": 16,
              "micro_batch_size": 16}
 # PLUMBING: a step's console line: (name, metric, format, what it is: the legend printed before step 1)
-CONSOLE = [
-    ("reward", "rollout/reward_mean", ".3f", "mean reward of the step's samples"),
-    ("acc", "rollout/strict_acc", ".2f", "share right in the asked format (judged as the data line says)"),
-    ("format", "rollout/format_rate", ".2f", "share with an answer in the asked format"),
-    ("len", "rollout/response_len_mean", ".0f", "mean response tokens"),
-    ("ent", "train/entropy", ".2f", "entropy per response token (nats)"),
+CONSOLE = SAMPLES_LINE + [
     ("vloss", "critic/value_loss", ".2g", "the critic's value loss"),
     ("ev", "critic/explained_var", ".2f", "explained variance: the share of the returns' variance the values explain"),
     ("gnorm", "train/grad_norm", ".2f", "the actor's gradient norm before clipping"),
-    ("rollout s", "time/generate", ".1f", "seconds generating"),
-    ("step s", "perf/step_s", ".1f", "seconds of the step"),
-    ("tok/s", "perf/rollout_tokens_per_s", ".0f", "tokens sampled per second"),
-]
-IF_NOT_0 = [  # shown after the others, on a step where they are not 0
-    ("trunc", "rollout/truncated_frac", ".2f", "share cut at --max-new-tokens (where not 0)"),
-    ("kl", "train/kl_per_response", ".2g", "KL(actor || reference) per response (where not 0)"),
-    ("clip", "train/clip_frac", ".2g", "share of tokens clipped (where not 0: several updates a batch)"),
-]
+] + TIMES_LINE
+# shown after the others, on a step where they are not 0
+IF_NOT_0 = [TRUNC, ("kl", "train/kl_per_response", ".2g", "KL(actor || reference) per response (where not 0)"), CLIP]
 
 # ----------------------------------------------------------------------------------------------
 # ALGO: the PPO pieces, pure functions of tensors (tests/test_ppo_math.py checks them by hand)

@@ -202,6 +202,23 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+# a step's console line, what grpo.py and ppo.py share: (name, metric, format, what it is: the legend printed before step 1)
+SAMPLES_LINE = [
+    ("reward", "rollout/reward_mean", ".3f", "mean reward of the step's samples"),
+    ("acc", "rollout/strict_acc", ".2f", "share right in the asked format (judged as the data line says)"),
+    ("format", "rollout/format_rate", ".2f", "share with an answer in the asked format"),
+    ("len", "rollout/response_len_mean", ".0f", "mean response tokens"),
+    ("ent", "train/entropy", ".2f", "entropy per response token (nats)"),
+]
+TIMES_LINE = [
+    ("rollout s", "time/generate", ".1f", "seconds generating"),
+    ("step s", "perf/step_s", ".1f", "seconds of the step"),
+    ("tok/s", "perf/rollout_tokens_per_s", ".0f", "tokens sampled per second"),
+]
+TRUNC = ("trunc", "rollout/truncated_frac", ".2f", "share cut at --max-new-tokens (where not 0)")
+CLIP = ("clip", "train/clip_frac", ".2g", "share of tokens clipped (where not 0: several updates a batch)")
+
+
 def log_line(label: str, metrics: dict, keys: list[tuple]) -> str:
     """One console line: 'step 12/200 | reward 0.41 | acc 0.33 | ...' from (name, metric key, format[, meaning])."""
     shown = [f"{name} {format(metrics[key], fmt)}" for name, key, fmt, *_ in keys if key in metrics]
