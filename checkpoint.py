@@ -33,7 +33,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from preflight import RENAMED, InputError, RunFailed, as_flags
 
@@ -44,8 +49,11 @@ def checkpoint_dir(out_dir: str, step: int) -> str:
 
 def latest_checkpoint(out_dir: str) -> str | None:
     """The complete checkpoint with the highest step (half-written `.tmp` folders are ignored)."""
-    done = [p for p in glob.glob(os.path.join(out_dir, "checkpoints", "step_*"))
-            if re.fullmatch(r"step_\d+", os.path.basename(p)) and os.path.isfile(os.path.join(p, "trainer.pt"))]
+    done = [
+        p
+        for p in glob.glob(os.path.join(out_dir, "checkpoints", "step_*"))
+        if re.fullmatch(r"step_\d+", os.path.basename(p)) and os.path.isfile(os.path.join(p, "trainer.pt"))
+    ]
     return max(done, key=lambda p: int(p.rsplit("_", 1)[1])) if done else None
 
 
@@ -75,13 +83,45 @@ def damage(path: str, rank: int = 0, world_size: int = 1) -> str | None:
 
 # The flags a resumed run may change: where things are and how the run runs, not what it trains. Every other flag
 # must be what the checkpoint was saved with (its trainer.pt keeps them): a resumed run trains as it started.
-HOW_IT_RUNS = {"steps", "resume", "output_dir", "run_name", "model", "critic_model", "eval_every", "eval_before_train",
-               "save_every", "keep_checkpoints", "save_on_signal", "log_samples_every", "track", "wandb_project",
-               "max_nonfinite_steps", "dist_timeout_minutes", "micro_batch_size", "max_tokens_per_micro_batch",
-               "gradient_checkpointing", "compile", "offload", "attn_implementation", "reward_model_micro_batch_size",
-               "reward_workers", "reward_timeout_s", "tool_workers", "tool_timeout_s", "python_sandbox", "rollout_engine",
-               "rollout_tp", "rollout_mode", "rollout_url", "rollout_gpus", "rollout_timeout", "rollout_sync_backend",
-               "rollout_sync_address", "sync_bucket_mb"}
+HOW_IT_RUNS = {
+    "steps",
+    "resume",
+    "output_dir",
+    "run_name",
+    "model",
+    "critic_model",
+    "eval_every",
+    "eval_before_train",
+    "save_every",
+    "keep_checkpoints",
+    "save_on_signal",
+    "log_samples_every",
+    "track",
+    "wandb_project",
+    "max_nonfinite_steps",
+    "dist_timeout_minutes",
+    "micro_batch_size",
+    "max_tokens_per_micro_batch",
+    "gradient_checkpointing",
+    "compile",
+    "offload",
+    "attn_implementation",
+    "reward_model_micro_batch_size",
+    "reward_workers",
+    "reward_timeout_s",
+    "tool_workers",
+    "tool_timeout_s",
+    "python_sandbox",
+    "rollout_engine",
+    "rollout_tp",
+    "rollout_mode",
+    "rollout_url",
+    "rollout_gpus",
+    "rollout_timeout",
+    "rollout_sync_backend",
+    "rollout_sync_address",
+    "sync_bucket_mb",
+}
 
 
 def checkpoint_to_resume(run_dir: str, resume: bool, args=None) -> str | None:
@@ -103,12 +143,16 @@ def checkpoint_to_resume(run_dir: str, resume: bool, args=None) -> str | None:
             then = {renamed.get(k, k): v for k, v in state.get("args", {}).items()}  # saved before a flag's rename too
             now = dataclasses.asdict(args) if args is not None else {}
             if changed := [k for k in now if k in then and k not in HOW_IT_RUNS and now[k] != then[k]]:
-                raise InputError(f"--resume: {path} was trained with {as_flags(then, changed)}, this command gives "
-                                 f"{as_flags(now, changed)}: resume with the flags it started with, or start a new run "
-                                 f"(--run-name)")
+                raise InputError(
+                    f"--resume: {path} was trained with {as_flags(then, changed)}, this command gives "
+                    f"{as_flags(now, changed)}: resume with the flags it started with, or start a new run "
+                    f"(--run-name)"
+                )
             if (saved := state.get("world_size", 1)) != dist.get_world_size():  # optimizer shards and RNG are per rank
-                raise InputError(f"--resume: {path} was saved by {saved} rank(s) and this run has {dist.get_world_size()}: resume it "
-                                 f"with {'plain python' if saved == 1 else f'torchrun --nproc_per_node {saved} (on one node)'}")
+                raise InputError(
+                    f"--resume: {path} was saved by {saved} rank(s) and this run has {dist.get_world_size()}: resume it "
+                    f"with {'plain python' if saved == 1 else f'torchrun --nproc_per_node {saved} (on one node)'}"
+                )
             return path
         if dist.get_rank() == 0:
             os.rename(path, path + ".damaged")
@@ -116,11 +160,16 @@ def checkpoint_to_resume(run_dir: str, resume: bool, args=None) -> str | None:
         dist.barrier()
         damaged.append(path)
     if damaged:
-        raise InputError(f"--resume: {run_dir} has no intact checkpoint (damaged: {', '.join(damaged)}, moved aside): "
-                         f"--resume again starts it from step 0")
+        raise InputError(
+            f"--resume: {run_dir} has no intact checkpoint (damaged: {', '.join(damaged)}, moved aside): "
+            f"--resume again starts it from step 0"
+        )
     if dist.get_rank() == 0:
-        print(f"--resume: {run_dir} has no checkpoint (its run stopped before the first save): starting it again from "
-              f"step 0", flush=True)
+        print(
+            f"--resume: {run_dir} has no checkpoint (its run stopped before the first save): starting it again from "
+            f"step 0",
+            flush=True,
+        )
     return None
 
 
@@ -184,16 +233,26 @@ def write_checkpoint(tmp: str, stateful: dict, hf_models: dict, tokenizer, state
         model_sd, optim_sd = get_state_dict(model, optimizer)
         sharded[f"{name}_model"], sharded[f"{name}_optim"] = model_sd, optim_sd
     dcp.save(sharded, checkpoint_id=os.path.join(tmp, "state"))  # each rank writes its own shards
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-               os.path.join(tmp, f"rng_rank{rank}.pt"))
+    torch.save(
+        {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        },
+        os.path.join(tmp, f"rng_rank{rank}.pt"),
+    )
     dist.barrier()
     missing = [r for r in range(dist.get_world_size()) if not os.path.exists(os.path.join(tmp, f"rng_rank{r}.pt"))]
     if missing:  # every rank sees the same and stops: ranks on other machines wrote into folders of their own
-        raise InputError(f"{tmp} lacks the files of ranks {missing}: --output-dir must be one folder all nodes share (NFS, Lustre)")
+        raise InputError(
+            f"{tmp} lacks the files of ranks {missing}: --output-dir must be one folder all nodes share (NFS, Lustre)"
+        )
     dist.barrier()  # every rank has looked before rank 0 renames the folder
     if rank == 0:
-        torch.save({**state, "world_size": dist.get_world_size(), "manifest": MANIFEST}, os.path.join(tmp, "trainer.pt"))
+        torch.save(
+            {**state, "world_size": dist.get_world_size(), "manifest": MANIFEST}, os.path.join(tmp, "trainer.pt")
+        )
     write_manifest(tmp)
 
 
@@ -214,10 +273,17 @@ def no_space_line(out_dir: str, step: int) -> str:
     a checkpoint takes, what is intact, what to do."""
     folder, newest = os.path.join(out_dir, "checkpoints"), latest_checkpoint(out_dir)
     takes = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(newest) for f in files) if newest else 0
-    intact = f"the earlier checkpoints are intact (newest: {os.path.basename(newest)})" if newest else "no earlier checkpoint"
-    return (f"no space left at {folder} while saving step {step} ({gib(shutil.disk_usage(out_dir).free)} free"
-            + (f", a checkpoint takes {gib(takes)}" if newest else "") + f"); {intact}: free some space or lower "
-            "--keep-checkpoints, then add --resume")
+    intact = (
+        f"the earlier checkpoints are intact (newest: {os.path.basename(newest)})"
+        if newest
+        else "no earlier checkpoint"
+    )
+    return (
+        f"no space left at {folder} while saving step {step} ({gib(shutil.disk_usage(out_dir).free)} free"
+        + (f", a checkpoint takes {gib(takes)}" if newest else "")
+        + f"); {intact}: free some space or lower "
+        "--keep-checkpoints, then add --resume"
+    )
 
 
 def gib(n: int) -> str:
@@ -272,7 +338,11 @@ def write_manifest(tmp: str):
     dist.all_gather_object(every, mine)
     if rank == 0:
         with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump({"piece_bytes": PIECE, "files": dict(sorted(kv for files in every for kv in files.items()))}, f, indent=1)
+            json.dump(
+                {"piece_bytes": PIECE, "files": dict(sorted(kv for files in every for kv in files.items()))},
+                f,
+                indent=1,
+            )
 
 
 def changed_file(path: str, rank: int = 0, world_size: int = 1) -> str | None:
@@ -280,7 +350,10 @@ def changed_file(path: str, rank: int = 0, world_size: int = 1) -> str | None:
     checksum of a piece), or None."""
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
-    files, piece = {n: v for n, v in manifest["files"].items() if owner(n) % world_size == rank}, manifest["piece_bytes"]
+    files, piece = (
+        {n: v for n, v in manifest["files"].items() if owner(n) % world_size == rank},
+        manifest["piece_bytes"],
+    )
     for name, saved in files.items():
         have = os.path.getsize(os.path.join(path, name)) if os.path.exists(os.path.join(path, name)) else -1
         if have != saved["bytes"]:
@@ -288,8 +361,10 @@ def changed_file(path: str, rank: int = 0, world_size: int = 1) -> str | None:
     now = checksums(path, {name: saved["bytes"] for name, saved in files.items()}, piece)
     for name, saved in files.items():
         if bad := [i for i, (crc, was) in enumerate(zip(now[name], saved["crc32"])) if crc != was]:
-            return (f"{name} changed since the save: bytes {bad[0] * piece}-{min(bad[0] * piece + piece, saved['bytes'])} "
-                    f"fail their checksum in {MANIFEST}")
+            return (
+                f"{name} changed since the save: bytes {bad[0] * piece}-{min(bad[0] * piece + piece, saved['bytes'])} "
+                f"fail their checksum in {MANIFEST}"
+            )
     return None
 
 
@@ -306,8 +381,9 @@ def load_checkpoint(path: str, stateful: dict) -> dict:
         sharded[f"{name}_model"], sharded[f"{name}_optim"] = model_sd, optim_sd
     dcp.load(sharded, checkpoint_id=os.path.join(path, "state"))
     for name, (model, optimizer) in stateful.items():
-        set_state_dict(model, optimizer, model_state_dict=sharded[f"{name}_model"],
-                       optim_state_dict=sharded[f"{name}_optim"])
+        set_state_dict(
+            model, optimizer, model_state_dict=sharded[f"{name}_model"], optim_state_dict=sharded[f"{name}_optim"]
+        )
     rng = torch.load(os.path.join(path, f"rng_rank{dist.get_rank()}.pt"), weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])

@@ -39,7 +39,12 @@ from reward import last_boxed, math_verify, normalize_number
 ADDITION_PROMPT = "{question} Put the final answer after ####."
 GSM8K_PROMPT = "{question}\nThink step by step, then put the final answer after ####."
 MATH_PROMPT = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}."
-KIND_RULE = {"int": "#### N", "gsm8k": "#### N", "math": "\\boxed{}, math-verify", "text": "#### text"}  # reward.correct
+KIND_RULE = {
+    "int": "#### N",
+    "gsm8k": "#### N",
+    "math": "\\boxed{}, math-verify",
+    "text": "#### text",
+}  # reward.correct
 # Columns tried in order when none are given: your own rows, GSM8K, MATH-500, MATH
 FIELDS = [("prompt", "answer"), ("question", "answer"), ("problem", "answer"), ("problem", "solution")]
 _SLOT = re.compile(r"\{(?:prompt|question)\}")
@@ -50,9 +55,9 @@ _FIELD = re.compile(r"(?<![\w\\}^_{])\{((?:[A-Za-z_]\w*|\d+)(?:[!:][^{}]*)?)\}")
 @dataclass
 class Example:
     prompt: str | list[dict]  # the user message before the chat template, or chat messages (a system prompt, own turns)
-    answer: str               # the reference final answer, e.g. "72", "\\frac{1}{2}", "Paris"
-    kind: str = "gsm8k"       # how reward.correct judges it: "int", "gsm8k", "math" or "text"
-    source: str = ""          # the dataset's short name (source_name), e.g. "gsm8k"
+    answer: str  # the reference final answer, e.g. "72", "\\frac{1}{2}", "Paris"
+    kind: str = "gsm8k"  # how reward.correct judges it: "int", "gsm8k", "math" or "text"
+    source: str = ""  # the dataset's short name (source_name), e.g. "gsm8k"
 
 
 def ask(prompt: str | list[dict], template: str, system_prompt: str | None = None) -> str | list[dict]:
@@ -60,8 +65,10 @@ def ask(prompt: str | list[dict], template: str, system_prompt: str | None = Non
     literal '\\boxed{}' stays). Chat messages: the template fills the last user message. `system_prompt`: chat
     messages with it first."""
     if not _SLOT.search(template):
-        raise InputError(f"template {template!r} has no {{prompt}}: the question would not be asked; "
-                         "e.g. '{prompt}\\nPut the final answer after ####.'")
+        raise InputError(
+            f"template {template!r} has no {{prompt}}: the question would not be asked; "
+            "e.g. '{prompt}\\nPut the final answer after ####.'"
+        )
     if isinstance(prompt, str) and not system_prompt:
         return _SLOT.sub(lambda _: prompt, template)
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
@@ -87,8 +94,9 @@ def template_rule(template: str | None, flag: str = "--prompt-template") -> tupl
 # Tasks
 
 
-def addition_task(seed: int, num_test: int = 500, template: str = ADDITION_PROMPT,
-                  system_prompt: str | None = None) -> tuple[list[Example], list[Example]]:
+def addition_task(
+    seed: int, num_test: int = 500, template: str = ADDITION_PROMPT, system_prompt: str | None = None
+) -> tuple[list[Example], list[Example]]:
     """Two-digit addition, 'What is a + b?' for a, b in 10..99 (8100 pairs), asked through `template`.
 
     A seeded shuffle of all pairs; the first `num_test` are the held-out split, so the split is
@@ -96,18 +104,23 @@ def addition_task(seed: int, num_test: int = 500, template: str = ADDITION_PROMP
     """
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
     random.Random(seed).shuffle(pairs)
-    examples = [Example(ask(f"What is {a} + {b}?", template, system_prompt), str(a + b), "int", "addition") for a, b in pairs]
+    examples = [
+        Example(ask(f"What is {a} + {b}?", template, system_prompt), str(a + b), "int", "addition") for a, b in pairs
+    ]
     return examples[num_test:], examples[:num_test]
 
 
-def multiplication_task(seed: int, num_test: int = 500, template: str = ADDITION_PROMPT,
-                        system_prompt: str | None = None) -> tuple[list[Example], list[Example]]:
+def multiplication_task(
+    seed: int, num_test: int = 500, template: str = ADDITION_PROMPT, system_prompt: str | None = None
+) -> tuple[list[Example], list[Example]]:
     """'What is a * b?' for a in 100..999 and b in 10..99: beyond what a small model does in its
     head, easy with a calculator (grpo.py --tools calculator). 8100 seeded pairs, split as addition's."""
     rng = random.Random(seed)
     pairs = list(dict.fromkeys((rng.randrange(100, 1000), rng.randrange(10, 100)) for _ in range(9000)))[:8100]
-    examples = [Example(ask(f"What is {a} * {b}?", template, system_prompt), str(a * b), "int", "multiplication")
-                for a, b in pairs]
+    examples = [
+        Example(ask(f"What is {a} * {b}?", template, system_prompt), str(a * b), "int", "multiplication")
+        for a, b in pairs
+    ]
     return examples[num_test:], examples[:num_test]
 
 
@@ -130,7 +143,9 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
         try:
             return list(enumerate(pq.read_table(path).to_pylist(), start=1))
         except Exception as e:  # pyarrow's ArrowInvalid and kin: a file cut short, or not parquet at all
-            raise InputError(f"data file {path!r} can't be read as parquet ({type(e).__name__}: {str(e)[:200]})") from None
+            raise InputError(
+                f"data file {path!r} can't be read as parquet ({type(e).__name__}: {str(e)[:200]})"
+            ) from None
     if not path.endswith(".jsonl"):
         raise InputError(f"data file {path!r}: expected a .jsonl or .parquet file")
     rows = []
@@ -139,8 +154,10 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
             try:
                 line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # -sig: a BOM some editors write
             except UnicodeDecodeError as e:
-                raise InputError(f"{path}, line {line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                                 f"save it as UTF-8 (from Latin-1: iconv -f latin1 -t utf-8 {path} > utf8.jsonl)") from None
+                raise InputError(
+                    f"{path}, line {line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                    f"save it as UTF-8 (from Latin-1: iconv -f latin1 -t utf-8 {path} > utf8.jsonl)"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -155,37 +172,70 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
 
 def is_chat(prompt) -> bool:
     """A list of {"role": str, "content": str} messages, one of them the user's."""
-    return (isinstance(prompt, list) and any(isinstance(m, dict) and m.get("role") == "user" for m in prompt)
-            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt))
+    return (
+        isinstance(prompt, list)
+        and any(isinstance(m, dict) and m.get("role") == "user" for m in prompt)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        )
+    )
 
 
-def examples_from_rows(rows: list[tuple[int, dict]], where: str, name: str, *, template: str | None = None,
-                       system_prompt: str | None = None, prompt_field: str | None = None, answer_field: str | None = None,
-                       kind: str | None = None) -> list[Example]:
+def examples_from_rows(
+    rows: list[tuple[int, dict]],
+    where: str,
+    name: str,
+    *,
+    template: str | None = None,
+    system_prompt: str | None = None,
+    prompt_field: str | None = None,
+    answer_field: str | None = None,
+    kind: str | None = None,
+) -> list[Example]:
     """Rows (line, dict) of one dataset (`where` in errors, `name` its source) -> Examples, each prompt asked through
     `template` (None: the kind's default) after `system_prompt`. Columns: prompt_field / answer_field, else the first
     pair of FIELDS in the first row. Kind: `kind`, else 'gsm8k' for 'question' rows, 'math' for 'problem' rows, and
     for others 'gsm8k' if every answer is a number, else 'text'. The answer: for math the last \\boxed{} if it has
     one (a 'solution' must), else the text after the last '####' (GSM8K's "...\\n#### 72", or just "72" or 72)."""
     if not rows:
-        raise InputError(f"{where} has no rows; each line needs {{\"prompt\": ..., \"answer\": ...}} (or GSM8K's "
-                         "question/answer, MATH's problem/solution)")
+        raise InputError(
+            f'{where} has no rows; each line needs {{"prompt": ..., "answer": ...}} (or GSM8K\'s '
+            "question/answer, MATH's problem/solution)"
+        )
     first = rows[0][1]
-    found = [(p, a) for p, a in FIELDS if prompt_field in (None, p) and answer_field in (None, a) and p in first and a in first]
-    pf, af = found[0] if found else (prompt_field or next((p for p, _ in FIELDS if p in first), "prompt"), answer_field or "answer")
+    found = [
+        (p, a)
+        for p, a in FIELDS
+        if prompt_field in (None, p) and answer_field in (None, a) and p in first and a in first
+    ]
+    pf, af = (
+        found[0]
+        if found
+        else (prompt_field or next((p for p, _ in FIELDS if p in first), "prompt"), answer_field or "answer")
+    )
     if kind not in (None, "gsm8k", "math", "text"):
-        raise InputError(f"answer kind {kind!r} (--answer-kind) is unknown: use 'gsm8k', 'math' or 'text', or leave it out")
+        raise InputError(
+            f"answer kind {kind!r} (--answer-kind) is unknown: use 'gsm8k', 'math' or 'text', or leave it out"
+        )
     kind = kind or {"question": "gsm8k", "problem": "math"}.get(pf)  # None: decided by the answers, below
     parsed = []  # (line, prompt, final answer)
     for line_no, row in rows:
         prompt, answer = row.get(pf), row.get(af)
-        if not (isinstance(prompt, str) or is_chat(prompt)) or not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
-            raise InputError(f"{where}, line {line_no}: needs a {pf!r} string and an {af!r} (the final answer, or text "
-                             f"ending in '#### <answer>'; a prompt may also be a list of chat messages, one with role "
-                             f"'user'); found {({k: type(v).__name__ for k, v in row.items()})}; other columns: "
-                             f"--prompt-field, --answer-field")
+        if (
+            not (isinstance(prompt, str) or is_chat(prompt))
+            or not isinstance(answer, (str, int, float))
+            or isinstance(answer, bool)
+        ):
+            raise InputError(
+                f"{where}, line {line_no}: needs a {pf!r} string and an {af!r} (the final answer, or text "
+                f"ending in '#### <answer>'; a prompt may also be a list of chat messages, one with role "
+                f"'user'); found { ({k: type(v).__name__ for k, v in row.items()}) }; other columns: "
+                f"--prompt-field, --answer-field"
+            )
         if system_prompt and isinstance(prompt, list) and prompt[0]["role"] == "system":
-            raise InputError(f"{where}, line {line_no}: has a system message, and --system-prompt adds another: drop one")
+            raise InputError(
+                f"{where}, line {line_no}: has a system message, and --system-prompt adds another: drop one"
+            )
         text = str(answer).strip()
         if kind == "math":
             final = last_boxed(text) if "\\boxed" in text or "\\fbox" in text else None if af == "solution" else text
@@ -195,24 +245,40 @@ def examples_from_rows(rows: list[tuple[int, dict]], where: str, name: str, *, t
     kind = kind or ("gsm8k" if all(normalize_number(a) is not None for _, _, a in parsed) else "text")
     for line_no, _, final in parsed:
         if kind == "gsm8k" and normalize_number(final) is None:
-            raise InputError(f"{where}, line {line_no}: field {af!r} has no final number: "
-                             f"end it with '#### <number>' or give just the number")
+            raise InputError(
+                f"{where}, line {line_no}: field {af!r} has no final number: "
+                f"end it with '#### <number>' or give just the number"
+            )
         if not final:
-            raise InputError(f"{where}, line {line_no}: field {af!r} has no answer" + " in a \\boxed{...} (or its "
-                             "braces don't close): box the final answer, or give it alone in 'answer'" * (kind == "math"))
+            raise InputError(
+                f"{where}, line {line_no}: field {af!r} has no answer" + " in a \\boxed{...} (or its "
+                "braces don't close): box the final answer, or give it alone in 'answer'" * (kind == "math")
+            )
     if kind == "math":
         math_verify()  # not installed: say so now, not as a reward of 0 for every sample
     template = template or (MATH_PROMPT if kind == "math" else GSM8K_PROMPT)
-    return [Example(ask(p, template, system_prompt), a.replace(",", "") if kind == "gsm8k" else a, kind, name)
-            for _, p, a in parsed]
+    return [
+        Example(ask(p, template, system_prompt), a.replace(",", "") if kind == "gsm8k" else a, kind, name)
+        for _, p, a in parsed
+    ]
 
 
-def load_examples(dataset: str, split: str, template: str | None = None, *, system_prompt: str | None = None,
-                  prompt_field: str | None = None, answer_field: str | None = None, kind: str | None = None) -> list[Example]:
+def load_examples(
+    dataset: str,
+    split: str,
+    template: str | None = None,
+    *,
+    system_prompt: str | None = None,
+    prompt_field: str | None = None,
+    answer_field: str | None = None,
+    kind: str | None = None,
+) -> list[Example]:
     """Examples (examples_from_rows) from a local file, a local folder holding `{split}.jsonl` or
     `{split}.parquet`, or a Hugging Face hub id (e.g. 'openai/gsm8k'). Anything that looks like a
     path (a .jsonl/.parquet name, './', '/', an existing folder) is never sent to the hub."""
-    fmt = dict(template=template, system_prompt=system_prompt, prompt_field=prompt_field, answer_field=answer_field, kind=kind)
+    fmt = dict(
+        template=template, system_prompt=system_prompt, prompt_field=prompt_field, answer_field=answer_field, kind=kind
+    )
     if os.path.isfile(dataset):
         return examples_from_rows(read_rows(dataset), dataset, source_name(dataset), **fmt)
     if os.path.isdir(dataset):
@@ -222,12 +288,16 @@ def load_examples(dataset: str, split: str, template: str | None = None, *, syst
                 return examples_from_rows(read_rows(path), path, source_name(dataset), **fmt)
         raise InputError(f"dataset folder {dataset!r} has no {split}.jsonl or {split}.parquet")
     if looks_like_path(dataset):
-        raise InputError(f"dataset {dataset!r}: no such file or folder ({os.path.abspath(dataset)}); "
-                         f"a hub dataset is named like 'openai/gsm8k'")
+        raise InputError(
+            f"dataset {dataset!r}: no such file or folder ({os.path.abspath(dataset)}); "
+            f"a hub dataset is named like 'openai/gsm8k'"
+        )
     try:
         import datasets  # lazy: only for hub datasets
     except ImportError:
-        raise InputError(f"dataset {dataset!r} is a hub id: pip install datasets, or pass a local .jsonl file") from None
+        raise InputError(
+            f"dataset {dataset!r} is a hub id: pip install datasets, or pass a local .jsonl file"
+        ) from None
     # PLUMBING: without the hub, `datasets` retries for half a minute before it reads its cache: ask once, quickly
     why = None if datasets.config.HF_HUB_OFFLINE else hub_unreachable(dataset, "dataset", repo_type="dataset")
     if why:
@@ -235,14 +305,25 @@ def load_examples(dataset: str, split: str, template: str | None = None, *, syst
     try:
         rows = datasets.load_dataset(dataset, "main" if dataset.endswith("gsm8k") else None, split=split)
     except ConnectionError as e:  # offline, and not in its cache
-        raise InputError(f"dataset {dataset!r} is not in the datasets cache and the hub can't be reached ({why or e}); "
-                         f"pass a local .jsonl file or folder of its rows, or load it once where the hub is reachable") from None
+        raise InputError(
+            f"dataset {dataset!r} is not in the datasets cache and the hub can't be reached ({why or e}); "
+            f"pass a local .jsonl file or folder of its rows, or load it once where the hub is reachable"
+        ) from None
     return examples_from_rows(list(enumerate(rows, start=1)), f"{dataset}[{split}]", source_name(dataset), **fmt)
 
 
-def load_task(dataset: str | list[str], eval_dataset: str | None, *, seed: int, num_eval: int, template: str | None = None,
-              system_prompt: str | None = None, prompt_field: str | None = None, answer_field: str | None = None,
-              kind: str | None = None):
+def load_task(
+    dataset: str | list[str],
+    eval_dataset: str | None,
+    *,
+    seed: int,
+    num_eval: int,
+    template: str | None = None,
+    system_prompt: str | None = None,
+    prompt_field: str | None = None,
+    answer_field: str | None = None,
+    kind: str | None = None,
+):
     """(train, at most `num_eval` held-out examples, a line saying where the held-out ones come from), every
     prompt asked through `template` (None: each kind's default) after `system_prompt`; columns and kind as in
     examples_from_rows.
@@ -252,16 +333,22 @@ def load_task(dataset: str | list[str], eval_dataset: str | None, *, seed: int, 
     single file with no --eval-dataset has no test split: a seeded 1 in 10 of its rows, by prompt, is held out.
     Several datasets (a list): their train examples concatenated and each one's held-out examples (`num_eval`
     each), every Example tagged with its source; the options apply to all of them."""
-    fmt = dict(template=template, system_prompt=system_prompt, prompt_field=prompt_field, answer_field=answer_field, kind=kind)
+    fmt = dict(
+        template=template, system_prompt=system_prompt, prompt_field=prompt_field, answer_field=answer_field, kind=kind
+    )
     if not isinstance(dataset, str) and len(dataset) == 1:
         dataset = dataset[0]
     if not isinstance(dataset, str):
         names = [source_name(d) for d in dataset]
         if eval_dataset is not None:
-            raise InputError(f"--eval-dataset {eval_dataset!r} goes with one dataset; with several, each is evaluated "
-                             f"on its own test split or held-out part")
+            raise InputError(
+                f"--eval-dataset {eval_dataset!r} goes with one dataset; with several, each is evaluated "
+                f"on its own test split or held-out part"
+            )
         if len(set(names)) < len(names):
-            raise InputError(f"datasets {dataset} share a short name ({names}): each needs its own for its metrics; rename one")
+            raise InputError(
+                f"datasets {dataset} share a short name ({names}): each needs its own for its metrics; rename one"
+            )
         parts = [load_task(d, None, seed=seed, num_eval=num_eval, **fmt) for d in dataset]
         return [e for p in parts for e in p[0]], [e for p in parts for e in p[1]], "; ".join(p[2] for p in parts)
     if dataset in BUILTIN_TASKS:
@@ -311,10 +398,11 @@ def split_rows(examples: list[Example], *, seed: int, num_eval: int, where: str)
 @dataclass
 class Pair:
     """One preference: `chosen` is a better response to `prompt` than `rejected`."""
+
     prompt: str | list[dict]  # the user message, or chat messages
     chosen: str
     rejected: str
-    group: str = ""           # the row's "group", if any (e.g. "number": the sides differ only in the number): metrics per group
+    group: str = ""  # the row's "group", if any (e.g. "number": the sides differ only in the number): metrics per group
 
 
 def load_pairs(path: str, flag: str = "--dataset") -> tuple[list[Pair], dict[str, int]]:
@@ -322,18 +410,26 @@ def load_pairs(path: str, flag: str = "--dataset") -> tuple[list[Pair], dict[str
     empty, "identical": the two sides are the same}. A row without the fields stops with an error naming the file and
     the line."""
     if not os.path.isfile(path):
-        what = "is a folder: pass a .jsonl or .parquet file" if os.path.isdir(path) else f"no such file ({os.path.abspath(path)})"
+        what = (
+            "is a folder: pass a .jsonl or .parquet file"
+            if os.path.isdir(path)
+            else f"no such file ({os.path.abspath(path)})"
+        )
         raise InputError(f"{flag} {path!r}: {what}")
     rows, pairs, skipped = read_rows(path), [], {"empty": 0, "identical": 0}
     if not rows:
-        raise InputError(f"{path} has no rows; each line needs {{\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}}")
+        raise InputError(f'{path} has no rows; each line needs {{"prompt": ..., "chosen": ..., "rejected": ...}}')
     for line_no, row in rows:
         prompt, chosen, rejected, group = (row.get(k) for k in ("prompt", "chosen", "rejected", "group"))
         group = "" if group is None else group  # absent or null: no group; 0, false, [] are not text
-        if not (isinstance(prompt, str) or is_chat(prompt)) or not all(isinstance(x, str) for x in (chosen, rejected, group)):
-            raise InputError(f"{path}, line {line_no}: needs a 'prompt' (text, or chat messages of text contents, one with role 'user'), "
-                             f"'chosen' and 'rejected' texts and optionally a 'group' text; found "
-                             f"{({k: type(v).__name__ for k, v in row.items()})}")
+        if not (isinstance(prompt, str) or is_chat(prompt)) or not all(
+            isinstance(x, str) for x in (chosen, rejected, group)
+        ):
+            raise InputError(
+                f"{path}, line {line_no}: needs a 'prompt' (text, or chat messages of text contents, one with role 'user'), "
+                f"'chosen' and 'rejected' texts and optionally a 'group' text; found "
+                f"{ ({k: type(v).__name__ for k, v in row.items()}) }"
+            )
         if not chosen.strip() or not rejected.strip():
             skipped["empty"] += 1
         elif chosen.strip() == rejected.strip():
@@ -341,8 +437,10 @@ def load_pairs(path: str, flag: str = "--dataset") -> tuple[list[Pair], dict[str
         else:
             pairs.append(Pair(prompt, chosen, rejected, group))
     if not pairs:
-        raise InputError(f"{path}: all {len(rows)} pairs were skipped ({skipped['empty']} with an empty side, "
-                         f"{skipped['identical']} with identical sides): nothing to {'train on' if flag == '--dataset' else 'evaluate'}")
+        raise InputError(
+            f"{path}: all {len(rows)} pairs were skipped ({skipped['empty']} with an empty side, "
+            f"{skipped['identical']} with identical sides): nothing to {'train on' if flag == '--dataset' else 'evaluate'}"
+        )
     return pairs, skipped
 
 
@@ -350,7 +448,9 @@ def split_pairs(pairs: list[Pair], *, seed: int, num_eval: int, where: str) -> t
     """(train, held out, a line saying so): whole prompts, in a seeded order, are held out until they hold 1 in 10 of
     the pairs (at most num_eval): a prompt's pairs (several completions of it) are all on one side, so held-out
     accuracy is measured on prompts never trained on."""
-    keys = [json.dumps(p.prompt if isinstance(p.prompt, list) else [{"role": "user", "content": p.prompt}]) for p in pairs]
+    keys = [
+        json.dumps(p.prompt if isinstance(p.prompt, list) else [{"role": "user", "content": p.prompt}]) for p in pairs
+    ]
     count, want, held, taken = Counter(keys), min(num_eval, len(pairs) // 10), set(), 0
     for key in random.Random(seed).sample(sorted(count), len(count)):
         if taken >= want:
@@ -359,15 +459,24 @@ def split_pairs(pairs: list[Pair], *, seed: int, num_eval: int, where: str) -> t
         taken += count[key]
     train, out = [p for p, k in zip(pairs, keys) if k not in held], [p for p, k in zip(pairs, keys) if k in held]
     if not want or not train:
-        raise InputError(f"{where} has {len(pairs)} pairs of {len(count)} prompts, too few to hold 1 in 10 out for "
-                         f"evaluation by prompt: pass --eval-dataset FILE")
-    return train, out, (f"held out {len(out)} pairs ({len(held)} prompts) of {where} for evaluation (seed {seed}; "
-                        f"--eval-dataset FILE to choose them)")
+        raise InputError(
+            f"{where} has {len(pairs)} pairs of {len(count)} prompts, too few to hold 1 in 10 out for "
+            f"evaluation by prompt: pass --eval-dataset FILE"
+        )
+    return (
+        train,
+        out,
+        (
+            f"held out {len(out)} pairs ({len(held)} prompts) of {where} for evaluation (seed {seed}; "
+            f"--eval-dataset FILE to choose them)"
+        ),
+    )
 
 
 @dataclass
 class Prompts:
     """A task's prompts, tokenized: ids[i] is examples[i].prompt through the chat template."""
+
     ids: list[list[int]]
     examples: list[Example]
     dropped: int  # prompts longer than max_prompt_len, left out
@@ -378,27 +487,56 @@ class Prompts:
         return list(dict.fromkeys(e.source for e in self.examples))
 
 
-def task_prompts(tokenizer, dataset: str | list[str], eval_dataset: str | None, *, seed: int, num_eval: int,
-                 max_prompt_len: int, template: str | None = None, system_prompt: str | None = None,
-                 prompt_field: str | None = None, answer_field: str | None = None, kind: str | None = None,
-                 context: list[dict] | None = None, tools: list[dict] | None = None) -> tuple[Prompts, Prompts, str]:
+def task_prompts(
+    tokenizer,
+    dataset: str | list[str],
+    eval_dataset: str | None,
+    *,
+    seed: int,
+    num_eval: int,
+    max_prompt_len: int,
+    template: str | None = None,
+    system_prompt: str | None = None,
+    prompt_field: str | None = None,
+    answer_field: str | None = None,
+    kind: str | None = None,
+    context: list[dict] | None = None,
+    tools: list[dict] | None = None,
+) -> tuple[Prompts, Prompts, str]:
     """(train prompts, held-out prompts, a line saying what was loaded): load_task, then tokenize_prompts."""
-    train, held, note = load_task(dataset, eval_dataset, seed=seed, num_eval=num_eval, template=template, kind=kind,
-                                  system_prompt=system_prompt, prompt_field=prompt_field, answer_field=answer_field)
+    train, held, note = load_task(
+        dataset,
+        eval_dataset,
+        seed=seed,
+        num_eval=num_eval,
+        template=template,
+        kind=kind,
+        system_prompt=system_prompt,
+        prompt_field=prompt_field,
+        answer_field=answer_field,
+    )
     chat, name = {"context": context, "tools": tools}, dataset if isinstance(dataset, str) else ", ".join(dataset)
     train = Prompts(*tokenize_prompts(tokenizer, train, max_prompt_len, name, **chat))
     held = Prompts(*tokenize_prompts(tokenizer, held, max_prompt_len, eval_dataset or name, **chat))
     extra = context_tokens(tokenizer, context, tools)
     kinds = {e.source: e.kind for e in train.examples + held.examples}  # what acc and format judge (reward.correct)
     judged = ", ".join(f"{source} {kind} ({KIND_RULE[kind]})" for source, kind in kinds.items())
-    return train, held, (f"{len(train.ids)} train prompts, {len(held.ids)} eval prompts (dropped as longer than "
-                         f"{max_prompt_len} tokens: {train.dropped} train, {held.dropped} eval"
-                         + (f"; before each, the tools' prompt: {extra} tokens" if extra else "") + f"); {note}; "
-                         f"answers judged as {judged}")
+    return (
+        train,
+        held,
+        (
+            f"{len(train.ids)} train prompts, {len(held.ids)} eval prompts (dropped as longer than "
+            f"{max_prompt_len} tokens: {train.dropped} train, {held.dropped} eval"
+            + (f"; before each, the tools' prompt: {extra} tokens" if extra else "")
+            + f"); {note}; "
+            f"answers judged as {judged}"
+        ),
+    )
 
 
-def prompt_tokens(tokenizer, question: str | list[dict], context: list[dict] | None = None,
-                  tools: list[dict] | None = None) -> list[int]:
+def prompt_tokens(
+    tokenizer, question: str | list[dict], context: list[dict] | None = None, tools: list[dict] | None = None
+) -> list[int]:
     """The question as one user turn (or its chat messages) after the `context` messages, through the chat
     template with the generation prompt; a base model without a template: the contents joined by blank lines."""
     return prompts_tokens(tokenizer, [question], context, tools)[0]
@@ -424,8 +562,15 @@ def context_tokens(tokenizer, context: list[dict] | None, tools: list[dict] | No
     return len(prompt_tokens(tokenizer, "?", context, tools)) - len(prompt_tokens(tokenizer, "?"))
 
 
-def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int, source: str = "the dataset", *,
-                     context: list[dict] | None = None, tools: list[dict] | None = None):
+def tokenize_prompts(
+    tokenizer,
+    examples: list[Example],
+    max_prompt_len: int,
+    source: str = "the dataset",
+    *,
+    context: list[dict] | None = None,
+    tools: list[dict] | None = None,
+):
     """Chat-template each prompt as one user turn, after the `context` messages if given (a system
     prompt, worked examples; `tools`: their JSON schemas, for templates that show tools). Prompts
     longer than `max_prompt_len` tokens, the context's not counted, are dropped (never truncated: a
@@ -438,8 +583,10 @@ def tokenize_prompts(tokenizer, examples: list[Example], max_prompt_len: int, so
             ids.append(tokens)
             kept.append(ex)
     if examples and not kept:
-        raise InputError(f"all {len(examples)} prompts of {source} are longer than --max-prompt-len {max_prompt_len} "
-                         f"tokens (the shortest: {min(lengths)}): raise it")
+        raise InputError(
+            f"all {len(examples)} prompts of {source} are longer than --max-prompt-len {max_prompt_len} "
+            f"tokens (the shortest: {min(lengths)}): raise it"
+        )
     return ids, kept, len(examples) - len(kept)
 
 
@@ -460,8 +607,10 @@ class PromptSampler:
 
     def __init__(self, num_prompts: int, seed: int):
         if num_prompts == 0:
-            raise ValueError("the prompt pool is empty: every prompt was dropped or the dataset has no rows; "
-                             "raise --max-prompt-len or check --dataset")
+            raise ValueError(
+                "the prompt pool is empty: every prompt was dropped or the dataset has no rows; "
+                "raise --max-prompt-len or check --dataset"
+            )
         self.num_prompts, self.seed, self.epoch, self.index = num_prompts, seed, 0, 0
         self._order_epoch, self._order = -1, []
 
@@ -477,7 +626,7 @@ class PromptSampler:
             if self.index == self.num_prompts:
                 self.epoch, self.index = self.epoch + 1, 0
             take = min(count - len(out), self.num_prompts - self.index)
-            out += self.order(self.epoch)[self.index:self.index + take]
+            out += self.order(self.epoch)[self.index : self.index + take]
             self.index += take
         return out
 
@@ -486,15 +635,17 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict):
         if state["num_prompts"] != self.num_prompts:
-            raise InputError(f"--resume: the checkpoint was taken with {state['num_prompts']} training rows (prompts or "
-                             f"pairs), this run has {self.num_prompts}: the data changed since; resume with the data it started with")
+            raise InputError(
+                f"--resume: the checkpoint was taken with {state['num_prompts']} training rows (prompts or "
+                f"pairs), this run has {self.num_prompts}: the data changed since; resume with the data it started with"
+            )
         self.epoch, self.index = state["epoch"], state["index"]
 
 
 def shard(items: list, rank: int, world_size: int) -> list:
     """This rank's contiguous slice of a global list whose length divides by world_size."""
     n = len(items) // world_size
-    return items[rank * n:(rank + 1) * n]
+    return items[rank * n : (rank + 1) * n]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,19 +655,20 @@ def shard(items: list, rank: int, world_size: int) -> list:
 @dataclass
 class Sample:
     """One completion of one prompt: what the rollout hands to the loss."""
+
     prompt_ids: list[int]
     response_ids: list[int]
     rollout_logprobs: list[float]  # the sampler's log-prob of each response token
-    truncated: bool                # stopped by the length limit, not by a stop token
-    answer: str = ""               # reference answer of the prompt
-    kind: str = "gsm8k"            # how the answer is judged (reward.correct): the prompt's Example.kind
-    source: str = ""               # the prompt's dataset (Example.source): per-source eval accuracy
-    text: str = ""                 # decoded response
+    truncated: bool  # stopped by the length limit, not by a stop token
+    answer: str = ""  # reference answer of the prompt
+    kind: str = "gsm8k"  # how the answer is judged (reward.correct): the prompt's Example.kind
+    source: str = ""  # the prompt's dataset (Example.source): per-source eval accuracy
+    text: str = ""  # decoded response
     reward: float = 0.0
-    reward_error: str = ""         # what the reward function raised ("" if it did not; scored 0.0)
-    group_id: int = -1             # the samples of one prompt share it (GRPO's groups)
+    reward_error: str = ""  # what the reward function raised ("" if it did not; scored 0.0)
+    group_id: int = -1  # the samples of one prompt share it (GRPO's groups)
     model_mask: list[int] | None = None  # per response token: 1 sampled by the model, 0 a tool's reply (None: all 1)
-    turns: int = 1                 # model turns (multi-turn with tools)
+    turns: int = 1  # model turns (multi-turn with tools)
     tool_calls: list = field(default_factory=list)  # (tool name, "ok" | "error" | "timeout", seconds) per call
     prompt: str | list[dict] = ""  # the question as asked (Example.prompt): a reward model reads it (reward_model.py)
     messages: list[dict] | None = None  # multi-turn: the model's turns and the tools' replies as chat messages
@@ -531,15 +683,16 @@ class Batch:
     its own (`batch.values = ...` in ppo.py). `select` and `to` carry every tensor field along, cut
     by its shape: [B, T], [B, T-1] or [B].
     """
-    input_ids: torch.Tensor         # [B, T]   prompt + response token ids, then pad
-    attention_mask: torch.Tensor    # [B, T]   1 on real tokens
-    response_mask: torch.Tensor     # [B, T-1] 1.0 where the target token is a response token the model sampled
+
+    input_ids: torch.Tensor  # [B, T]   prompt + response token ids, then pad
+    attention_mask: torch.Tensor  # [B, T]   1 on real tokens
+    response_mask: torch.Tensor  # [B, T-1] 1.0 where the target token is a response token the model sampled
     rollout_logprobs: torch.Tensor  # [B, T-1] the sampler's log-prob of each response token, 0 elsewhere
-    loss_mask: torch.Tensor | None = None      # [B, T-1] response tokens that count in the loss
-    old_logprobs: torch.Tensor | None = None   # [B, T-1] log-probs under the policy that sampled
-    ref_logprobs: torch.Tensor | None = None   # [B, T-1] log-probs under the reference model
-    advantages: torch.Tensor | None = None     # [B, T-1]
-    is_weight: torch.Tensor | None = None      # [B, T-1] a rollout correction's weight per token (None: 1)
+    loss_mask: torch.Tensor | None = None  # [B, T-1] response tokens that count in the loss
+    old_logprobs: torch.Tensor | None = None  # [B, T-1] log-probs under the policy that sampled
+    ref_logprobs: torch.Tensor | None = None  # [B, T-1] log-probs under the reference model
+    advantages: torch.Tensor | None = None  # [B, T-1]
+    is_weight: torch.Tensor | None = None  # [B, T-1] a rollout correction's weight per token (None: 1)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -557,7 +710,8 @@ class Batch:
 
         def cut(x):
             x = x[rows]
-            return x if x.dim() == 1 else x[:, :t] if x.shape[1] == T else x[:, :t - 1]
+            return x if x.dim() == 1 else x[:, :t] if x.shape[1] == T else x[:, : t - 1]
+
         return self.apply(cut)
 
     def to(self, device) -> "Batch":
@@ -576,14 +730,16 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     T = max(lengths)
     input_ids = torch.full((len(samples), T), pad_id, dtype=torch.long)  # [B, T]
-    attention_mask = torch.zeros(len(samples), T, dtype=torch.long)      # [B, T]
-    response_mask = torch.zeros(len(samples), T - 1)                     # [B, T-1]
-    rollout_logprobs = torch.zeros(len(samples), T - 1)                  # [B, T-1]
+    attention_mask = torch.zeros(len(samples), T, dtype=torch.long)  # [B, T]
+    response_mask = torch.zeros(len(samples), T - 1)  # [B, T-1]
+    rollout_logprobs = torch.zeros(len(samples), T - 1)  # [B, T-1]
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
-        input_ids[i, :p + r] = torch.tensor(s.prompt_ids + s.response_ids)
-        attention_mask[i, :p + r] = 1
+        input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+        attention_mask[i, : p + r] = 1
         # targets input_ids[p : p+r] sit at positions p-1 ...; a tool's reply tokens are no target
-        response_mask[i, p - 1:p - 1 + r] = 1.0 if s.model_mask is None else torch.tensor(s.model_mask, dtype=torch.float)
-        rollout_logprobs[i, p - 1:p - 1 + r] = torch.tensor(s.rollout_logprobs)
+        response_mask[i, p - 1 : p - 1 + r] = (
+            1.0 if s.model_mask is None else torch.tensor(s.model_mask, dtype=torch.float)
+        )
+        rollout_logprobs[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_logprobs)
     return Batch(input_ids, attention_mask, response_mask, rollout_logprobs)

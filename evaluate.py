@@ -77,18 +77,29 @@ class Args:
 
 
 def main(args: Args):
-    check_flags([  # (flag, value, holds, what it must be)
-        ("--num-eval-prompts", args.num_eval_prompts, args.num_eval_prompts >= 1, ">= 1"),
-        ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
-        ("--max-prompt-len", args.max_prompt_len, args.max_prompt_len >= 1, ">= 1"),
-        ("--sglang-mem-fraction", args.sglang_mem_fraction, 0 < args.sglang_mem_fraction < 1, "in (0, 1)"),
-        ("--split", args.split, args.split in ("test", "train"), "'test' or 'train'"),
-        ("--eval-samples", args.eval_samples, 0 <= args.eval_samples <= 1024, ">= 0 (0: greedy only) and at most 1024"),
-        ("--eval-temperature", args.eval_temperature, args.eval_temperature > 0 or not args.eval_samples,
-         "> 0 with --eval-samples (at 0 every sample is the greedy answer)"),
-        ("--eval-top-p", args.eval_top_p, 0 < args.eval_top_p <= 1, "in (0, 1]"),
-        template_rule(args.prompt_template),  # {prompt}, and no other placeholder (data.py)
-    ])
+    check_flags(
+        [  # (flag, value, holds, what it must be)
+            ("--num-eval-prompts", args.num_eval_prompts, args.num_eval_prompts >= 1, ">= 1"),
+            ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
+            ("--max-prompt-len", args.max_prompt_len, args.max_prompt_len >= 1, ">= 1"),
+            ("--sglang-mem-fraction", args.sglang_mem_fraction, 0 < args.sglang_mem_fraction < 1, "in (0, 1)"),
+            ("--split", args.split, args.split in ("test", "train"), "'test' or 'train'"),
+            (
+                "--eval-samples",
+                args.eval_samples,
+                0 <= args.eval_samples <= 1024,
+                ">= 0 (0: greedy only) and at most 1024",
+            ),
+            (
+                "--eval-temperature",
+                args.eval_temperature,
+                args.eval_temperature > 0 or not args.eval_samples,
+                "> 0 with --eval-samples (at 0 every sample is the greedy answer)",
+            ),
+            ("--eval-top-p", args.eval_top_p, 0 < args.eval_top_p <= 1, "in (0, 1]"),
+            template_rule(args.prompt_template),  # {prompt}, and no other placeholder (data.py)
+        ]
+    )
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise InputError(f"--out {args.out!r}: its folder does not exist; create it first")
     kind = check_engine(args.rollout_engine)
@@ -102,32 +113,52 @@ def main(args: Args):
     prompts, kept, dropped = tokenize_prompts(tokenizer, examples[: args.num_eval_prompts], args.max_prompt_len, rows)
     if trained:
         print(f"note: {run_dir} trained on these rows ({trained}): this is not held-out accuracy", flush=True)
-    print(f"evaluating {len(prompts)} prompts, {rows} ({dropped} dropped as longer than "
-          f"{args.max_prompt_len} tokens) with {args.model}, engine {kind}", flush=True)
+    print(
+        f"evaluating {len(prompts)} prompts, {rows} ({dropped} dropped as longer than "
+        f"{args.max_prompt_len} tokens) with {args.model}, engine {kind}",
+        flush=True,
+    )
     sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, load_format="auto", disable_cuda_graph=True)
     seed = args.seed if args.seed is not None else run["seed"] if run else 0  # the split's, and the samples'
     engine = start_sglang(args.model, gpu_id=0, seed=seed, options=sglang) if kind == "sglang" else HFEngine(args.model)
     greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)
     samples = generate(engine, prompts, [seed] * len(prompts), sampling=greedy, tokenizer=tokenizer)
-    sampled = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.eval_temperature,
-                       top_p=args.eval_top_p)
+    sampled = Sampling(
+        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.eval_temperature, top_p=args.eval_top_p
+    )
     K = args.eval_samples
-    groups = generate_groups(engine, prompts, K, seed=seed_for(seed, "eval"), sampling=sampled, tokenizer=tokenizer) if K else []
+    groups = (
+        generate_groups(engine, prompts, K, seed=seed_for(seed, "eval"), sampling=sampled, tokenizer=tokenizer)
+        if K
+        else []
+    )
     for s, e in zip(samples + sum(groups, []), kept + [e for e in kept for _ in range(K)]):
         s.answer, s.kind, s.source = e.answer, e.kind, e.source
     n, counts = len(samples), judge(samples)
     summary = {
-        "model": args.model, "rows": rows, "trained_on": bool(trained), "prompts": n, "dropped": dropped,
-        "strict_acc": counts["strict"] / n, "flexible_acc": counts["flexible"] / n, "format_rate": counts["format"] / n,
+        "model": args.model,
+        "rows": rows,
+        "trained_on": bool(trained),
+        "prompts": n,
+        "dropped": dropped,
+        "strict_acc": counts["strict"] / n,
+        "flexible_acc": counts["flexible"] / n,
+        "format_rate": counts["format"] / n,
         "truncated_frac": sum(s.truncated for s in samples) / n,
         "response_len_mean": sum(len(s.response_ids) for s in samples) / n,
-        "engine": kind, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "engine": kind,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
     if K:  # what a paper reports beside the greedy numbers, with every setting that made them
         summary |= {k.removeprefix("eval/"): v for k, v in sampled_eval_stats(groups).items()}
         summary |= {"eval_samples": K, "eval_temperature": args.eval_temperature, "eval_top_p": args.eval_top_p}
-    summary |= {"max_new_tokens": args.max_new_tokens, "seed": seed, "dataset": args.dataset, "split": args.split,
-                "commit": code_commit()}
+    summary |= {
+        "max_new_tokens": args.max_new_tokens,
+        "seed": seed,
+        "dataset": args.dataset,
+        "split": args.split,
+        "commit": code_commit(),
+    }
     print(json.dumps(summary, indent=2))
     if args.out:
         with open(args.out, "w") as f:

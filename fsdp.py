@@ -51,8 +51,14 @@ def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int, torch.dev
     if "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
     else:  # plain python: a one-process group, no port needed
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
-                                device_id=device if use_cuda else None)
+        dist.init_process_group(
+            backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+            device_id=device if use_cuda else None,
+        )
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -89,8 +95,16 @@ def all_reduce_dict(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # Models
 
 
-def load_model(path: str, device: torch.device, dtype: torch.dtype, gradient_checkpointing: bool = False,
-               attn_implementation: str = "sdpa", model_class=None, new_head: bool = False, **kwargs):
+def load_model(
+    path: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    gradient_checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+    model_class=None,
+    new_head: bool = False,
+    **kwargs,
+):
     """A Hugging Face model from a hub id or local folder, on the CPU in `dtype`. new_head: `model_class`'s head is
     new, not in the checkpoint (a critic's, a reward model's): transformers' table of it as MISSING is not shown.
 
@@ -101,14 +115,19 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, gradient_che
     from transformers import AutoModelForCausalLM  # lazy: keeps `import fsdp` light for notebooks
 
     model_class = model_class or AutoModelForCausalLM
-    loader_log, new_by_design = logging.getLogger("transformers.modeling_utils"), lambda r: "LOAD REPORT" not in r.getMessage()
+    loader_log, new_by_design = (
+        logging.getLogger("transformers.modeling_utils"),
+        lambda r: "LOAD REPORT" not in r.getMessage(),
+    )
     if new_head:
         loader_log.addFilter(new_by_design)
     try:
         model = model_class.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
     except OSError as e:
-        raise OSError(f"could not load model {path!r}: {e}\nPass a hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) "
-                      f"or a local folder with config.json and weights.") from None
+        raise OSError(
+            f"could not load model {path!r}: {e}\nPass a hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) "
+            f"or a local folder with config.json and weights."
+        ) from None
     finally:
         loader_log.removeFilter(new_by_design)
     model.config.use_cache = False  # training forwards never use the KV cache
@@ -129,7 +148,9 @@ def dropout_off(model: torch.nn.Module):
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
         zero_rates(module)  # attention_dropout, dropout, attn_pdrop, ...
-    for config in [model.config] + [v for v in vars(model.config).values() if hasattr(v, "to_dict")]:  # text_config, ...
+    for config in [model.config] + [
+        v for v in vars(model.config).values() if hasattr(v, "to_dict")
+    ]:  # text_config, ...
         zero_rates(config)  # for code that reads the config as it runs (a checkpoint saves it so)
 
 
@@ -181,8 +202,9 @@ def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16, compile
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
-        raise ValueError(f"{type(model).__name__} names no decoder layer class in _no_split_modules; "
-                         f"cannot shard it layer by layer")
+        raise ValueError(
+            f"{type(model).__name__} names no decoder layer class in _no_split_modules; cannot shard it layer by layer"
+        )
     for layer in layers:
         if compile:
             layer.compile()  # sizes that change (tokens, rows) turn symbolic after the first recompile
@@ -213,22 +235,24 @@ def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     """
     unpack, positions = (lambda x: x), None
     if packed:
-        real = attention_mask.bool()                                     # [b, t]
+        real = attention_mask.bool()  # [b, t]
         rows, cols = real.nonzero(as_tuple=True)  # [n] each, row by row (a CPU-GPU sync point: n is data-dependent)
-        positions = (real.cumsum(-1) - 1)[rows, cols][None]              # [1, n]: 0, 1, ... in each sequence
-        input_ids, attention_mask = input_ids[rows, cols][None], None    # [1, n]
+        positions = (real.cumsum(-1) - 1)[rows, cols][None]  # [1, n]: 0, 1, ... in each sequence
+        input_ids, attention_mask = input_ids[rows, cols][None], None  # [1, n]
         # packed position j predicts token j+1 of its own sequence, unless j ends it: that value is zeroed onto the
         # column past the sequence's end (boolean indexing would stop the CPU until the GPU caught up)
-        own, shape = rows[1:] == rows[:-1], real.shape                   # [n-1]
+        own, shape = rows[1:] == rows[:-1], real.shape  # [n-1]
 
         def unpack(x):  # [1, n-1] -> [b, t-1], zero past each sequence's end; gradients flow back through it
-            out = x.new_zeros(shape)                                     # [b, t]
+            out = x.new_zeros(shape)  # [b, t]
             return out.index_put((rows[:-1], cols[:-1]), x[0] * own)[:, :-1]
+
     if head is not None:  # on this module object, for this call only
         model.get_output_embeddings().forward = lambda hidden: head(hidden, input_ids)
     try:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                       use_cache=False).logits                           # [b, t, V] or [1, n, V]
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
+        ).logits  # [b, t, V] or [1, n, V]
     finally:
         if head is not None:
             del model.get_output_embeddings().forward  # the class's forward again
@@ -243,14 +267,21 @@ def logits_to_logprobs(logits, targets, temperature: float, with_entropy: bool, 
     with_entropy; no gradient unless entropy_grad). shard_model(compile=True) compiles it: model.logits_to_logprobs."""
     logits = logits if temperature == 1.0 else logits.float() / temperature
     # fp32 (bf16 log-probs are off by ~1e-2, enough to skew the PPO ratio), in one fused pass over the logits
-    logp_all = torch.log_softmax(logits, dim=-1, dtype=torch.float32)      # [c, V]
+    logp_all = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [c, V]
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else logp_all[:, 0] * 0
     return torch.stack([logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy], -1)
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-                   with_entropy: bool = False, entropy_grad: bool = False, packed: bool = False):
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    packed: bool = False,
+):
     """Log-prob of each next token under `model` at sampling temperature `temperature`.
 
     Returns logp [B, T-1] (logp[:, t] scores input_ids[:, t+1]) and, if asked, the entropy of the
@@ -270,8 +301,10 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         chunks = zip(hidden.flatten(0, 1).split(LOGIT_CHUNK), targets.split(LOGIT_CHUNK))
         chunk = lambda h, y: logprobs(torch.nn.functional.linear(h, output.weight, output.bias), y)  # noqa: E731
         recompute = torch.is_grad_enabled() and hidden.shape[0] * hidden.shape[1] > LOGIT_CHUNK  # one chunk: kept
-        out = [torch.utils.checkpoint.checkpoint(chunk, h, y, use_reentrant=False) if recompute else chunk(h, y)
-               for h, y in chunks]
+        out = [
+            torch.utils.checkpoint.checkpoint(chunk, h, y, use_reentrant=False) if recompute else chunk(h, y)
+            for h, y in chunks
+        ]
         return torch.cat(out)
 
     if getattr(model.config, "final_logit_softcapping", None):  # Gemma 2 caps the logits after the head: whole ones
@@ -279,7 +312,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         out = logprobs(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).view(*ids[:, 1:].shape, 2)
     else:
         out, ids, unpack = forward_tokens(model, input_ids, attention_mask, packed, head)  # [B*T, 2] or [N, 2]
-        out = out.view(*ids.shape, 2)[:, :-1]                                             # [B, T-1, 2]
+        out = out.view(*ids.shape, 2)[:, :-1]  # [B, T-1, 2]
     logp, entropy = out.unbind(-1)  # the stack of the two carries logp's graph: a metric entropy leaves it
     return unpack(logp), unpack(entropy if entropy_grad else entropy.detach()) if with_entropy else None
 
@@ -346,9 +379,9 @@ def balance(items: list, weights: list[float], world_size: int, share: int | Non
         return items if share is None else items[:share]
     gathered = [None] * world_size
     dist.all_gather_object(gathered, list(zip(weights, items)))
-    pool = [x for part in gathered for x in part]                      # rank by rank: the same list on every rank
+    pool = [x for part in gathered for x in part]  # rank by rank: the same list on every rank
     room = [len(part) if share is None else share for part in gathered]
-    pool = pool[:sum(room)]
+    pool = pool[: sum(room)]
     loads, shares = [0.0] * world_size, [[] for _ in range(world_size)]
     for i in sorted(range(len(pool)), key=lambda i: -pool[i][0]):
         r = min((r for r in range(world_size) if len(shares[r]) < room[r]), key=lambda r: loads[r])
@@ -365,18 +398,24 @@ def batch_forward(fn, batch, micro_batch_size: int, device, progress=iter, max_t
     lengths = batch.attention_mask.sum(-1)  # [B]
     for rows in progress(micro_batches(torch.arange(len(batch)), lengths, micro_batch_size, max_tokens)):
         mb = batch.select(rows).to(device)  # no rows: a stand-in, run for FSDP's collectives only
-        y = fn(mb).cpu()                    # [b, t-1]
-        out[rows, :y.shape[1]] = y[:len(rows)]
+        y = fn(mb).cpu()  # [b, t-1]
+        out[rows, : y.shape[1]] = y[: len(rows)]
     return out
 
 
-def batch_logprobs(model, batch, micro_batch_size: int, temperature: float, device, progress=iter,
-                   max_tokens: int = 0) -> torch.Tensor:
+def batch_logprobs(
+    model, batch, micro_batch_size: int, temperature: float, device, progress=iter, max_tokens: int = 0
+) -> torch.Tensor:
     """token_logprobs over a whole Batch, without gradient; max_tokens > 0: packed micro-batches of at most
     that many tokens. [B, T-1] on the CPU."""
-    return batch_forward(lambda mb: token_logprobs(model, mb.input_ids, mb.attention_mask, temperature,
-                                                   packed=max_tokens > 0)[0],
-                         batch, micro_batch_size, device, progress, max_tokens)
+    return batch_forward(
+        lambda mb: token_logprobs(model, mb.input_ids, mb.attention_mask, temperature, packed=max_tokens > 0)[0],
+        batch,
+        micro_batch_size,
+        device,
+        progress,
+        max_tokens,
+    )
 
 
 def clip_and_step(model, optimizer, scheduler, max_grad_norm: float) -> float:
@@ -406,8 +445,14 @@ def skip_schedule(scheduler, n: int):
 
 # Dense (no sparsity) bf16 tensor-core FLOP/s per GPU, NVIDIA's datasheets; the first name found in
 # torch.cuda.get_device_name wins ("H100 PCIe" before "H100", the SXM part).
-PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100", 989e12),
-                   ("H200", 989e12), ("A100", 312e12)]
+PEAK_BF16_FLOPS = [
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H200 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
+]
 
 
 def peak_flops(device_name: str) -> float | None:
@@ -438,6 +483,7 @@ def mfu(flops_per_token: float, tokens: float, seconds: float, peak: float, worl
 def lr_lambda(warmup_steps: int, schedule: str, min_lr_ratio: float, total_steps: int):
     """LambdaLR factor: linear warm-up from 0, then constant, cosine or linear decay that reaches
     min_lr_ratio at total_steps."""
+
     def f(i: int) -> float:
         if i < warmup_steps:
             return (i + 1) / warmup_steps
@@ -446,4 +492,5 @@ def lr_lambda(warmup_steps: int, schedule: str, min_lr_ratio: float, total_steps
         progress = min(1.0, (i - warmup_steps) / max(1, total_steps - warmup_steps))
         decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
         return min_lr_ratio + (1 - min_lr_ratio) * decay
+
     return f

@@ -36,18 +36,91 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
-from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, source_name,
-                  task_prompts, template_rule)
-from fsdp import (all_reduce, all_reduce_dict, balance, batch_logprobs, clip_and_step, compute_dtype, init_distributed, load_model,
-                  lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, skip_schedule, token_logprobs)
+from data import (
+    ADDITION_PROMPT,
+    BUILTIN_TASKS,
+    GSM8K_PROMPT,
+    PromptSampler,
+    collate,
+    context_tokens,
+    seed_for,
+    shard,
+    source_name,
+    task_prompts,
+    template_rule,
+)
+from fsdp import (
+    all_reduce,
+    all_reduce_dict,
+    balance,
+    batch_logprobs,
+    clip_and_step,
+    compute_dtype,
+    init_distributed,
+    load_model,
+    lr_lambda,
+    matmul_params,
+    mfu,
+    micro_batches,
+    peak_flops,
+    shard_model,
+    skip_schedule,
+    token_logprobs,
+)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
-from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, given_flags, package_rules, parse_args, size_for_cpu
+from preflight import (
+    check_context,
+    check_engine,
+    check_flags,
+    check_model,
+    friendly_errors,
+    given_flags,
+    package_rules,
+    parse_args,
+    size_for_cpu,
+)
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
-from reward import (EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats,
-                    sampled_eval_stats, sampled_line, score_all)
-from rollout import SGLangOptions, Sampling, generate_groups, graph_batch, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
-from runlog import (CLIP, SAMPLES_LINE, TIMES_LINE, TRUNC, RunLog, StepClock, claim_run_dir, launch_time, legend, log_line,
-                    print0, progress, run_info)
+from reward import (
+    EVAL_LINE,
+    EVAL_TOOLS_LINE,
+    REWARD_LINE,
+    correct,
+    eval_stats,
+    format_reward,
+    load_reward,
+    rollout_stats,
+    sampled_eval_stats,
+    sampled_line,
+    score_all,
+)
+from rollout import (
+    SGLangOptions,
+    Sampling,
+    generate_groups,
+    graph_batch,
+    ToolUse,
+    generate,
+    mismatch_stats,
+    send,
+    start_engine,
+    stop_token_ids,
+    tp_group,
+)
+from runlog import (
+    CLIP,
+    SAMPLES_LINE,
+    TIMES_LINE,
+    TRUNC,
+    RunLog,
+    StepClock,
+    claim_run_dir,
+    launch_time,
+    legend,
+    log_line,
+    print0,
+    progress,
+    run_info,
+)
 from server import ServerEngine, launch_servers
 from tools import TOOLS, TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
@@ -294,7 +367,13 @@ class Args:
 
 
 # PLUMBING: without a GPU, these replace the defaults of the flags not given (SmolLM2-135M shapes: ~20 s a step on 2 cores).
-CPU_SIZES = {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 64, "num_eval_prompts": 16, "micro_batch_size": 16}
+CPU_SIZES = {
+    "prompts_per_step": 4,
+    "group_size": 4,
+    "max_new_tokens": 64,
+    "num_eval_prompts": 16,
+    "micro_batch_size": 16,
+}
 # PLUMBING: a step's console line: (name, metric, format, what it is: the legend printed before step 1)
 CONSOLE = SAMPLES_LINE + [("gnorm", "train/grad_norm", ".2f", "gradient norm before clipping")] + TIMES_LINE
 # shown after the others, on a step where they are not 0
@@ -308,15 +387,20 @@ CORRECTION_CONSOLE = [
 # ALGO: the GRPO pieces, pure functions of tensors (tests/test_grpo_math.py checks them by hand)
 
 ADVANTAGE_EPS = 1e-6  # added to a group's reward std: a group of near-equal rewards stays finite
-KL_EXP_CLAMP = 20.0   # k3's exponent is clamped to +-this: one outlier token can't overflow the loss
+KL_EXP_CLAMP = 20.0  # k3's exponent is clamped to +-this: one outlier token can't overflow the loss
 # each variant's own defaults, from its paper, for --clip-low/--clip-high/--correction-bounds not given (variant_defaults)
-VARIANT_DEFAULTS = {"gspo": {"clip_low": 3e-4, "clip_high": 4e-4,  # Zheng et al. 2025: the sequence ratio's range
-                             "loss_agg": "seq-mean-token-mean"},    # and its objective: a mean per sequence
-                    "cispo": {"clip_low": 1.0, "clip_high": 4.0},   # MiniMax-M1: no lower bound; upper 5 (SkyRL's)
-                    "sapo": {"sapo_tau": (1.0, 1.05)},              # SAPO's tau_pos, tau_neg
-                    "mis": {"correction_bounds": (0.5, 2.0)},       # verl's token rejection: 2 and its reciprocal
-                    "icepop": {"correction_bounds": (0.5, 5.0)},    # IcePop's alpha, beta (OpenRLHF's default)
-                    "seq-mask": {"correction_bounds": (0.999, 1.001)}}  # verl's geometric rejection (geo_rs)
+VARIANT_DEFAULTS = {
+    "gspo": {
+        "clip_low": 3e-4,
+        "clip_high": 4e-4,  # Zheng et al. 2025: the sequence ratio's range
+        "loss_agg": "seq-mean-token-mean",
+    },  # and its objective: a mean per sequence
+    "cispo": {"clip_low": 1.0, "clip_high": 4.0},  # MiniMax-M1: no lower bound; upper 5 (SkyRL's)
+    "sapo": {"sapo_tau": (1.0, 1.05)},  # SAPO's tau_pos, tau_neg
+    "mis": {"correction_bounds": (0.5, 2.0)},  # verl's token rejection: 2 and its reciprocal
+    "icepop": {"correction_bounds": (0.5, 5.0)},  # IcePop's alpha, beta (OpenRLHF's default)
+    "seq-mask": {"correction_bounds": (0.999, 1.001)},
+}  # verl's geometric rejection (geo_rs)
 
 
 def group_advantages(rewards: torch.Tensor, scale: bool) -> torch.Tensor:
@@ -408,7 +492,7 @@ def sapo_policy_loss(logp, old_logp, advantages, tau_pos: float, tau_neg: float)
     with s = sigmoid(tau (r - 1)), r the token's ratio, tau = tau_pos where A > 0, else tau_neg. d loss / d log p =
     -A * 4 s (1 - s) r: -A at r = 1 (PPO's), fading smoothly as r leaves 1 instead of dropping to 0 at a band's edge
     (an infinite r: s = 1, a finite loss). Returns (loss, clipped), [B, T]; nothing is clipped."""
-    tau = torch.where(advantages > 0, tau_pos, tau_neg)                                          # [B, T] or [B, 1]
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)  # [B, T] or [B, 1]
     gate = torch.sigmoid(tau * (torch.exp(logp - old_logp) - 1)) * 4 / tau
     return -advantages * gate, torch.zeros_like(logp, dtype=torch.bool)
 
@@ -426,7 +510,7 @@ def rollout_correction(old_logp, sampler_logp, mask, kind: str, *, tis_cap: floa
     Returns (weight or None, keep, touched), [B, T]: weight multiplies each token's loss, keep the loss mask (a
     masked token leaves the normalizer too), touched marks the tokens capped or masked. No gradient: both are constants."""
     log_r = (old_logp - sampler_logp) * mask
-    r = torch.exp(log_r)                                                                          # [B, T]
+    r = torch.exp(log_r)  # [B, T]
     if kind == "none":
         return None, mask, torch.zeros_like(mask, dtype=torch.bool)
     if kind == "tis":  # a NaN ratio (a NaN log-prob) weighs 0, and is counted as corrected
@@ -458,14 +542,27 @@ def aggregate(values, mask, mode: str, num_seqs: float, num_tokens: float, max_l
     raise ValueError(f"--loss-agg {mode!r} is unknown")
 
 
-def grpo_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, kl_coef: float, kl_estimator: str,
-              loss_agg: str, num_seqs: float, num_tokens: float, max_len: int, policy_loss: str = "ppo-clip",
-              sapo_tau: tuple[float, float] = VARIANT_DEFAULTS["sapo"]["sapo_tau"]):
+def grpo_loss(
+    logp,
+    entropy,
+    mb,
+    *,
+    clip_low: float,
+    clip_high: float,
+    kl_coef: float,
+    kl_estimator: str,
+    loss_agg: str,
+    num_seqs: float,
+    num_tokens: float,
+    max_len: int,
+    policy_loss: str = "ppo-clip",
+    sapo_tau: tuple[float, float] = VARIANT_DEFAULTS["sapo"]["sapo_tau"],
+):
     """One micro-batch's loss: the policy loss (--policy-loss) on the advantages, each token weighted by the rollout
     correction's weight where it has one (mb.is_weight: tis, icepop; its masks are in mb.loss_mask already), plus
     kl_coef * KL to the reference model (0: no KL in the loss), reduced by `aggregate`. logp, entropy [b, t]: the
     policy now. Returns (this rank's share of the mini-batch loss, sums over loss tokens for the metrics)."""
-    m = mb.loss_mask                                                                             # [b, t]
+    m = mb.loss_mask  # [b, t]
     if policy_loss == "ppo-clip":
         token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, clip_low, clip_high)  # [b, t]
     elif policy_loss == "gspo":
@@ -476,12 +573,16 @@ def grpo_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, kl_coef: 
         token_loss, clipped = sapo_policy_loss(logp, mb.old_logprobs, mb.advantages, *sapo_tau)
     else:
         raise ValueError(f"--policy-loss {policy_loss!r} is unknown; use ppo-clip, gspo, cispo or sapo")
-    stats = {"clip_frac": (clipped.float() * m).sum(), "entropy": (entropy * m).sum(), "tokens": m.sum(),
-             "approx_kl": (kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum()}  # KL(old || now)
+    stats = {
+        "clip_frac": (clipped.float() * m).sum(),
+        "entropy": (entropy * m).sum(),
+        "tokens": m.sum(),
+        "approx_kl": (kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum(),
+    }  # KL(old || now)
     if mb.is_weight is not None:
         token_loss = token_loss * mb.is_weight  # a constant [b, t]: no gradient through it
     if kl_coef > 0:
-        kl = kl_penalty(logp, mb.ref_logprobs, kl_estimator)                                   # [b, t]
+        kl = kl_penalty(logp, mb.ref_logprobs, kl_estimator)  # [b, t]
         token_loss = token_loss + kl_coef * kl
         stats["kl"] = (kl.detach() * m).sum()
     loss = aggregate(token_loss, m, loss_agg, num_seqs, num_tokens, max_len)
@@ -494,84 +595,170 @@ def check_args(args: Args, world_size: int):
     per_rank = args.prompts_per_step // world_size * args.group_size
     a, server = args, args.rollout_mode == "server"
     local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count()
-    check_flags([  # (flag, value, holds, what it must be)
-        ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
-        ("--prompts-per-step", a.prompts_per_step, a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
-         f">= 1 and divide by the {world_size} ranks"),
-        ("--group-size", a.group_size, a.group_size >= 2, ">= 2: GRPO compares completions of one prompt"),
-        ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
-        ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
-        ("--lr", a.lr, a.lr > 0, "> 0"),
-        ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
-        ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
-        ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
-        ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
-        ("--max-tokens-per-micro-batch", a.max_tokens_per_micro_batch, a.max_tokens_per_micro_batch >= 0, ">= 0 (0: off)"),
-        ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
-        ("--num-minibatches", a.num_minibatches, a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
-         f">= 1 and divide the {per_rank} samples per rank"),
-        ("--beta", a.beta, a.beta >= 0, ">= 0"),
-        ("--kl-estimator", a.kl_estimator, a.kl_estimator != "k1" or a.beta == 0 or a.kl_in_reward, "k2 or k3 in the "
-         "loss (--beta > 0): k1's gradient there is that of log p, zero in expectation; k1 belongs in the reward (--kl-in-reward)"),
-        ("--temperature", a.temperature, a.temperature > 0, "> 0"),
-        ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
-        ("--scale-rewards", a.scale_rewards, a.scale_rewards or a.advantage == "grpo",
-         "with --advantage grpo (rloo and reinforce++ divide by no group's std)"),
-        ("--clip-low", a.clip_low, 0 <= a.clip_low <= 1, "in [0, 1] (1: no lower bound)"),
-        ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
-        ("--sapo-tau", a.sapo_tau, a.sapo_tau is None or (0 < min(a.sapo_tau) <= max(a.sapo_tau) < math.inf and
-         a.policy_loss == "sapo"), "POS NEG, finite and > 0, with --policy-loss sapo"),
-        ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap > 0 or (a.tis_cap == 0 and a.rollout_correction != "tis"),
-         "> 0 (0: no tis with --async-rollout, which turns it on)"),
-        ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap == 0 or a.rollout_correction == "tis" or
-         (a.rollout_correction == "auto" and a.async_rollout), "given with --rollout-correction tis or --async-rollout only"),
-        ("--correction-bounds", a.correction_bounds, a.correction_bounds is None or (0 <= a.correction_bounds[0] <= 1
-         <= a.correction_bounds[1] < math.inf and a.rollout_correction in ("mis", "icepop", "seq-mask")),
-         "LO HI with 0 <= LO <= 1 <= HI < inf, with --rollout-correction mis, icepop or seq-mask"),
-        ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
-        ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
-        ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, ">= 1"),
-        ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
-        ("--rollout-tp", a.rollout_tp, a.rollout_tp >= 1 and (not a.rollout_url or a.rollout_tp == 1)
-         and (server or world_size % a.rollout_tp == local_ranks % a.rollout_tp == 0), f"a divisor of the {local_ranks} ranks "
-         f"of each node (one engine's GPUs are on one node: torchrun --nproc_per_node a multiple of it)" if not server else
-         "1 with --rollout-url (the server's own --tp-size counts); with --rollout-gpus, each server's GPUs"),
-        ("--rollout-url", a.rollout_url, all(u.startswith("http") for u in a.rollout_url) and
-         (bool(a.rollout_url) != (a.rollout_gpus > 0) if server else not a.rollout_url), "http://HOST:PORT of each "
-         "server, with --rollout-mode server; that mode takes these or --rollout-gpus k (servers this job starts), not both"),
-        ("--rollout-gpus", a.rollout_gpus, a.rollout_gpus == 0 or (server and a.rollout_gpus % a.rollout_tp == 0 and
-         local_ranks + a.rollout_gpus <= gpus), f"with --rollout-mode server, a multiple of --rollout-tp, at most the "
-         f"{gpus} GPUs of this node less its {local_ranks} training ranks (torchrun --nproc_per_node {gpus - a.rollout_gpus})"),
-        ("--rollout-timeout", a.rollout_timeout, a.rollout_timeout > 0, "> 0"),
-        ("--async-rollout", a.async_rollout, not a.async_rollout or (server and not a.dynamic_sampling),
-         "with --rollout-mode server, without --dynamic-sampling (its refills wait on this step's rewards)"),
-        ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
-        ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
-        ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
-        ("--eval-samples", a.eval_samples, 0 <= a.eval_samples <= 1024, ">= 0 (0: greedy only) and at most 1024"),
-        ("--eval-temperature", a.eval_temperature, a.eval_temperature > 0 or not a.eval_samples,
-         "> 0 with --eval-samples (at 0 every sample is the greedy answer)"),
-        ("--eval-top-p", a.eval_top_p, 0 < a.eval_top_p <= 1, "in (0, 1]"),
-        ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
-        ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
-        ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
-        ("--tools", a.tools, all(t in TOOLS for t in a.tools.split(",") if t), f"a comma-separated list of {', '.join(TOOLS)}"),
-        ("--system-prompt", a.system_prompt, not (a.system_prompt and a.tools), "without --tools (the tools bring their own system "
-         "prompt and worked calls; put your instructions in --prompt-template)"),
-        template_rule(a.prompt_template),  # {prompt}, and no other placeholder (data.py)
-        ("--max-turns", a.max_turns, a.max_turns >= 1, ">= 1"),
-        ("--max-tool-reply-tokens", a.max_tool_reply_tokens, a.max_tool_reply_tokens >= 1, ">= 1"),
-        ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
-        ("--tool-timeout-s", a.tool_timeout_s, a.tool_timeout_s > 0, "> 0"),
-        ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
-        *package_rules(a),  # --track needs wandb, --attn-implementation flash_attention_2 flash-attn
-        ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
-        ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
-        *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
-        ("--dynamic-sampling", a.dynamic_sampling, not (a.dynamic_sampling and a.reward_model), "without --reward-model (the "
-         "reward model scores once per step, after generation: it can't refill groups)"),
-        ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
-    ])
+    check_flags(
+        [  # (flag, value, holds, what it must be)
+            ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
+            (
+                "--prompts-per-step",
+                a.prompts_per_step,
+                a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
+                f">= 1 and divide by the {world_size} ranks",
+            ),
+            ("--group-size", a.group_size, a.group_size >= 2, ">= 2: GRPO compares completions of one prompt"),
+            ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
+            ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
+            ("--lr", a.lr, a.lr > 0, "> 0"),
+            ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
+            ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
+            ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
+            ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
+            (
+                "--max-tokens-per-micro-batch",
+                a.max_tokens_per_micro_batch,
+                a.max_tokens_per_micro_batch >= 0,
+                ">= 0 (0: off)",
+            ),
+            ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
+            (
+                "--num-minibatches",
+                a.num_minibatches,
+                a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
+                f">= 1 and divide the {per_rank} samples per rank",
+            ),
+            ("--beta", a.beta, a.beta >= 0, ">= 0"),
+            (
+                "--kl-estimator",
+                a.kl_estimator,
+                a.kl_estimator != "k1" or a.beta == 0 or a.kl_in_reward,
+                "k2 or k3 in the "
+                "loss (--beta > 0): k1's gradient there is that of log p, zero in expectation; k1 belongs in the reward (--kl-in-reward)",
+            ),
+            ("--temperature", a.temperature, a.temperature > 0, "> 0"),
+            ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
+            (
+                "--scale-rewards",
+                a.scale_rewards,
+                a.scale_rewards or a.advantage == "grpo",
+                "with --advantage grpo (rloo and reinforce++ divide by no group's std)",
+            ),
+            ("--clip-low", a.clip_low, 0 <= a.clip_low <= 1, "in [0, 1] (1: no lower bound)"),
+            ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
+            (
+                "--sapo-tau",
+                a.sapo_tau,
+                a.sapo_tau is None or (0 < min(a.sapo_tau) <= max(a.sapo_tau) < math.inf and a.policy_loss == "sapo"),
+                "POS NEG, finite and > 0, with --policy-loss sapo",
+            ),
+            (
+                "--tis-cap",
+                a.tis_cap,
+                a.tis_cap is None or a.tis_cap > 0 or (a.tis_cap == 0 and a.rollout_correction != "tis"),
+                "> 0 (0: no tis with --async-rollout, which turns it on)",
+            ),
+            (
+                "--tis-cap",
+                a.tis_cap,
+                a.tis_cap is None
+                or a.tis_cap == 0
+                or a.rollout_correction == "tis"
+                or (a.rollout_correction == "auto" and a.async_rollout),
+                "given with --rollout-correction tis or --async-rollout only",
+            ),
+            (
+                "--correction-bounds",
+                a.correction_bounds,
+                a.correction_bounds is None
+                or (
+                    0 <= a.correction_bounds[0] <= 1 <= a.correction_bounds[1] < math.inf
+                    and a.rollout_correction in ("mis", "icepop", "seq-mask")
+                ),
+                "LO HI with 0 <= LO <= 1 <= HI < inf, with --rollout-correction mis, icepop or seq-mask",
+            ),
+            ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
+            ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
+            ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, ">= 1"),
+            ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
+            (
+                "--rollout-tp",
+                a.rollout_tp,
+                a.rollout_tp >= 1
+                and (not a.rollout_url or a.rollout_tp == 1)
+                and (server or world_size % a.rollout_tp == local_ranks % a.rollout_tp == 0),
+                f"a divisor of the {local_ranks} ranks "
+                f"of each node (one engine's GPUs are on one node: torchrun --nproc_per_node a multiple of it)"
+                if not server
+                else "1 with --rollout-url (the server's own --tp-size counts); with --rollout-gpus, each server's GPUs",
+            ),
+            (
+                "--rollout-url",
+                a.rollout_url,
+                all(u.startswith("http") for u in a.rollout_url)
+                and (bool(a.rollout_url) != (a.rollout_gpus > 0) if server else not a.rollout_url),
+                "http://HOST:PORT of each "
+                "server, with --rollout-mode server; that mode takes these or --rollout-gpus k (servers this job starts), not both",
+            ),
+            (
+                "--rollout-gpus",
+                a.rollout_gpus,
+                a.rollout_gpus == 0
+                or (server and a.rollout_gpus % a.rollout_tp == 0 and local_ranks + a.rollout_gpus <= gpus),
+                f"with --rollout-mode server, a multiple of --rollout-tp, at most the "
+                f"{gpus} GPUs of this node less its {local_ranks} training ranks (torchrun --nproc_per_node {gpus - a.rollout_gpus})",
+            ),
+            ("--rollout-timeout", a.rollout_timeout, a.rollout_timeout > 0, "> 0"),
+            (
+                "--async-rollout",
+                a.async_rollout,
+                not a.async_rollout or (server and not a.dynamic_sampling),
+                "with --rollout-mode server, without --dynamic-sampling (its refills wait on this step's rewards)",
+            ),
+            ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
+            ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
+            ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
+            ("--eval-samples", a.eval_samples, 0 <= a.eval_samples <= 1024, ">= 0 (0: greedy only) and at most 1024"),
+            (
+                "--eval-temperature",
+                a.eval_temperature,
+                a.eval_temperature > 0 or not a.eval_samples,
+                "> 0 with --eval-samples (at 0 every sample is the greedy answer)",
+            ),
+            ("--eval-top-p", a.eval_top_p, 0 < a.eval_top_p <= 1, "in (0, 1]"),
+            ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
+            ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
+            ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
+            (
+                "--tools",
+                a.tools,
+                all(t in TOOLS for t in a.tools.split(",") if t),
+                f"a comma-separated list of {', '.join(TOOLS)}",
+            ),
+            (
+                "--system-prompt",
+                a.system_prompt,
+                not (a.system_prompt and a.tools),
+                "without --tools (the tools bring their own system "
+                "prompt and worked calls; put your instructions in --prompt-template)",
+            ),
+            template_rule(a.prompt_template),  # {prompt}, and no other placeholder (data.py)
+            ("--max-turns", a.max_turns, a.max_turns >= 1, ">= 1"),
+            ("--max-tool-reply-tokens", a.max_tool_reply_tokens, a.max_tool_reply_tokens >= 1, ">= 1"),
+            ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
+            ("--tool-timeout-s", a.tool_timeout_s, a.tool_timeout_s > 0, "> 0"),
+            ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
+            *package_rules(a),  # --track needs wandb, --attn-implementation flash_attention_2 flash-attn
+            ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
+            ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
+            *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
+            (
+                "--dynamic-sampling",
+                a.dynamic_sampling,
+                not (a.dynamic_sampling and a.reward_model),
+                "without --reward-model (the "
+                "reward model scores once per step, after generation: it can't refill groups)",
+            ),
+            ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
+        ]
+    )
 
 
 def variant_defaults(args: Args) -> Args:
@@ -593,7 +780,11 @@ def variant_line(args: Args) -> str:
         correction += f" (cap {args.tis_cap:g})"
     elif correction != "none":  # mis, icepop, seq-mask
         correction += " (bounds {:g} {:g})".format(*args.correction_bounds)
-    gate = "tau {:g} / {:g}".format(*args.sapo_tau) if args.policy_loss == "sapo" else f"clip {args.clip_low:g} / {args.clip_high:g}"
+    gate = (
+        "tau {:g} / {:g}".format(*args.sapo_tau)
+        if args.policy_loss == "sapo"
+        else f"clip {args.clip_low:g} / {args.clip_high:g}"
+    )
     line = f"algorithm: advantage {args.advantage} | policy loss {args.policy_loss} ({gate}, {args.loss_agg}) | rollout correction {correction}"
     if args.epochs * args.num_minibatches == 1:
         line += " | one update a batch: every ratio 1, nothing clips (--num-minibatches N: the policy losses differ)"
@@ -611,29 +802,52 @@ def main(args: Args):
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
     args = variant_defaults(args)  # gspo's and cispo's clip ranges, a correction's bounds, tis with --async-rollout
-    tools = select_tools(args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s,
-                         workers=args.tool_workers)  # its sandbox checked, its memory said
-    run_name = args.run_name or f"grpo-{os.path.basename(args.model.rstrip('/'))}-{'+'.join(map(source_name, args.dataset))}-s{args.seed}"
+    tools = select_tools(
+        args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s, workers=args.tool_workers
+    )  # its sandbox checked, its memory said
+    run_name = (
+        args.run_name
+        or f"grpo-{os.path.basename(args.model.rstrip('/'))}-{'+'.join(map(source_name, args.dataset))}-s{args.seed}"
+    )
     run_dir = claim_run_dir(args.output_dir, run_name, resume=args.resume)  # runlog.py: this script's, locked
     resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
     engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
     tokenizer, context_len = check_model(args.model, rollout_tp=args.rollout_tp, generates=True)  # bad input: one line
-    rm_tokenizer, rm_template, rm_max_len = check_reward_model(args.reward_model, args.reward_model_template,  # None: none
-                                                               args.reward_model_max_len, system=bool(args.system_prompt), tools=bool(tools))
+    rm_tokenizer, rm_template, rm_max_len = check_reward_model(
+        args.reward_model,
+        args.reward_model_template,  # None: none
+        args.reward_model_max_len,
+        system=bool(args.system_prompt),
+        tools=bool(tools),
+    )
     stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p)
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p
+    )
     greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)  # evaluation
-    sampled = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.eval_temperature,
-                       top_p=args.eval_top_p)  # --eval-samples
+    sampled = Sampling(
+        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.eval_temperature, top_p=args.eval_top_p
+    )  # --eval-samples
 
     # ---- ALGO: the task. How a prompt is asked (a template with {prompt}, then the chat template) and
     # what a completion earns: any (completion, answer) -> float can be the reward (--reward FILE.py:function).
     template = args.prompt_template  # None: each kind's own (data.py)
     tools_template = template or (ADDITION_PROMPT if set(args.dataset) <= set(BUILTIN_TASKS) else GSM8K_PROMPT)
-    context, tool_specs = tools_prompt(tokenizer, tools, tools_template) if tools else (None, None)  # the tools, worked calls
-    tool_use = ToolUse(tools, tokenizer, ThreadPoolExecutor(args.tool_workers), max_turns=args.max_turns,
-                       max_reply_tokens=args.max_tool_reply_tokens) if tools else None
+    context, tool_specs = (
+        tools_prompt(tokenizer, tools, tools_template) if tools else (None, None)
+    )  # the tools, worked calls
+    tool_use = (
+        ToolUse(
+            tools,
+            tokenizer,
+            ThreadPoolExecutor(args.tool_workers),
+            max_turns=args.max_turns,
+            max_reply_tokens=args.max_tool_reply_tokens,
+        )
+        if tools
+        else None
+    )
     user_reward = load_reward(args.reward) if args.reward else None
 
     def reward_fn(completion: str, answer: str, kind: str) -> float:
@@ -649,12 +863,27 @@ def main(args: Args):
         return right + args.format_weight * format_reward(completion, kind)
 
     # ---- data: before any model loads, so a bad file fails fast --------------------------------------
-    check_context(context_len, args.max_prompt_len, args.max_new_tokens,
-                  tools_prompt=context_tokens(tokenizer, context, tool_specs))  # before SGLang starts
+    check_context(
+        context_len,
+        args.max_prompt_len,
+        args.max_new_tokens,
+        tools_prompt=context_tokens(tokenizer, context, tool_specs),
+    )  # before SGLang starts
     train_prompts, eval_prompts, data_line = task_prompts(
-        tokenizer, list(args.dataset), args.eval_dataset, seed=args.seed, num_eval=args.num_eval_prompts,
-        max_prompt_len=args.max_prompt_len, template=template, system_prompt=args.system_prompt, prompt_field=args.prompt_field,
-        answer_field=args.answer_field, kind=args.answer_kind, context=context, tools=tool_specs)
+        tokenizer,
+        list(args.dataset),
+        args.eval_dataset,
+        seed=args.seed,
+        num_eval=args.num_eval_prompts,
+        max_prompt_len=args.max_prompt_len,
+        template=template,
+        system_prompt=args.system_prompt,
+        prompt_field=args.prompt_field,
+        answer_field=args.answer_field,
+        kind=args.answer_kind,
+        context=context,
+        tools=tool_specs,
+    )
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
     print0(f"data: {data_line} | {world_size} ranks, engine {engine_kind}\n{variant_line(args)}")
     random.seed(seed_for(args.seed, "rank", rank))
@@ -667,25 +896,51 @@ def main(args: Args):
     mem = MemoryLog()
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
     server = args.rollout_mode == "server"  # the samples each engine or server decodes at once: its CUDA graphs
-    engines = (len(args.rollout_url) or args.rollout_gpus // args.rollout_tp) if server else world_size // args.rollout_tp
+    engines = (
+        (len(args.rollout_url) or args.rollout_gpus // args.rollout_tp) if server else world_size // args.rollout_tp
+    )
     per_engine = max(args.prompts_per_step * args.group_size, args.num_eval_prompts * args.eval_samples) // engines
-    sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=args.rollout_tp,
-                           attention_backend=args.sglang_attention_backend, sampling_backend=args.sglang_sampling_backend,
-                           cuda_graph_max_bs=graph_batch(per_engine, args.sglang_cuda_graph_max_bs),
-                           disable_cuda_graph=args.sglang_disable_cuda_graph,
-                           prefill_cuda_graph=args.sglang_prefill_cuda_graph)
+    sglang = SGLangOptions(
+        mem_fraction=args.sglang_mem_fraction,
+        tp_size=args.rollout_tp,
+        attention_backend=args.sglang_attention_backend,
+        sampling_backend=args.sglang_sampling_backend,
+        cuda_graph_max_bs=graph_batch(per_engine, args.sglang_cuda_graph_max_bs),
+        disable_cuda_graph=args.sglang_disable_cuda_graph,
+        prefill_cuda_graph=args.sglang_prefill_cuda_graph,
+    )
     if server:  # rank 0 speaks to the servers for all ranks, as one TP group's owner
         tp = tp_group(world_size)
         urls, processes = list(args.rollout_url), None
         if args.rollout_gpus and rank == 0:  # servers of this job's own, on the last GPUs of rank 0's node
-            urls, processes = launch_servers(args.model, gpus=list(range(torch.cuda.device_count()))[-args.rollout_gpus:],
-                                             tp_size=args.rollout_tp, seed=args.seed, options=sglang, log_dir=run_dir)
-        engine = ServerEngine(urls, processes=processes, model=args.model, timeout_s=args.rollout_timeout,
-                              sync_backend=args.rollout_sync_backend, sync_address=args.rollout_sync_address,
-                              batch=per_engine) if rank == 0 else None
+            urls, processes = launch_servers(
+                args.model,
+                gpus=list(range(torch.cuda.device_count()))[-args.rollout_gpus :],
+                tp_size=args.rollout_tp,
+                seed=args.seed,
+                options=sglang,
+                log_dir=run_dir,
+            )
+        engine = (
+            ServerEngine(
+                urls,
+                processes=processes,
+                model=args.model,
+                timeout_s=args.rollout_timeout,
+                sync_backend=args.rollout_sync_backend,
+                sync_address=args.rollout_sync_address,
+                batch=per_engine,
+            )
+            if rank == 0
+            else None
+        )
     else:
         tp = tp_group(args.rollout_tp)
-        engine = start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang, dtype=dtype) if rank == tp.owner else None
+        engine = (
+            start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang, dtype=dtype)
+            if rank == tp.owner
+            else None
+        )
     release(engine, ALL_TAGS)  # until the first weight sync
     watch = EngineWatch(engine, phase=lambda: mem.current)  # a dead engine ends the run
     dist.barrier()  # no rank loads its model before every engine has measured free memory
@@ -700,18 +955,35 @@ def main(args: Args):
         ref = load_model(args.model, device, dtype, attn_implementation=args.attn_implementation).eval()
         shard_model(ref, param_dtype=None, compile=args.compile)
     rm = load_reward_model(args.reward_model, device, dtype, args.attn_implementation) if args.reward_model else None
-    rm_read = dict(tokenizer=rm_tokenizer, template=rm_template, max_len=rm_max_len,
-                   micro_batch_size=args.reward_model_micro_batch_size, device=device)  # how it reads a conversation
+    rm_read = dict(
+        tokenizer=rm_tokenizer,
+        template=rm_template,
+        max_len=rm_max_len,
+        micro_batch_size=args.reward_model_micro_batch_size,
+        device=device,
+    )  # how it reads a conversation
     # fused: no temporaries (foreach allocates sqrt(v) for every parameter at once: +4 B/param, 28 GiB at 7B)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True)
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True
+    )
     total_optimizer_steps = args.steps * args.epochs * args.num_minibatches
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps)
+    )
     # PLUMBING: what the memory phases move around the engine, and the weight sync's buckets and TP group (memory.py)
-    phases = dict(models=[m for m in (policy, ref, rm) if m is not None], optimizers=[optimizer], offload=args.offload, mem=mem)
-    sync = dict(bucket_bytes=args.sync_bucket_mb * 2**20, tp_group=tp.process_group if engine_kind == "sglang" else None,
-                dtype=dtype if engine_kind == "hf" else torch.bfloat16)  # the engine's dtype: SGLang computes in bf16
+    phases = dict(
+        models=[m for m in (policy, ref, rm) if m is not None], optimizers=[optimizer], offload=args.offload, mem=mem
+    )
+    sync = dict(
+        bucket_bytes=args.sync_bucket_mb * 2**20,
+        tp_group=tp.process_group if engine_kind == "sglang" else None,
+        dtype=dtype if engine_kind == "hf" else torch.bfloat16,
+    )  # the engine's dtype: SGLang computes in bf16
     # for MFU (fsdp.mfu): the GPU's peak FLOP/s (None on a CPU or a GPU not in fsdp's table), the policy's size
-    peak, n_params = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else ""), matmul_params(policy)
+    peak, n_params = (
+        peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else ""),
+        matmul_params(policy),
+    )
     startup["model_s"] = time.time() - t0
 
     # ---- resume ----------------------------------------------------------------------------------
@@ -728,18 +1000,36 @@ def main(args: Args):
         return bool(args.eval_every) and done % args.eval_every == 0 and (done > 0 or args.eval_before_train)
 
     allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
-    info = run_info(world_size, engine_kind, python_sandbox=args.python_sandbox if "python" in tools else None,
-                    tool_workers=args.tool_workers)
-    log = RunLog(run_dir, config=asdict(args), start_step=start_step, info=info, track=args.track,
-                 project=args.wandb_project, run_name=run_name, eval_redone=start_step < args.steps and eval_due(start_step))
+    info = run_info(
+        world_size,
+        engine_kind,
+        python_sandbox=args.python_sandbox if "python" in tools else None,
+        tool_workers=args.tool_workers,
+    )
+    log = RunLog(
+        run_dir,
+        config=asdict(args),
+        start_step=start_step,
+        info=info,
+        track=args.track,
+        project=args.wandb_project,
+        run_name=run_name,
+        eval_redone=start_step < args.steps and eval_due(start_step),
+    )
     last_saved, nonfinite = start_step, NonFinite(args.max_nonfinite_steps)
 
     def save(step: int, sampler_state: dict):
         nonlocal last_saved
         t0 = time.time()
-        path = save_checkpoint(run_dir, step, {"policy": (policy, optimizer)}, {"model": policy}, tokenizer,
-                               {"step": step, "sampler": sampler_state, "scheduler": scheduler.state_dict(),
-                                "args": asdict(args)}, args.keep_checkpoints)
+        path = save_checkpoint(
+            run_dir,
+            step,
+            {"policy": (policy, optimizer)},
+            {"model": policy},
+            tokenizer,
+            {"step": step, "sampler": sampler_state, "scheduler": scheduler.state_dict(), "args": asdict(args)},
+            args.keep_checkpoints,
+        )
         last_saved = step
         print0(f"saved {path} ({time.time() - t0:.1f}s)")
 
@@ -755,7 +1045,9 @@ def main(args: Args):
         mem.close()
         log.finish()  # curves.png too
         clock.summary(run_dir, EVAL_LINE, stopped=True)
-        print0(f"stopped by {signal.Signals(signum).name} after step {done}; continue from step {last_saved} with: {again}")
+        print0(
+            f"stopped by {signal.Signals(signum).name} after step {done}; continue from step {last_saved} with: {again}"
+        )
         dist.destroy_process_group()
         raise SystemExit(128 + signum)
 
@@ -764,11 +1056,17 @@ def main(args: Args):
         K samples a prompt too: avg@K, pass@1..K, maj@K (reward.sampled_eval_stats)."""
         share = range(rank, len(eval_prompts.ids), world_size)
         prompt_ids, examples = [eval_prompts.ids[i] for i in share], [eval_prompts.examples[i] for i in share]
-        samples = generate(engine, prompt_ids, [0] * len(share), sampling=greedy, tokenizer=tokenizer, tp=tp,
-                           tool_use=tool_use)
+        samples = generate(
+            engine, prompt_ids, [0] * len(share), sampling=greedy, tokenizer=tokenizer, tp=tp, tool_use=tool_use
+        )
         K, seed = args.eval_samples, seed_for(args.seed, "eval", step, rank)
-        groups = generate_groups(engine, prompt_ids, K, seed=seed, sampling=sampled, tokenizer=tokenizer, tp=tp,
-                                 tool_use=tool_use) if K else []
+        groups = (
+            generate_groups(
+                engine, prompt_ids, K, seed=seed, sampling=sampled, tokenizer=tokenizer, tp=tp, tool_use=tool_use
+            )
+            if K
+            else []
+        )
         if signum := agreed_signal():  # a signal cut the evaluation short: not logged
             stop_now(signum, step, ahead.before if ahead else sampler.state_dict())  # not the batch in flight
         for s, ex in zip(samples + sum(groups, []), examples + [ex for ex in examples for _ in range(K)]):
@@ -784,18 +1082,30 @@ def main(args: Args):
         they generate in the background (--async-rollout), with the weights the engine has now."""
         before = sampler.state_dict()  # the data position before this draw (a checkpoint's, while it generates)
         prompt_idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)  # this rank's prompts
-        sample_idx = [i for i in prompt_idx for _ in range(args.group_size)]     # each prompt G times in a row
+        sample_idx = [i for i in prompt_idx for _ in range(args.group_size)]  # each prompt G times in a row
         seeds = [seed_for(args.seed, "sample", step, rounds, rank, k) for k in range(len(sample_idx))]
-        pending = send(engine, [train_prompts.ids[i] for i in sample_idx], seeds, sampling=sampling, tool_use=tool_use,
-                       tokenizer=tokenizer, tp=tp, ahead=ahead)
+        pending = send(
+            engine,
+            [train_prompts.ids[i] for i in sample_idx],
+            seeds,
+            sampling=sampling,
+            tool_use=tool_use,
+            tokenizer=tokenizer,
+            tp=tp,
+            ahead=ahead,
+        )
         pending.sample_idx, pending.before, pending.ahead = sample_idx, before, ahead
         return pending
 
     # ---- the loop ----------------------------------------------------------------------------------
     local_prompts = args.prompts_per_step // world_size
     max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
-    console = (CONSOLE + TOOLS_LINE * bool(tools) + CORRECTION_CONSOLE * (args.rollout_correction != "none")
-               + RM_LINE * bool(rm))
+    console = (
+        CONSOLE
+        + TOOLS_LINE * bool(tools)
+        + CORRECTION_CONSOLE * (args.rollout_correction != "none")
+        + RM_LINE * bool(rm)
+    )
     print0(legend(console + IF_NOT_0))
     clock = StepClock(total=args.steps, start=start_step, launched=t_launch)  # 'step 3/200 | eta 1:02', the last lines
     ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
@@ -825,18 +1135,29 @@ def main(args: Args):
                     ex = train_prompts.examples[i]
                     s.answer, s.kind, s.source, s.prompt = ex.answer, ex.kind, ex.source, ex.prompt
                     s.group_id = (len(seen) + k) // args.group_size  # the same for the G samples of a prompt
-                scored = score_all(reward_fn, [(s.text, s.answer, s.kind) for s in samples], workers=args.reward_workers,
-                                   timeout_s=args.reward_timeout_s)  # in threads, each call within the limit (reward.py)
+                scored = score_all(
+                    reward_fn,
+                    [(s.text, s.answer, s.kind) for s in samples],
+                    workers=args.reward_workers,
+                    timeout_s=args.reward_timeout_s,
+                )  # in threads, each call within the limit (reward.py)
                 for s, (reward, error) in zip(samples, scored):  # raised, NaN/inf or timed out: 0.0, and why
                     s.reward, s.reward_error = reward, error
-                groups = [samples[g * args.group_size:(g + 1) * args.group_size] for g in range(len(samples) // args.group_size)]
+                groups = [
+                    samples[g * args.group_size : (g + 1) * args.group_size]
+                    for g in range(len(samples) // args.group_size)
+                ]
                 seen += samples
                 rounds += 1
                 if args.dynamic_sampling:  # ALGO: a group of equal rewards has zero advantage: no signal
                     groups = [g for g in groups if len({s.reward for s in g}) > 1]
                 kept += groups
                 kept_total = int(all_reduce(len(kept)))  # pooled below: one rank's surplus fills another's gap
-                if not args.dynamic_sampling or kept_total >= args.prompts_per_step or rounds == args.max_sampling_rounds:
+                if (
+                    not args.dynamic_sampling
+                    or kept_total >= args.prompts_per_step
+                    or rounds == args.max_sampling_rounds
+                ):
                     break
             # every rank trains on as many groups (FSDP's collectives must match), dealt from all ranks' kept (balance)
             n_groups = min(kept_total // world_size, local_prompts)
@@ -849,7 +1170,9 @@ def main(args: Args):
         sleep(engine, device=device, **phases)
         if rm is not None:  # ALGO: each reward becomes w_rule * rule + w_rm * the RM's score (reward_model.py)
             with mem.phase("reward_model"):
-                metrics.update(rm_rewards(rm, seen, weights=args.reward_weights, whiten=args.reward_model_norm, **rm_read))
+                metrics.update(
+                    rm_rewards(rm, seen, weights=args.reward_weights, whiten=args.reward_model_norm, **rm_read)
+                )
 
         metrics.update(rollout_stats(seen, seconds=pending.seconds if pending.ahead else mem.seconds["generate"]))
         metrics["rollout/staleness"] = float(pending.ahead)  # updates between the sampling weights and the trained ones
@@ -857,8 +1180,11 @@ def main(args: Args):
             metrics.update(tool_stats(seen))
         metrics.update({"rollout/kept_groups": n_groups * world_size, "rollout/sampling_rounds": rounds})
         if not n_groups:  # dynamic sampling found too few groups with differing rewards: nothing to learn from
-            print0(f"step {step}/{args.steps} | {kept_total or 'no'} groups with differing rewards in {rounds} rounds"
-                   + f" (every one of the {world_size} ranks needs one)" * bool(kept_total) + ": update skipped")
+            print0(
+                f"step {step}/{args.steps} | {kept_total or 'no'} groups with differing rewards in {rounds} rounds"
+                + f" (every one of the {world_size} ranks needs one)" * bool(kept_total)
+                + ": update skipped"
+            )
             metrics["train/skipped"] = 1.0
             skip_schedule(scheduler, args.epochs * args.num_minibatches)  # the LR follows the steps, not the updates
         else:
@@ -868,36 +1194,54 @@ def main(args: Args):
             kept = balance(kept, tokens_per_group, world_size, share=n_groups)
             flat = [s for g in kept for s in g]
             batch = collate(flat, pad_id)
-            lengths = batch.attention_mask.sum(-1)                                           # [B] real tokens
+            lengths = batch.attention_mask.sum(-1)  # [B] real tokens
             batch.loss_mask = batch.response_mask.clone()
             if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
                 batch.loss_mask[torch.tensor([s.truncated for s in flat])] = 0.0
             with mem.phase("logprob"):
-                batch.old_logprobs = batch_logprobs(policy, batch, args.micro_batch_size, args.temperature, device,
-                                                    lambda x: progress(x, "log-probs", rank), max_tokens)
+                batch.old_logprobs = batch_logprobs(
+                    policy,
+                    batch,
+                    args.micro_batch_size,
+                    args.temperature,
+                    device,
+                    lambda x: progress(x, "log-probs", rank),
+                    max_tokens,
+                )
                 if ref is not None:
-                    batch.ref_logprobs = batch_logprobs(ref, batch, args.micro_batch_size, args.temperature, device,
-                                                        max_tokens=max_tokens)
+                    batch.ref_logprobs = batch_logprobs(
+                        ref, batch, args.micro_batch_size, args.temperature, device, max_tokens=max_tokens
+                    )
             # ALGO: the sampler's log-probs vs the trainer's (old_logprobs), on the model's tokens: logged, and corrected
-            weight, keep, touched = rollout_correction(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
-                                                       args.rollout_correction, tis_cap=args.tis_cap, bounds=args.correction_bounds)
+            weight, keep, touched = rollout_correction(
+                batch.old_logprobs,
+                batch.rollout_logprobs,
+                batch.response_mask,
+                args.rollout_correction,
+                tis_cap=args.tis_cap,
+                bounds=args.correction_bounds,
+            )
             batch.is_weight, batch.loss_mask = weight, batch.loss_mask * keep
-            metrics.update(mismatch_stats(batch, touched))  # logprob gap (the sync check), KL, largest ratio (rollout.py)
+            metrics.update(
+                mismatch_stats(batch, touched)
+            )  # logprob gap (the sync check), KL, largest ratio (rollout.py)
 
             # -- 5. advantages
             group_ids = torch.tensor([s.group_id for s in flat]).view(-1, args.group_size)  # [groups, G]
             assert (group_ids == group_ids[:, :1]).all(), "a row of the reshape mixes samples of two prompts"
-            rewards = torch.tensor([s.reward for s in flat]).view(-1, args.group_size)     # [groups, G]
+            rewards = torch.tensor([s.reward for s in flat]).view(-1, args.group_size)  # [groups, G]
             if ref is not None and args.kl_in_reward:  # ALGO: KL as a reward penalty, per sequence
                 seq_kl = (kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1") * batch.response_mask).sum(-1)
                 rewards = rewards - args.beta * seq_kl.view(-1, args.group_size)
-            adv = advantages(rewards, args.advantage, args.scale_rewards).view(-1)         # [B]
-            batch.advantages = adv[:, None] * batch.response_mask                           # [B, T-1]
+            adv = advantages(rewards, args.advantage, args.scale_rewards).view(-1)  # [B]
+            batch.advantages = adv[:, None] * batch.response_mask  # [B, T-1]
 
             # -- 6. update: epochs x mini-batches of policy-loss steps (PPO-clip, GSPO or CISPO)
             policy.train()
-            totals = {k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
-                      for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens")}
+            totals = {
+                k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
+                for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens")
+            }
             grad_norms = []
             with mem.phase("update"):
                 for epoch in range(args.epochs):
@@ -907,16 +1251,35 @@ def main(args: Args):
                         # as the LR schedule counts, also when dynamic sampling shrank the batch (6 rows: 2, 2, 1, 1)
                         # global counts, once per mini-batch: every rank normalizes by the whole mini-batch
                         num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
-                        num_seqs = float(all_reduce((batch.loss_mask[mini].sum(-1) > 0).sum()))  # filtered rows don't count
+                        num_seqs = float(
+                            all_reduce((batch.loss_mask[mini].sum(-1) > 0).sum())
+                        )  # filtered rows don't count
                         mbs = micro_batches(mini, lengths, args.micro_batch_size, max_tokens)  # as many on every rank
                         for rows in progress(mbs, f"update {epoch + 1}/{args.epochs}", rank):
-                            mb = batch.select(rows).to(device)                                       # [b, t] fields
-                            logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature,
-                                                           with_entropy=True, packed=max_tokens > 0)   # [b, t-1] each
-                            loss, stats = grpo_loss(logp, entropy, mb, policy_loss=args.policy_loss, clip_low=args.clip_low,
-                                                    clip_high=args.clip_high, kl_coef=0.0 if args.kl_in_reward else args.beta,
-                                                    kl_estimator=args.kl_estimator, loss_agg=args.loss_agg, sapo_tau=args.sapo_tau,
-                                                    num_seqs=num_seqs, num_tokens=num_tokens, max_len=args.max_new_tokens)
+                            mb = batch.select(rows).to(device)  # [b, t] fields
+                            logp, entropy = token_logprobs(
+                                policy,
+                                mb.input_ids,
+                                mb.attention_mask,
+                                args.temperature,
+                                with_entropy=True,
+                                packed=max_tokens > 0,
+                            )  # [b, t-1] each
+                            loss, stats = grpo_loss(
+                                logp,
+                                entropy,
+                                mb,
+                                policy_loss=args.policy_loss,
+                                clip_low=args.clip_low,
+                                clip_high=args.clip_high,
+                                kl_coef=0.0 if args.kl_in_reward else args.beta,
+                                kl_estimator=args.kl_estimator,
+                                loss_agg=args.loss_agg,
+                                sapo_tau=args.sapo_tau,
+                                num_seqs=num_seqs,
+                                num_tokens=num_tokens,
+                                max_len=args.max_new_tokens,
+                            )
                             loss.backward()
                             for k, v in stats.items():
                                 totals[k] += v
@@ -924,18 +1287,29 @@ def main(args: Args):
 
             totals = all_reduce_dict(totals)  # a CPU-GPU sync point, once per step
             tokens, real_tokens = totals["tokens"].clamp(min=1), float(all_reduce(lengths.sum()))
-            metrics.update({
-                "train/loss": totals["loss"] / (args.epochs * args.num_minibatches), "train/clip_frac": totals["clip_frac"] / tokens,
-                "train/kl": totals["kl"] / tokens, "train/entropy": totals["entropy"] / tokens,
-                "train/approx_kl": totals["approx_kl"] / tokens, "train/grad_norm": sum(grad_norms) / len(grad_norms),
-                "train/lr": scheduler.get_last_lr()[0], "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms),
-                "perf/tokens_per_s": real_tokens / (time.time() - t_step),
-                "perf/rank_tokens_max_over_mean": float(all_reduce(lengths.sum(), dist.ReduceOp.MAX)) * world_size / real_tokens,  # 1: even
-            })
+            metrics.update(
+                {
+                    "train/loss": totals["loss"] / (args.epochs * args.num_minibatches),
+                    "train/clip_frac": totals["clip_frac"] / tokens,
+                    "train/kl": totals["kl"] / tokens,
+                    "train/entropy": totals["entropy"] / tokens,
+                    "train/approx_kl": totals["approx_kl"] / tokens,
+                    "train/grad_norm": sum(grad_norms) / len(grad_norms),
+                    "train/lr": scheduler.get_last_lr()[0],
+                    "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms),
+                    "perf/tokens_per_s": real_tokens / (time.time() - t_step),
+                    "perf/rank_tokens_max_over_mean": float(all_reduce(lengths.sum(), dist.ReduceOp.MAX))
+                    * world_size
+                    / real_tokens,  # 1: even
+                }
+            )
             if peak:  # PLUMBING: model FLOPs utilization of the two phases (fsdp.mfu), on a GPU of known peak only
-                metrics["perf/logprob_mfu"] = mfu(2 * n_params * (1 + (ref is not None)), real_tokens, mem.seconds["logprob"],
-                                                  peak, world_size)
-                metrics["perf/update_mfu"] = mfu(6 * n_params, real_tokens * args.epochs, mem.seconds["update"], peak, world_size)
+                metrics["perf/logprob_mfu"] = mfu(
+                    2 * n_params * (1 + (ref is not None)), real_tokens, mem.seconds["logprob"], peak, world_size
+                )
+                metrics["perf/update_mfu"] = mfu(
+                    6 * n_params, real_tokens * args.epochs, mem.seconds["update"], peak, world_size
+                )
 
         # -- 7. metrics, log, checkpoint
         metrics["perf/step_s"] = time.time() - t_step
@@ -947,7 +1321,9 @@ def main(args: Args):
         rare = [c for c in IF_NOT_0 + REWARD_LINE if metrics.get(c[1])]  # REWARD_LINE: samples scored 0
         print0(log_line(clock.label(step), metrics, console + rare))
         log.log(metrics)
-        if warning := nonfinite.after_step(step, int(metrics.get("train/nonfinite_skips", 0)), args.epochs * args.num_minibatches):
+        if warning := nonfinite.after_step(
+            step, int(metrics.get("train/nonfinite_skips", 0)), args.epochs * args.num_minibatches
+        ):
             print0(warning)
         if args.log_samples_every and step % args.log_samples_every == 0:
             log.samples(step, seen)

@@ -38,8 +38,18 @@ GiB = 1024**3
 # The two halves of the step
 
 
-def wake_up(engine, *, policy, models: list, optimizers: list, offload: bool, mem: "MemoryLog",
-            bucket_bytes: int = 512 * 2**20, tp_group=None, dtype: torch.dtype = torch.bfloat16):
+def wake_up(
+    engine,
+    *,
+    policy,
+    models: list,
+    optimizers: list,
+    offload: bool,
+    mem: "MemoryLog",
+    bucket_bytes: int = 512 * 2**20,
+    tp_group=None,
+    dtype: torch.dtype = torch.bfloat16,
+):
     """Training state -> rollout. `models` are all training-side FSDP2 models (policy, reference,
     critic); `optimizers` their optimizers. `engine` is None on non-owner ranks of a TP group;
     `tp_group`: that group, when it shares an in-process SGLang engine (see sync_weights); `dtype`: the engine's."""
@@ -115,7 +125,10 @@ def _send(bucket: list, engine, tp_group):
         dist.gather_object(handles, per_rank, dst=dist.get_global_rank(tp_group, 0), group=tp_group)
         if engine is not None:  # [(name, LocalSerializedTensor(values=[rank 0's handle, rank 1's, ...]))]
             from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor  # lazy
-            bucket = [(name, LocalSerializedTensor(values=list(values))) for (name, _), values in zip(bucket, zip(*per_rank))]
+
+            bucket = [
+                (name, LocalSerializedTensor(values=list(values))) for (name, _), values in zip(bucket, zip(*per_rank))
+            ]
     if engine is not None:
         engine.update_weights_from_tensor(bucket, flush_cache=False)
     if tp_group is not None:
@@ -141,8 +154,9 @@ def resume(engine, tags):
     if engine is not None:
         not_released = set(tags) - getattr(engine, "released", set())
         if not_released:
-            raise RuntimeError(f"resume of {sorted(not_released)}, which was never released: "
-                               f"the memory phases ran out of order")
+            raise RuntimeError(
+                f"resume of {sorted(not_released)}, which was never released: the memory phases ran out of order"
+            )
     empty_cache()
     if dist.is_initialized():
         dist.barrier()

@@ -67,14 +67,16 @@ def per_phase(rows: list[dict], prefix: str, suffix: str, reduce) -> dict[str, f
     for r in rows:
         for k, v in r.items():
             if k.startswith(prefix) and k.endswith(suffix):
-                values.setdefault(k[len(prefix):len(k) - len(suffix)], []).append(v)
+                values.setdefault(k[len(prefix) : len(k) - len(suffix)], []).append(v)
     return {p: reduce(v) for p, v in values.items()}
 
 
 def first_logged(runs: dict, *choices: tuple[list, str]) -> tuple[list, str]:
     """The first (series, title) of `choices` that some run logs, else the first: a panel of train_rm.py's runs (no
     rollouts) shows its loss where grpo.py's shows the reward."""
-    return next((c for c in choices if any(k in r for rows in runs.values() for r in rows for k, _, _ in c[0])), choices[0])
+    return next(
+        (c for c in choices if any(k in r for rows in runs.values() for r in rows for k, _, _ in c[0])), choices[0]
+    )
 
 
 def nothing(ax, keys: str):
@@ -95,8 +97,9 @@ def lines(ax, runs: dict, series: list[tuple[str, str, str]], title: str, log: b
     if log:  # KL and entropy span decades; symlog also shows KL's zeros (--beta 0, one epoch) and k1's negatives
         ax.set_yscale("symlog", linthresh=1e-4)
     if len(series) > 1:  # the line styles, in grey: the colours are the runs
-        ax.legend(handles=[ax.plot([], [], fmt, color="gray", label=label)[0] for label, fmt in drawn.items()],
-                  fontsize=8)
+        ax.legend(
+            handles=[ax.plot([], [], fmt, color="gray", label=label)[0] for label, fmt in drawn.items()], fontsize=8
+        )
 
 
 def bars(ax, values: dict, title: str, xlabel: str, fmt: str, marks: dict | None = None, keys: str = ""):
@@ -108,8 +111,12 @@ def bars(ax, values: dict, title: str, xlabel: str, fmt: str, marks: dict | None
     height, top = 0.8 / len(values), max(v[p] for v in values.values() for p in phases if p in v)
     for i, (name, v) in enumerate(values.items()):
         y = [j - 0.4 + height * (i + 0.5) for j in range(len(phases))]
-        ax.bar_label(ax.barh(y, [v.get(p, 0) for p in phases], height, color=f"C{i}"), fontsize=7, padding=2,
-                     labels=[fmt % v[p] if v.get(p, 0) > top / 50 else "" for p in phases])  # no crowd of "0.00"s
+        ax.bar_label(
+            ax.barh(y, [v.get(p, 0) for p in phases], height, color=f"C{i}"),
+            fontsize=7,
+            padding=2,
+            labels=[fmt % v[p] if v.get(p, 0) > top / 50 else "" for p in phases],
+        )  # no crowd of "0.00"s
         if marks:
             ax.plot([marks[name].get(p, float("nan")) for p in phases], y, "k|", markersize=9)
     ax.set_yticks(range(len(phases)), phases, fontsize=8), ax.invert_yaxis()
@@ -119,31 +126,75 @@ def draw(run_dirs: list[str], out: str) -> list[str]:
     """Draw the runs' panels into `out`, those with something to draw; their titles."""
     runs = {os.path.basename(os.path.normpath(d)): read_metrics(os.path.join(d, "metrics.jsonl")) for d in run_dirs}
     fig, ax = subplots(2, 3, figsize=(16, 8.5), layout="constrained")
-    lines(ax[0, 0], runs, *first_logged(runs, ([("rollout/reward_mean", "", "-")], "reward (sampled, mean)"),
-                                        ([("train/loss", "train", "-"), ("eval/loss", "held out", "o-")], "Bradley-Terry loss")))
+    lines(
+        ax[0, 0],
+        runs,
+        *first_logged(
+            runs,
+            ([("rollout/reward_mean", "", "-")], "reward (sampled, mean)"),
+            ([("train/loss", "train", "-"), ("eval/loss", "held out", "o-")], "Bradley-Terry loss"),
+        ),
+    )
     keys = {k for rows in runs.values() for r in rows for k in r if k.startswith("eval/") and k.count("/") == 2}
     sources = sorted(k.split("/")[1] for k in keys if k.endswith("/strict_acc"))
     groups = sorted(k.split("/")[2] for k in keys if k.startswith("eval/pair_acc/"))  # train_rm.py's rows' "group"
-    lines(ax[0, 1], runs, [("eval/strict_acc", "strict", "o-"), ("eval/flexible_acc", "flexible", "^--")]
-          + [(f"eval/{s}/strict_acc", f"{s} strict", "sDvPX"[i % 5] + ":") for i, s in enumerate(sources)]
-          + [("eval/pair_acc", "pairwise", "o-")] + [(f"eval/pair_acc/{g}", g, "sDvPX"[i % 5] + ":") for i, g in enumerate(groups)],
-          "held-out accuracy (greedy; a reward model's: pairwise)")
+    lines(
+        ax[0, 1],
+        runs,
+        [("eval/strict_acc", "strict", "o-"), ("eval/flexible_acc", "flexible", "^--")]
+        + [(f"eval/{s}/strict_acc", f"{s} strict", "sDvPX"[i % 5] + ":") for i, s in enumerate(sources)]
+        + [("eval/pair_acc", "pairwise", "o-")]
+        + [(f"eval/pair_acc/{g}", g, "sDvPX"[i % 5] + ":") for i, g in enumerate(groups)],
+        "held-out accuracy (greedy; a reward model's: pairwise)",
+    )
     ax[0, 1].set_ylim(-0.02, 1.02)
-    lines(ax[0, 2], runs, *first_logged(runs, ([("rollout/response_len_mean", "", "-")], "response length (tokens, sampled, mean)"),
-                                        ([("train/margin", "train", "-"), ("eval/margin", "held out", "o-")],
-                                         "margin r(chosen) - r(rejected), mean")))
-    lines(ax[1, 0], runs, [("train/kl", "kl (in the loss)", "-"), ("train/entropy", "entropy", ":"),
-                           ("train/kl_per_response", "kl per response", "-."), ("train/approx_kl", "approx kl", "--"),
-                           ("rollout/mismatch_kl", "mismatch kl (sampler || trainer)", "+-")],
-          "KL and entropy (log scale above 1e-4)", log=True)
+    lines(
+        ax[0, 2],
+        runs,
+        *first_logged(
+            runs,
+            ([("rollout/response_len_mean", "", "-")], "response length (tokens, sampled, mean)"),
+            (
+                [("train/margin", "train", "-"), ("eval/margin", "held out", "o-")],
+                "margin r(chosen) - r(rejected), mean",
+            ),
+        ),
+    )
+    lines(
+        ax[1, 0],
+        runs,
+        [
+            ("train/kl", "kl (in the loss)", "-"),
+            ("train/entropy", "entropy", ":"),
+            ("train/kl_per_response", "kl per response", "-."),
+            ("train/approx_kl", "approx kl", "--"),
+            ("rollout/mismatch_kl", "mismatch kl (sampler || trainer)", "+-"),
+        ],
+        "KL and entropy (log scale above 1e-4)",
+        log=True,
+    )
     steps = {name: [r for r in rows if "perf/step_s" in r] for name, rows in runs.items()}
     timed = {name: rows[1:] or rows for name, rows in steps.items()}  # step 1 left out where there are more: warm-up
     phases = {name: per_phase(rows, "time/", "", statistics.mean) for name, rows in timed.items()}  # none: train_rm.py
-    bars(ax[1, 1], {name: {"whole step": statistics.mean(r["perf/step_s"] for r in timed[name]), **v} if v else {}
-                    for name, v in phases.items()}, "seconds per phase (mean, step 1 left out)", "seconds", "%.2f")
-    bars(ax[1, 2], {name: per_phase(rows, "memory/", "_device_peak_gib", max) for name, rows in steps.items()},
-         "GPU memory per phase (peak)", "GiB (bars: the whole device, |: the trainer's own)", "%.1f",
-         {name: per_phase(rows, "memory/", "_peak_gib", max) for name, rows in steps.items()}, "memory/* (a CPU run?)")
+    bars(
+        ax[1, 1],
+        {
+            name: {"whole step": statistics.mean(r["perf/step_s"] for r in timed[name]), **v} if v else {}
+            for name, v in phases.items()
+        },
+        "seconds per phase (mean, step 1 left out)",
+        "seconds",
+        "%.2f",
+    )
+    bars(
+        ax[1, 2],
+        {name: per_phase(rows, "memory/", "_device_peak_gib", max) for name, rows in steps.items()},
+        "GPU memory per phase (peak)",
+        "GiB (bars: the whole device, |: the trainer's own)",
+        "%.1f",
+        {name: per_phase(rows, "memory/", "_peak_gib", max) for name, rows in steps.items()},
+        "memory/* (a CPU run?)",
+    )
     # only the panels with something to draw (a CPU run has no GPU memory; train_rm.py's runs no KL, no phases), 3 a row
     shown = [a for a in ax.flat if a.has_data()] or [ax[0, 1]]
     cols = {1: 1, 2: 2, 4: 2}.get(len(shown), 3)
@@ -152,8 +203,11 @@ def draw(run_dirs: list[str], out: str) -> list[str]:
         a.set_subplotspec(grid[shown.index(a)]) if a in shown else a.remove()
     fig.set_size_inches(16 / 3 * cols, 8.5 / 2 * grid.nrows)
     if len(runs) > 1:
-        fig.legend(handles=[shown[0].plot([], [], color=f"C{i}", label=n)[0] for i, n in enumerate(runs)],
-                   loc="outside upper center", ncol=min(len(runs), 6))
+        fig.legend(
+            handles=[shown[0].plot([], [], color=f"C{i}", label=n)[0] for i, n in enumerate(runs)],
+            loc="outside upper center",
+            ncol=min(len(runs), 6),
+        )
     else:
         fig.suptitle(next(iter(runs)))
     fig.savefig(out + ".tmp", format="png", dpi=100)
@@ -184,7 +238,9 @@ def main(a: Args):
         raise InputError("which runs? give one or more run folders: python plot.py runs/A [runs/B ...] [--out ab.png]")
     for d in a.run_dirs:
         if not os.path.isfile(os.path.join(d, "metrics.jsonl")):
-            raise InputError(f"{d}: no metrics.jsonl there (expected the run folder grpo.py, ppo.py or train_rm.py wrote)")
+            raise InputError(
+                f"{d}: no metrics.jsonl there (expected the run folder grpo.py, ppo.py or train_rm.py wrote)"
+            )
     out = a.out or (os.path.join(a.run_dirs[0], "curves.png") if len(a.run_dirs) == 1 else "curves.png")
     draw(a.run_dirs, out)
     print(f"plot.py: wrote {out} ({len(a.run_dirs)} run{'s' * (len(a.run_dirs) > 1)})")

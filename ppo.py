@@ -36,18 +36,91 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
-from data import (ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, PromptSampler, collate, context_tokens, seed_for, shard, source_name,
-                  task_prompts, template_rule)
-from fsdp import (all_reduce, all_reduce_dict, balance, batch_forward, batch_logprobs, clip_and_step, compute_dtype, forward_tokens,
-                  init_distributed, load_model, lr_lambda, matmul_params, mfu, micro_batches, peak_flops, shard_model, token_logprobs)
+from data import (
+    ADDITION_PROMPT,
+    BUILTIN_TASKS,
+    GSM8K_PROMPT,
+    PromptSampler,
+    collate,
+    context_tokens,
+    seed_for,
+    shard,
+    source_name,
+    task_prompts,
+    template_rule,
+)
+from fsdp import (
+    all_reduce,
+    all_reduce_dict,
+    balance,
+    batch_forward,
+    batch_logprobs,
+    clip_and_step,
+    compute_dtype,
+    forward_tokens,
+    init_distributed,
+    load_model,
+    lr_lambda,
+    matmul_params,
+    mfu,
+    micro_batches,
+    peak_flops,
+    shard_model,
+    token_logprobs,
+)
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
-from preflight import check_context, check_engine, check_flags, check_model, friendly_errors, package_rules, parse_args, size_for_cpu
+from preflight import (
+    check_context,
+    check_engine,
+    check_flags,
+    check_model,
+    friendly_errors,
+    package_rules,
+    parse_args,
+    size_for_cpu,
+)
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
-from reward import (EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, correct, eval_stats, format_reward, load_reward, rollout_stats,
-                    sampled_eval_stats, sampled_line, score_all)
-from rollout import SGLangOptions, Sampling, generate_groups, graph_batch, ToolUse, generate, mismatch_stats, send, start_engine, stop_token_ids, tp_group
-from runlog import (CLIP, SAMPLES_LINE, TIMES_LINE, TRUNC, RunLog, StepClock, claim_run_dir, launch_time, legend, log_line,
-                    print0, progress, run_info)
+from reward import (
+    EVAL_LINE,
+    EVAL_TOOLS_LINE,
+    REWARD_LINE,
+    correct,
+    eval_stats,
+    format_reward,
+    load_reward,
+    rollout_stats,
+    sampled_eval_stats,
+    sampled_line,
+    score_all,
+)
+from rollout import (
+    SGLangOptions,
+    Sampling,
+    generate_groups,
+    graph_batch,
+    ToolUse,
+    generate,
+    mismatch_stats,
+    send,
+    start_engine,
+    stop_token_ids,
+    tp_group,
+)
+from runlog import (
+    CLIP,
+    SAMPLES_LINE,
+    TIMES_LINE,
+    TRUNC,
+    RunLog,
+    StepClock,
+    claim_run_dir,
+    launch_time,
+    legend,
+    log_line,
+    print0,
+    progress,
+    run_info,
+)
 from server import ServerEngine, launch_servers
 from tools import TOOLS, TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
@@ -285,14 +358,28 @@ class Args:
 
 
 # PLUMBING: without a GPU, these replace the defaults of the flags not given: 16 samples of up to 64 tokens a step, as grpo.py.
-CPU_SIZES = {"prompts_per_step": 8, "group_size": 2, "max_new_tokens": 64, "num_eval_prompts": 16,
-             "micro_batch_size": 16}
+CPU_SIZES = {
+    "prompts_per_step": 8,
+    "group_size": 2,
+    "max_new_tokens": 64,
+    "num_eval_prompts": 16,
+    "micro_batch_size": 16,
+}
 # PLUMBING: a step's console line: (name, metric, format, what it is: the legend printed before step 1)
-CONSOLE = SAMPLES_LINE + [
-    ("vloss", "critic/value_loss", ".2g", "the critic's value loss"),
-    ("ev", "critic/explained_var", ".2f", "explained variance: the share of the returns' variance the values explain"),
-    ("gnorm", "train/grad_norm", ".2f", "the actor's gradient norm before clipping"),
-] + TIMES_LINE
+CONSOLE = (
+    SAMPLES_LINE
+    + [
+        ("vloss", "critic/value_loss", ".2g", "the critic's value loss"),
+        (
+            "ev",
+            "critic/explained_var",
+            ".2f",
+            "explained variance: the share of the returns' variance the values explain",
+        ),
+        ("gnorm", "train/grad_norm", ".2f", "the actor's gradient norm before clipping"),
+    ]
+    + TIMES_LINE
+)
 # shown after the others, on a step where they are not 0
 IF_NOT_0 = [TRUNC, ("kl", "train/kl_per_response", ".2g", "KL(actor || reference) per response (where not 0)"), CLIP]
 
@@ -370,24 +457,38 @@ def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     is chosen, so it lines up with token_logprobs. [B, T-1], fp32. `packed`: as token_logprobs'."""
     with warnings.catch_warnings():  # FSDP2 warns that the head's output is a view: harmless, nothing here is in-place
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        out, _, unpack = forward_tokens(critic, input_ids, attention_mask, packed)              # [B, T, 1] or [1, N, 1]
+        out, _, unpack = forward_tokens(critic, input_ids, attention_mask, packed)  # [B, T, 1] or [1, N, 1]
     return unpack(out[:, :-1, 0].float())
 
 
-def actor_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, entropy_coef: float, num_tokens: float,
-               tis_cap: float = 0.0):
+def actor_loss(
+    logp,
+    entropy,
+    mb,
+    *,
+    clip_low: float,
+    clip_high: float,
+    entropy_coef: float,
+    num_tokens: float,
+    tis_cap: float = 0.0,
+):
     """One micro-batch's actor loss: PPO-clip on the GAE advantages minus entropy_coef * entropy,
     token-mean over the whole mini-batch (num_tokens counts all ranks: see grpo.py's `aggregate`).
     tis_cap > 0: the clipped term weighted by min(p_old / p_sampler, tis_cap) (grpo.py's grpo_loss).
     logp, entropy [b, t]: the actor now. Returns (loss, sums over loss tokens for the metrics)."""
-    m = mb.loss_mask                                                                             # [b, t]
+    m = mb.loss_mask  # [b, t]
     token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, clip_low, clip_high)  # [b, t]
-    stats = {"clip_frac": (clipped.float() * m).sum(), "entropy": (entropy.detach() * m).sum(),
-             "approx_kl": (kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum()}
+    stats = {
+        "clip_frac": (clipped.float() * m).sum(),
+        "entropy": (entropy.detach() * m).sum(),
+        "approx_kl": (kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum(),
+    }
     if tis_cap > 0:
         weight = torch.exp(mb.old_logprobs - mb.rollout_logprobs).nan_to_num(nan=0.0)  # [b, t]; a NaN log-prob weighs 0
         token_loss = token_loss * weight.clamp(max=tis_cap)  # both log-probs are constants: no gradient through it
-        stats.update(tis_weight=(weight.clamp(max=tis_cap) * m).sum(), tis_capped=((weight > tis_cap).float() * m).sum())
+        stats.update(
+            tis_weight=(weight.clamp(max=tis_cap) * m).sum(), tis_capped=((weight > tis_cap).float() * m).sum()
+        )
     loss = ((token_loss - entropy_coef * entropy) * m).sum() / num_tokens
     return loss, {"loss": loss.detach(), **stats}
 
@@ -395,8 +496,8 @@ def actor_loss(logp, entropy, mb, *, clip_low: float, clip_high: float, entropy_
 def critic_loss(values, mb, *, value_clip: float, num_tokens: float):
     """One micro-batch's critic loss: clipped value loss against the GAE returns, token-mean over
     the whole mini-batch. values [b, t]: the critic now. Returns (loss, sums for the metrics)."""
-    m = mb.loss_mask                                                                             # [b, t]
-    value_loss, clipped = clipped_value_loss(values, mb.values, mb.returns, value_clip)         # [b, t]
+    m = mb.loss_mask  # [b, t]
+    value_loss, clipped = clipped_value_loss(values, mb.values, mb.returns, value_clip)  # [b, t]
     loss = (value_loss * m).sum() / num_tokens
     return loss, {"value_loss": loss.detach(), "value_clip_frac": (clipped.float() * m).sum(), "tokens": m.sum()}
 
@@ -412,76 +513,122 @@ def check_args(args: Args, world_size: int):
     per_rank = args.prompts_per_step // world_size * args.group_size
     a, server = args, args.rollout_mode == "server"
     local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count()
-    check_flags([  # (flag, value, holds, what it must be)
-        ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
-        ("--prompts-per-step", a.prompts_per_step, a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
-         f">= 1 and divide by the {world_size} ranks"),
-        ("--group-size", a.group_size, a.group_size >= 1, ">= 1"),
-        ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
-        ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
-        ("--lr", a.lr, a.lr > 0, "> 0"),
-        ("--critic-lr", a.critic_lr, a.critic_lr > 0, "> 0"),
-        ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
-        ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
-        ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
-        ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
-        ("--max-tokens-per-micro-batch", a.max_tokens_per_micro_batch, a.max_tokens_per_micro_batch >= 0, ">= 0 (0: off)"),
-        ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
-        ("--num-minibatches", a.num_minibatches, a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
-         f">= 1 and divide the {per_rank} samples per rank"),
-        ("--gamma", a.gamma, 0 <= a.gamma <= 1, "in [0, 1]"),
-        ("--lam", a.lam, 0 <= a.lam <= 1, "in [0, 1]"),
-        ("--kl-coef", a.kl_coef, a.kl_coef >= 0, ">= 0"),
-        ("--target-kl", a.target_kl, a.target_kl > 0, "> 0"),
-        ("--kl-horizon", a.kl_horizon, a.kl_horizon >= 1, ">= 1"),
-        ("--temperature", a.temperature, a.temperature > 0, "> 0"),
-        ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
-        ("--clip-low", a.clip_low, 0 <= a.clip_low < 1, "in [0, 1)"),
-        ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
-        ("--value-clip", a.value_clip, a.value_clip > 0, "> 0"),
-        ("--entropy-coef", a.entropy_coef, a.entropy_coef >= 0, ">= 0"),
-        ("--critic-warmup-steps", a.critic_warmup_steps, a.critic_warmup_steps >= 0, ">= 0"),
-        ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
-        ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
-        ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
-        ("--rollout-tp", a.rollout_tp, a.rollout_tp >= 1 and (not a.rollout_url or a.rollout_tp == 1)
-         and (server or world_size % a.rollout_tp == local_ranks % a.rollout_tp == 0), f"a divisor of the {local_ranks} ranks "
-         f"of each node (one engine's GPUs are on one node: torchrun --nproc_per_node a multiple of it)" if not server else
-         "1 with --rollout-url (the server's own --tp-size counts); with --rollout-gpus, each server's GPUs"),
-        ("--rollout-url", a.rollout_url, all(u.startswith("http") for u in a.rollout_url) and
-         (bool(a.rollout_url) != (a.rollout_gpus > 0) if server else not a.rollout_url), "http://HOST:PORT of each "
-         "server, with --rollout-mode server; that mode takes these or --rollout-gpus k (servers this job starts), not both"),
-        ("--rollout-gpus", a.rollout_gpus, a.rollout_gpus == 0 or (server and a.rollout_gpus % a.rollout_tp == 0 and
-         local_ranks + a.rollout_gpus <= gpus), f"with --rollout-mode server, a multiple of --rollout-tp, at most the "
-         f"{gpus} GPUs of this node less its {local_ranks} training ranks (torchrun --nproc_per_node {gpus - a.rollout_gpus})"),
-        ("--rollout-timeout", a.rollout_timeout, a.rollout_timeout > 0, "> 0"),
-        ("--async-rollout", a.async_rollout, not a.async_rollout or server, "with --rollout-mode server"),
-        ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap >= 0, ">= 0"),
-        ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
-        ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
-        ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
-        ("--eval-samples", a.eval_samples, 0 <= a.eval_samples <= 1024, ">= 0 (0: greedy only) and at most 1024"),
-        ("--eval-temperature", a.eval_temperature, a.eval_temperature > 0 or not a.eval_samples,
-         "> 0 with --eval-samples (at 0 every sample is the greedy answer)"),
-        ("--eval-top-p", a.eval_top_p, 0 < a.eval_top_p <= 1, "in (0, 1]"),
-        ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
-        ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
-        ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
-        ("--tools", a.tools, all(t in TOOLS for t in a.tools.split(",") if t), f"a comma-separated list of {', '.join(TOOLS)}"),
-        ("--system-prompt", a.system_prompt, not (a.system_prompt and a.tools), "without --tools (the tools bring their own system "
-         "prompt and worked calls; put your instructions in --prompt-template)"),
-        template_rule(a.prompt_template),  # {prompt}, and no other placeholder (data.py)
-        ("--max-turns", a.max_turns, a.max_turns >= 1, ">= 1"),
-        ("--max-tool-reply-tokens", a.max_tool_reply_tokens, a.max_tool_reply_tokens >= 1, ">= 1"),
-        ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
-        ("--tool-timeout-s", a.tool_timeout_s, a.tool_timeout_s > 0, "> 0"),
-        ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
-        *package_rules(a),  # --track needs wandb, --attn-implementation flash_attention_2 flash-attn
-        ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
-        ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
-        *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
-        ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
-    ])
+    check_flags(
+        [  # (flag, value, holds, what it must be)
+            ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
+            (
+                "--prompts-per-step",
+                a.prompts_per_step,
+                a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
+                f">= 1 and divide by the {world_size} ranks",
+            ),
+            ("--group-size", a.group_size, a.group_size >= 1, ">= 1"),
+            ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
+            ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
+            ("--lr", a.lr, a.lr > 0, "> 0"),
+            ("--critic-lr", a.critic_lr, a.critic_lr > 0, "> 0"),
+            ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
+            ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
+            ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
+            ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
+            (
+                "--max-tokens-per-micro-batch",
+                a.max_tokens_per_micro_batch,
+                a.max_tokens_per_micro_batch >= 0,
+                ">= 0 (0: off)",
+            ),
+            ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
+            (
+                "--num-minibatches",
+                a.num_minibatches,
+                a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
+                f">= 1 and divide the {per_rank} samples per rank",
+            ),
+            ("--gamma", a.gamma, 0 <= a.gamma <= 1, "in [0, 1]"),
+            ("--lam", a.lam, 0 <= a.lam <= 1, "in [0, 1]"),
+            ("--kl-coef", a.kl_coef, a.kl_coef >= 0, ">= 0"),
+            ("--target-kl", a.target_kl, a.target_kl > 0, "> 0"),
+            ("--kl-horizon", a.kl_horizon, a.kl_horizon >= 1, ">= 1"),
+            ("--temperature", a.temperature, a.temperature > 0, "> 0"),
+            ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
+            ("--clip-low", a.clip_low, 0 <= a.clip_low < 1, "in [0, 1)"),
+            ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
+            ("--value-clip", a.value_clip, a.value_clip > 0, "> 0"),
+            ("--entropy-coef", a.entropy_coef, a.entropy_coef >= 0, ">= 0"),
+            ("--critic-warmup-steps", a.critic_warmup_steps, a.critic_warmup_steps >= 0, ">= 0"),
+            ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
+            ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
+            ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
+            (
+                "--rollout-tp",
+                a.rollout_tp,
+                a.rollout_tp >= 1
+                and (not a.rollout_url or a.rollout_tp == 1)
+                and (server or world_size % a.rollout_tp == local_ranks % a.rollout_tp == 0),
+                f"a divisor of the {local_ranks} ranks "
+                f"of each node (one engine's GPUs are on one node: torchrun --nproc_per_node a multiple of it)"
+                if not server
+                else "1 with --rollout-url (the server's own --tp-size counts); with --rollout-gpus, each server's GPUs",
+            ),
+            (
+                "--rollout-url",
+                a.rollout_url,
+                all(u.startswith("http") for u in a.rollout_url)
+                and (bool(a.rollout_url) != (a.rollout_gpus > 0) if server else not a.rollout_url),
+                "http://HOST:PORT of each "
+                "server, with --rollout-mode server; that mode takes these or --rollout-gpus k (servers this job starts), not both",
+            ),
+            (
+                "--rollout-gpus",
+                a.rollout_gpus,
+                a.rollout_gpus == 0
+                or (server and a.rollout_gpus % a.rollout_tp == 0 and local_ranks + a.rollout_gpus <= gpus),
+                f"with --rollout-mode server, a multiple of --rollout-tp, at most the "
+                f"{gpus} GPUs of this node less its {local_ranks} training ranks (torchrun --nproc_per_node {gpus - a.rollout_gpus})",
+            ),
+            ("--rollout-timeout", a.rollout_timeout, a.rollout_timeout > 0, "> 0"),
+            ("--async-rollout", a.async_rollout, not a.async_rollout or server, "with --rollout-mode server"),
+            ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap >= 0, ">= 0"),
+            ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
+            ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
+            ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
+            ("--eval-samples", a.eval_samples, 0 <= a.eval_samples <= 1024, ">= 0 (0: greedy only) and at most 1024"),
+            (
+                "--eval-temperature",
+                a.eval_temperature,
+                a.eval_temperature > 0 or not a.eval_samples,
+                "> 0 with --eval-samples (at 0 every sample is the greedy answer)",
+            ),
+            ("--eval-top-p", a.eval_top_p, 0 < a.eval_top_p <= 1, "in (0, 1]"),
+            ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
+            ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
+            ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
+            (
+                "--tools",
+                a.tools,
+                all(t in TOOLS for t in a.tools.split(",") if t),
+                f"a comma-separated list of {', '.join(TOOLS)}",
+            ),
+            (
+                "--system-prompt",
+                a.system_prompt,
+                not (a.system_prompt and a.tools),
+                "without --tools (the tools bring their own system "
+                "prompt and worked calls; put your instructions in --prompt-template)",
+            ),
+            template_rule(a.prompt_template),  # {prompt}, and no other placeholder (data.py)
+            ("--max-turns", a.max_turns, a.max_turns >= 1, ">= 1"),
+            ("--max-tool-reply-tokens", a.max_tool_reply_tokens, a.max_tool_reply_tokens >= 1, ">= 1"),
+            ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
+            ("--tool-timeout-s", a.tool_timeout_s, a.tool_timeout_s > 0, "> 0"),
+            ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
+            *package_rules(a),  # --track needs wandb, --attn-implementation flash_attention_2 flash-attn
+            ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
+            ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
+            *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
+            ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
+        ]
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -494,31 +641,54 @@ def main(args: Args):
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
-    tools = select_tools(args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s,
-                         workers=args.tool_workers)  # its sandbox checked, its memory said
-    run_name = args.run_name or f"ppo-{os.path.basename(args.model.rstrip('/'))}-{'+'.join(map(source_name, args.dataset))}-s{args.seed}"
+    tools = select_tools(
+        args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s, workers=args.tool_workers
+    )  # its sandbox checked, its memory said
+    run_name = (
+        args.run_name
+        or f"ppo-{os.path.basename(args.model.rstrip('/'))}-{'+'.join(map(source_name, args.dataset))}-s{args.seed}"
+    )
     run_dir = claim_run_dir(args.output_dir, run_name, resume=args.resume)  # runlog.py: this script's, locked
     resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
     engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
     tokenizer, context_len = check_model(args.model, rollout_tp=args.rollout_tp, generates=True)  # bad input: one line
-    rm_tokenizer, rm_template, rm_max_len = check_reward_model(args.reward_model, args.reward_model_template,  # None: none
-                                                               args.reward_model_max_len, system=bool(args.system_prompt), tools=bool(tools))
+    rm_tokenizer, rm_template, rm_max_len = check_reward_model(
+        args.reward_model,
+        args.reward_model_template,  # None: none
+        args.reward_model_max_len,
+        system=bool(args.system_prompt),
+        tools=bool(tools),
+    )
     if args.critic_model:
         check_model(args.critic_model, "--critic-model", with_tokenizer=False)
     stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p)
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p
+    )
     greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)  # evaluation
-    sampled = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.eval_temperature,
-                       top_p=args.eval_top_p)  # --eval-samples
+    sampled = Sampling(
+        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.eval_temperature, top_p=args.eval_top_p
+    )  # --eval-samples
 
     # ---- ALGO: the task. How a prompt is asked (a template with {prompt}, then the chat template) and
     # what a completion earns: any (completion, answer) -> float can be the reward (--reward FILE.py:function).
     template = args.prompt_template  # None: each kind's own (data.py)
     tools_template = template or (ADDITION_PROMPT if set(args.dataset) <= set(BUILTIN_TASKS) else GSM8K_PROMPT)
-    context, tool_specs = tools_prompt(tokenizer, tools, tools_template) if tools else (None, None)  # the tools, worked calls
-    tool_use = ToolUse(tools, tokenizer, ThreadPoolExecutor(args.tool_workers), max_turns=args.max_turns,
-                       max_reply_tokens=args.max_tool_reply_tokens) if tools else None
+    context, tool_specs = (
+        tools_prompt(tokenizer, tools, tools_template) if tools else (None, None)
+    )  # the tools, worked calls
+    tool_use = (
+        ToolUse(
+            tools,
+            tokenizer,
+            ThreadPoolExecutor(args.tool_workers),
+            max_turns=args.max_turns,
+            max_reply_tokens=args.max_tool_reply_tokens,
+        )
+        if tools
+        else None
+    )
     user_reward = load_reward(args.reward) if args.reward else None
 
     def reward_fn(completion: str, answer: str, kind: str) -> float:
@@ -534,12 +704,27 @@ def main(args: Args):
         return right + args.format_weight * format_reward(completion, kind)
 
     # ---- data: before any model loads, so a bad file fails fast --------------------------------------
-    check_context(context_len, args.max_prompt_len, args.max_new_tokens,
-                  tools_prompt=context_tokens(tokenizer, context, tool_specs))  # before SGLang starts
+    check_context(
+        context_len,
+        args.max_prompt_len,
+        args.max_new_tokens,
+        tools_prompt=context_tokens(tokenizer, context, tool_specs),
+    )  # before SGLang starts
     train_prompts, eval_prompts, data_line = task_prompts(
-        tokenizer, list(args.dataset), args.eval_dataset, seed=args.seed, num_eval=args.num_eval_prompts,
-        max_prompt_len=args.max_prompt_len, template=template, system_prompt=args.system_prompt, prompt_field=args.prompt_field,
-        answer_field=args.answer_field, kind=args.answer_kind, context=context, tools=tool_specs)
+        tokenizer,
+        list(args.dataset),
+        args.eval_dataset,
+        seed=args.seed,
+        num_eval=args.num_eval_prompts,
+        max_prompt_len=args.max_prompt_len,
+        template=template,
+        system_prompt=args.system_prompt,
+        prompt_field=args.prompt_field,
+        answer_field=args.answer_field,
+        kind=args.answer_kind,
+        context=context,
+        tools=tool_specs,
+    )
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
     print0(f"data: {data_line} | {world_size} ranks, engine {engine_kind}")
     random.seed(seed_for(args.seed, "rank", rank))
@@ -552,25 +737,51 @@ def main(args: Args):
     mem = MemoryLog()
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
     server = args.rollout_mode == "server"  # the samples each engine or server decodes at once: its CUDA graphs
-    engines = (len(args.rollout_url) or args.rollout_gpus // args.rollout_tp) if server else world_size // args.rollout_tp
+    engines = (
+        (len(args.rollout_url) or args.rollout_gpus // args.rollout_tp) if server else world_size // args.rollout_tp
+    )
     per_engine = max(args.prompts_per_step * args.group_size, args.num_eval_prompts * args.eval_samples) // engines
-    sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=args.rollout_tp,
-                           attention_backend=args.sglang_attention_backend, sampling_backend=args.sglang_sampling_backend,
-                           cuda_graph_max_bs=graph_batch(per_engine, args.sglang_cuda_graph_max_bs),
-                           disable_cuda_graph=args.sglang_disable_cuda_graph,
-                           prefill_cuda_graph=args.sglang_prefill_cuda_graph)
+    sglang = SGLangOptions(
+        mem_fraction=args.sglang_mem_fraction,
+        tp_size=args.rollout_tp,
+        attention_backend=args.sglang_attention_backend,
+        sampling_backend=args.sglang_sampling_backend,
+        cuda_graph_max_bs=graph_batch(per_engine, args.sglang_cuda_graph_max_bs),
+        disable_cuda_graph=args.sglang_disable_cuda_graph,
+        prefill_cuda_graph=args.sglang_prefill_cuda_graph,
+    )
     if server:  # rank 0 speaks to the servers for all ranks, as one TP group's owner
         tp = tp_group(world_size)
         urls, processes = list(args.rollout_url), None
         if args.rollout_gpus and rank == 0:  # servers of this job's own, on the last GPUs of rank 0's node
-            urls, processes = launch_servers(args.model, gpus=list(range(torch.cuda.device_count()))[-args.rollout_gpus:],
-                                             tp_size=args.rollout_tp, seed=args.seed, options=sglang, log_dir=run_dir)
-        engine = ServerEngine(urls, processes=processes, model=args.model, timeout_s=args.rollout_timeout,
-                              sync_backend=args.rollout_sync_backend, sync_address=args.rollout_sync_address,
-                              batch=per_engine) if rank == 0 else None
+            urls, processes = launch_servers(
+                args.model,
+                gpus=list(range(torch.cuda.device_count()))[-args.rollout_gpus :],
+                tp_size=args.rollout_tp,
+                seed=args.seed,
+                options=sglang,
+                log_dir=run_dir,
+            )
+        engine = (
+            ServerEngine(
+                urls,
+                processes=processes,
+                model=args.model,
+                timeout_s=args.rollout_timeout,
+                sync_backend=args.rollout_sync_backend,
+                sync_address=args.rollout_sync_address,
+                batch=per_engine,
+            )
+            if rank == 0
+            else None
+        )
     else:
         tp = tp_group(args.rollout_tp)
-        engine = start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang, dtype=dtype) if rank == tp.owner else None
+        engine = (
+            start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang, dtype=dtype)
+            if rank == tp.owner
+            else None
+        )
     release(engine, ALL_TAGS)  # until the first weight sync
     watch = EngineWatch(engine, phase=lambda: mem.current)  # a dead engine ends the run
     dist.barrier()  # no rank loads its model before every engine has measured free memory
@@ -587,27 +798,54 @@ def main(args: Args):
         ref = load_model(args.model, device, dtype, attn_implementation=args.attn_implementation).eval()
         shard_model(ref, param_dtype=None, compile=args.compile)
     rm = load_reward_model(args.reward_model, device, dtype, args.attn_implementation) if args.reward_model else None
-    rm_read = dict(tokenizer=rm_tokenizer, template=rm_template, max_len=rm_max_len,
-                   micro_batch_size=args.reward_model_micro_batch_size, device=device)  # how it reads a conversation
+    rm_read = dict(
+        tokenizer=rm_tokenizer,
+        template=rm_template,
+        max_len=rm_max_len,
+        micro_batch_size=args.reward_model_micro_batch_size,
+        device=device,
+    )  # how it reads a conversation
     # The critic: the LM's body with a one-output token-classification head, value per position.
-    critic = load_model(args.critic_model or args.model, device, torch.float32, args.gradient_checkpointing,
-                        args.attn_implementation, AutoModelForTokenClassification, new_head=True, num_labels=1)
+    critic = load_model(
+        args.critic_model or args.model,
+        device,
+        torch.float32,
+        args.gradient_checkpointing,
+        args.attn_implementation,
+        AutoModelForTokenClassification,
+        new_head=True,
+        num_labels=1,
+    )
     for p in critic.score.parameters():  # ALGO: values start at 0 rather than at noise
         torch.nn.init.zeros_(p)
     shard_model(critic, param_dtype=dtype, compile=args.compile)
     # fused: no temporaries (foreach allocates sqrt(v) for every parameter at once: +4 B/param)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True)
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay,
-                                         betas=args.adam_betas, fused=True)
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True
+    )
+    critic_optimizer = torch.optim.AdamW(
+        critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True
+    )
     total_optimizer_steps = args.steps * args.epochs * args.num_minibatches
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
-    critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps)
+    )
+    critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        critic_optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps)
+    )
     # PLUMBING: what the memory phases move around the engine (all of it leaves the GPU with --offload), and the
     # weight sync's buckets and TP group (memory.py)
-    phases = dict(models=[m for m in (policy, ref, critic, rm) if m is not None], optimizers=[optimizer, critic_optimizer],
-                  offload=args.offload, mem=mem)
-    sync = dict(bucket_bytes=args.sync_bucket_mb * 2**20, tp_group=tp.process_group if engine_kind == "sglang" else None,
-                dtype=dtype if engine_kind == "hf" else torch.bfloat16)  # the engine's dtype: SGLang computes in bf16
+    phases = dict(
+        models=[m for m in (policy, ref, critic, rm) if m is not None],
+        optimizers=[optimizer, critic_optimizer],
+        offload=args.offload,
+        mem=mem,
+    )
+    sync = dict(
+        bucket_bytes=args.sync_bucket_mb * 2**20,
+        tp_group=tp.process_group if engine_kind == "sglang" else None,
+        dtype=dtype if engine_kind == "hf" else torch.bfloat16,
+    )  # the engine's dtype: SGLang computes in bf16
     kl_coef = args.kl_coef
     # for MFU (fsdp.mfu): the GPU's peak FLOP/s (None on a CPU or a GPU not in fsdp's table), the models' sizes
     peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
@@ -630,19 +868,43 @@ def main(args: Args):
         return bool(args.eval_every) and done % args.eval_every == 0 and (done > 0 or args.eval_before_train)
 
     allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
-    info = run_info(world_size, engine_kind, python_sandbox=args.python_sandbox if "python" in tools else None,
-                    tool_workers=args.tool_workers)
-    log = RunLog(run_dir, config=asdict(args), start_step=start_step, info=info, track=args.track,
-                 project=args.wandb_project, run_name=run_name, eval_redone=start_step < args.steps and eval_due(start_step))
+    info = run_info(
+        world_size,
+        engine_kind,
+        python_sandbox=args.python_sandbox if "python" in tools else None,
+        tool_workers=args.tool_workers,
+    )
+    log = RunLog(
+        run_dir,
+        config=asdict(args),
+        start_step=start_step,
+        info=info,
+        track=args.track,
+        project=args.wandb_project,
+        run_name=run_name,
+        eval_redone=start_step < args.steps and eval_due(start_step),
+    )
     last_saved, nonfinite = start_step, NonFinite(args.max_nonfinite_steps)
 
     def save(step: int, sampler_state: dict, kl_coef: float):
         nonlocal last_saved
         t0 = time.time()
-        path = save_checkpoint(run_dir, step, stateful, {"model": policy, "critic": critic}, tokenizer,
-                               {"step": step, "sampler": sampler_state, "scheduler": scheduler.state_dict(),
-                                "critic_scheduler": critic_scheduler.state_dict(), "kl_coef": kl_coef,
-                                "args": asdict(args)}, args.keep_checkpoints)
+        path = save_checkpoint(
+            run_dir,
+            step,
+            stateful,
+            {"model": policy, "critic": critic},
+            tokenizer,
+            {
+                "step": step,
+                "sampler": sampler_state,
+                "scheduler": scheduler.state_dict(),
+                "critic_scheduler": critic_scheduler.state_dict(),
+                "kl_coef": kl_coef,
+                "args": asdict(args),
+            },
+            args.keep_checkpoints,
+        )
         last_saved = step
         print0(f"saved {path} ({time.time() - t0:.1f}s)")
 
@@ -658,7 +920,9 @@ def main(args: Args):
         mem.close()
         log.finish()  # curves.png too
         clock.summary(run_dir, EVAL_LINE, stopped=True)
-        print0(f"stopped by {signal.Signals(signum).name} after step {done}; continue from step {last_saved} with: {again}")
+        print0(
+            f"stopped by {signal.Signals(signum).name} after step {done}; continue from step {last_saved} with: {again}"
+        )
         dist.destroy_process_group()
         raise SystemExit(128 + signum)
 
@@ -667,11 +931,17 @@ def main(args: Args):
         K samples a prompt too: avg@K, pass@1..K, maj@K (reward.sampled_eval_stats)."""
         share = range(rank, len(eval_prompts.ids), world_size)
         prompt_ids, examples = [eval_prompts.ids[i] for i in share], [eval_prompts.examples[i] for i in share]
-        samples = generate(engine, prompt_ids, [0] * len(share), sampling=greedy, tokenizer=tokenizer, tp=tp,
-                           tool_use=tool_use)
+        samples = generate(
+            engine, prompt_ids, [0] * len(share), sampling=greedy, tokenizer=tokenizer, tp=tp, tool_use=tool_use
+        )
         K, seed = args.eval_samples, seed_for(args.seed, "eval", step, rank)
-        groups = generate_groups(engine, prompt_ids, K, seed=seed, sampling=sampled, tokenizer=tokenizer, tp=tp,
-                                 tool_use=tool_use) if K else []
+        groups = (
+            generate_groups(
+                engine, prompt_ids, K, seed=seed, sampling=sampled, tokenizer=tokenizer, tp=tp, tool_use=tool_use
+            )
+            if K
+            else []
+        )
         if signum := agreed_signal():  # a signal cut the evaluation short: not logged
             stop_now(signum, step, ahead.before if ahead else sampler.state_dict())  # not the batch in flight
         for s, ex in zip(samples + sum(groups, []), examples + [ex for ex in examples for _ in range(K)]):
@@ -689,8 +959,16 @@ def main(args: Args):
         prompt_idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)  # this rank's prompts
         sample_idx = [i for i in prompt_idx for _ in range(args.group_size)]
         seeds = [seed_for(args.seed, "sample", step, rank, k) for k in range(len(sample_idx))]
-        pending = send(engine, [train_prompts.ids[i] for i in sample_idx], seeds, sampling=sampling, tool_use=tool_use,
-                       tokenizer=tokenizer, tp=tp, ahead=ahead)
+        pending = send(
+            engine,
+            [train_prompts.ids[i] for i in sample_idx],
+            seeds,
+            sampling=sampling,
+            tool_use=tool_use,
+            tokenizer=tokenizer,
+            tp=tp,
+            ahead=ahead,
+        )
         pending.sample_idx, pending.before, pending.ahead = sample_idx, before, ahead
         return pending
 
@@ -724,8 +1002,12 @@ def main(args: Args):
             for s, i in zip(samples, pending.sample_idx):
                 ex = train_prompts.examples[i]
                 s.answer, s.kind, s.source, s.prompt = ex.answer, ex.kind, ex.source, ex.prompt
-            scored = score_all(reward_fn, [(s.text, s.answer, s.kind) for s in samples], workers=args.reward_workers,
-                               timeout_s=args.reward_timeout_s)  # in threads, each call within the limit (reward.py)
+            scored = score_all(
+                reward_fn,
+                [(s.text, s.answer, s.kind) for s in samples],
+                workers=args.reward_workers,
+                timeout_s=args.reward_timeout_s,
+            )  # in threads, each call within the limit (reward.py)
             for s, (reward, error) in zip(samples, scored):  # raised, NaN/inf or timed out: 0.0, and why
                 s.reward, s.reward_error = reward, error
         if signum := agreed_signal():  # a signal during generation: stop before anything is trained on
@@ -737,7 +1019,9 @@ def main(args: Args):
         sleep(engine, device=device, **phases)
         if rm is not None:  # ALGO: each reward becomes w_rule * rule + w_rm * the RM's score (reward_model.py)
             with mem.phase("reward_model"):
-                metrics.update(rm_rewards(rm, samples, weights=args.reward_weights, whiten=args.reward_model_norm, **rm_read))
+                metrics.update(
+                    rm_rewards(rm, samples, weights=args.reward_weights, whiten=args.reward_model_norm, **rm_read)
+                )
         metrics.update(rollout_stats(samples, seconds=pending.seconds if pending.ahead else mem.seconds["generate"]))
         metrics["rollout/staleness"] = float(pending.ahead)  # updates between the sampling weights and the trained ones
         if tools:
@@ -747,49 +1031,91 @@ def main(args: Args):
         # PLUMBING: samples change ranks, as many on each, evening out the ranks' tokens (fsdp.balance)
         samples = balance(samples, [len(s.prompt_ids) + len(s.response_ids) for s in samples], world_size)
         batch = collate(samples, pad_id)
-        lengths = batch.attention_mask.sum(-1)                                                   # [B] real tokens
+        lengths = batch.attention_mask.sum(-1)  # [B] real tokens
         batch.loss_mask = batch.response_mask.clone()
         if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
             batch.loss_mask[torch.tensor([s.truncated for s in samples])] = 0.0
         with mem.phase("logprob"):
-            batch.old_logprobs = batch_logprobs(policy, batch, args.micro_batch_size, args.temperature, device,
-                                                lambda x: progress(x, "log-probs", rank), max_tokens)
+            batch.old_logprobs = batch_logprobs(
+                policy,
+                batch,
+                args.micro_batch_size,
+                args.temperature,
+                device,
+                lambda x: progress(x, "log-probs", rank),
+                max_tokens,
+            )
             if ref is not None:
-                batch.ref_logprobs = batch_logprobs(ref, batch, args.micro_batch_size, args.temperature, device,
-                                                    max_tokens=max_tokens)
-            batch.values = batch_forward(lambda mb: token_values(critic, mb.input_ids, mb.attention_mask, max_tokens > 0), batch,
-                                         args.micro_batch_size, device, max_tokens=max_tokens)  # [B, T-1], a field of ppo.py's own
+                batch.ref_logprobs = batch_logprobs(
+                    ref, batch, args.micro_batch_size, args.temperature, device, max_tokens=max_tokens
+                )
+            batch.values = batch_forward(
+                lambda mb: token_values(critic, mb.input_ids, mb.attention_mask, max_tokens > 0),
+                batch,
+                args.micro_batch_size,
+                device,
+                max_tokens=max_tokens,
+            )  # [B, T-1], a field of ppo.py's own
         metrics.update(mismatch_stats(batch))  # sampler vs trainer: the sync check, KL, largest ratio (rollout.py)
 
         # -- 5. rewards per token (score on the last token, KL penalty on each), GAE, whitening
         mask = batch.response_mask
-        kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, args.kl_estimator) * mask if ref is not None else torch.zeros_like(mask)
-        scores = torch.tensor([s.reward for s in samples])                                  # [B]
-        rewards = token_rewards(scores, kl, mask, kl_coef)                                   # [B, T-1]
+        kl = (
+            kl_penalty(batch.old_logprobs, batch.ref_logprobs, args.kl_estimator) * mask
+            if ref is not None
+            else torch.zeros_like(mask)
+        )
+        scores = torch.tensor([s.reward for s in samples])  # [B]
+        rewards = token_rewards(scores, kl, mask, kl_coef)  # [B, T-1]
         advantages, batch.returns = gae(rewards, batch.values, mask, args.gamma, args.lam)  # [B, T-1] each
         if args.whiten_advantages:
             advantages = masked_whiten(advantages, batch.loss_mask, all_reduce)
         batch.advantages = advantages
-        lm, residual = batch.loss_mask, (batch.returns - batch.values) * batch.loss_mask              # [B, T-1]
-        sums = all_reduce_dict({"tokens": lm.sum(), "returns": (batch.returns * lm).sum(),
-                                "returns_sq": (batch.returns ** 2 * lm).sum(), "residual": residual.sum(),
-                                "residual_sq": (residual ** 2).sum(), "values": (batch.values * lm).sum(),
-                                "kl": kl.sum(), "responses": torch.tensor(float(len(samples)))})
+        lm, residual = batch.loss_mask, (batch.returns - batch.values) * batch.loss_mask  # [B, T-1]
+        sums = all_reduce_dict(
+            {
+                "tokens": lm.sum(),
+                "returns": (batch.returns * lm).sum(),
+                "returns_sq": (batch.returns**2 * lm).sum(),
+                "residual": residual.sum(),
+                "residual_sq": (residual**2).sum(),
+                "values": (batch.values * lm).sum(),
+                "kl": kl.sum(),
+                "responses": torch.tensor(float(len(samples))),
+            }
+        )
         n_tok = sums["tokens"].clamp(min=1)
         var_returns = sums["returns_sq"] / n_tok - (sums["returns"] / n_tok) ** 2
         var_residual = sums["residual_sq"] / n_tok - (sums["residual"] / n_tok) ** 2
         kl_per_response = float(sums["kl"] / sums["responses"])
-        metrics.update({"critic/returns_mean": sums["returns"] / n_tok, "critic/values_mean": sums["values"] / n_tok,
-                        "critic/explained_var": 1 - var_residual / var_returns.clamp(min=1e-8),
-                        "train/kl_per_response": kl_per_response, "train/kl_coef": kl_coef})
+        metrics.update(
+            {
+                "critic/returns_mean": sums["returns"] / n_tok,
+                "critic/values_mean": sums["values"] / n_tok,
+                "critic/explained_var": 1 - var_residual / var_returns.clamp(min=1e-8),
+                "train/kl_per_response": kl_per_response,
+                "train/kl_coef": kl_coef,
+            }
+        )
 
         # -- 6. update: epochs x mini-batches; the critic every step, the actor after the warm-up
         update_actor = step > args.critic_warmup_steps
         policy.train()
         critic.train()
-        totals = {k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
-                  for k in ("loss", "clip_frac", "entropy", "approx_kl", "value_loss", "value_clip_frac", "tokens",
-                            "tis_weight", "tis_capped")}
+        totals = {
+            k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
+            for k in (
+                "loss",
+                "clip_frac",
+                "entropy",
+                "approx_kl",
+                "value_loss",
+                "value_clip_frac",
+                "tokens",
+                "tis_weight",
+                "tis_capped",
+            )
+        }
         grad_norms, critic_grad_norms = [], []
         with mem.phase("update"):
             for epoch in range(args.epochs):
@@ -800,50 +1126,92 @@ def main(args: Args):
                     num_tokens = max(float(all_reduce(batch.loss_mask[mini].sum())), 1.0)
                     mbs = micro_batches(mini, lengths, args.micro_batch_size, max_tokens)  # as many on every rank
                     for rows in progress(mbs, f"update {epoch + 1}/{args.epochs}", rank):
-                        mb = batch.select(rows).to(device)                                           # [b, t] fields
+                        mb = batch.select(rows).to(device)  # [b, t] fields
                         values = token_values(critic, mb.input_ids, mb.attention_mask, max_tokens > 0)  # [b, t-1]
                         loss, stats = critic_loss(values, mb, value_clip=args.value_clip, num_tokens=num_tokens)
                         loss.backward()
                         if update_actor:
-                            logp, entropy = token_logprobs(policy, mb.input_ids, mb.attention_mask, args.temperature,
-                                                           with_entropy=True, entropy_grad=args.entropy_coef > 0,
-                                                           packed=max_tokens > 0)
-                            loss, actor_stats = actor_loss(logp, entropy, mb, clip_low=args.clip_low, clip_high=args.clip_high,
-                                                           entropy_coef=args.entropy_coef, num_tokens=num_tokens,
-                                                           tis_cap=tis_cap)
+                            logp, entropy = token_logprobs(
+                                policy,
+                                mb.input_ids,
+                                mb.attention_mask,
+                                args.temperature,
+                                with_entropy=True,
+                                entropy_grad=args.entropy_coef > 0,
+                                packed=max_tokens > 0,
+                            )
+                            loss, actor_stats = actor_loss(
+                                logp,
+                                entropy,
+                                mb,
+                                clip_low=args.clip_low,
+                                clip_high=args.clip_high,
+                                entropy_coef=args.entropy_coef,
+                                num_tokens=num_tokens,
+                                tis_cap=tis_cap,
+                            )
                             loss.backward()
                             stats |= actor_stats
                         for k, v in stats.items():
                             totals[k] += v
-                    critic_grad_norms.append(clip_and_step(critic, critic_optimizer, critic_scheduler, args.max_grad_norm))
+                    critic_grad_norms.append(
+                        clip_and_step(critic, critic_optimizer, critic_scheduler, args.max_grad_norm)
+                    )
                     if update_actor:
                         grad_norms.append(clip_and_step(policy, optimizer, scheduler, args.max_grad_norm))
-        if args.adaptive_kl and math.isfinite(kl_per_response):  # ALGO: steer the KL coefficient toward the target for the next step
-            kl_coef = adaptive_kl_coef(kl_coef, kl_per_response, args.target_kl, args.kl_horizon, int(sums["responses"]))
+        if args.adaptive_kl and math.isfinite(
+            kl_per_response
+        ):  # ALGO: steer the KL coefficient toward the target for the next step
+            kl_coef = adaptive_kl_coef(
+                kl_coef, kl_per_response, args.target_kl, args.kl_horizon, int(sums["responses"])
+            )
 
         totals = all_reduce_dict(totals)  # a CPU-GPU sync point, once per step
         n_opt, tokens = args.epochs * args.num_minibatches, totals["tokens"].clamp(min=1)
         real_tokens = float(all_reduce(lengths.sum()))
-        metrics.update({
-            "critic/value_loss": totals["value_loss"] / n_opt, "critic/value_clip_frac": totals["value_clip_frac"] / tokens,
-            "critic/grad_norm": sum(critic_grad_norms) / len(critic_grad_norms), "critic/lr": critic_scheduler.get_last_lr()[0],
-            "perf/tokens_per_s": real_tokens / (time.time() - t_step),
-            "perf/rank_tokens_max_over_mean": float(all_reduce(lengths.sum(), dist.ReduceOp.MAX)) * world_size / real_tokens,  # 1: even
-            "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms + critic_grad_norms),
-        })
+        metrics.update(
+            {
+                "critic/value_loss": totals["value_loss"] / n_opt,
+                "critic/value_clip_frac": totals["value_clip_frac"] / tokens,
+                "critic/grad_norm": sum(critic_grad_norms) / len(critic_grad_norms),
+                "critic/lr": critic_scheduler.get_last_lr()[0],
+                "perf/tokens_per_s": real_tokens / (time.time() - t_step),
+                "perf/rank_tokens_max_over_mean": float(all_reduce(lengths.sum(), dist.ReduceOp.MAX))
+                * world_size
+                / real_tokens,  # 1: even
+                "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms + critic_grad_norms),
+            }
+        )
         if update_actor:
-            metrics.update({"train/loss": totals["loss"] / n_opt, "train/clip_frac": totals["clip_frac"] / tokens,
-                            "train/entropy": totals["entropy"] / tokens, "train/approx_kl": totals["approx_kl"] / tokens,
-                            "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/lr": scheduler.get_last_lr()[0]})
+            metrics.update(
+                {
+                    "train/loss": totals["loss"] / n_opt,
+                    "train/clip_frac": totals["clip_frac"] / tokens,
+                    "train/entropy": totals["entropy"] / tokens,
+                    "train/approx_kl": totals["approx_kl"] / tokens,
+                    "train/grad_norm": sum(grad_norms) / len(grad_norms),
+                    "train/lr": scheduler.get_last_lr()[0],
+                }
+            )
             if tis_cap:
-                metrics.update({"train/tis_weight": totals["tis_weight"] / tokens, "train/tis_capped_frac": totals["tis_capped"] / tokens})
+                metrics.update(
+                    {
+                        "train/tis_weight": totals["tis_weight"] / tokens,
+                        "train/tis_capped_frac": totals["tis_capped"] / tokens,
+                    }
+                )
         else:
             metrics["train/critic_warmup"] = 1.0
         if peak:  # PLUMBING: model FLOPs utilization of the two phases (fsdp.mfu), on a GPU of known peak only
             n_forward = n_policy * (1 + (ref is not None)) + n_critic  # log-prob phase: actor, reference, critic
             metrics["perf/logprob_mfu"] = mfu(2 * n_forward, real_tokens, mem.seconds["logprob"], peak, world_size)
-            metrics["perf/update_mfu"] = mfu(6 * (n_policy * update_actor + n_critic), real_tokens * args.epochs,
-                                             mem.seconds["update"], peak, world_size)
+            metrics["perf/update_mfu"] = mfu(
+                6 * (n_policy * update_actor + n_critic),
+                real_tokens * args.epochs,
+                mem.seconds["update"],
+                peak,
+                world_size,
+            )
 
         # -- 7. metrics, log, checkpoint
         metrics["perf/step_s"] = time.time() - t_step

@@ -51,10 +51,14 @@ class Interrupted(BaseException):
     in SGLang's 20 s of imports, say) must not swallow it."""
 
 
-OOM_HINT = ("lower --micro-batch-size (one micro-batch's log-probs take micro-batch x tokens x vocabulary x 4 "
-            "bytes) or the engine's share, --sglang-mem-fraction")
-ENGINE_HINT = ("SGLang's --mem-fraction-static is --sglang-mem-fraction here: change it as that error says, "
-               "or free the GPU of other processes (nvidia-smi)")
+OOM_HINT = (
+    "lower --micro-batch-size (one micro-batch's log-probs take micro-batch x tokens x vocabulary x 4 "
+    "bytes) or the engine's share, --sglang-mem-fraction"
+)
+ENGINE_HINT = (
+    "SGLang's --mem-fraction-static is --sglang-mem-fraction here: change it as that error says, "
+    "or free the GPU of other processes (nvidia-smi)"
+)
 
 
 @contextmanager
@@ -138,9 +142,15 @@ def package_rules(a) -> list[tuple[str, object, bool, str]]:
     from importlib.util import find_spec
 
     attn = attn_problem(a.attn_implementation)
-    return [("--track", a.track, not a.track or find_spec("wandb") is not None, "given with wandb installed "
-             "(pip install wandb; wandb login)"),
-            ("--attn-implementation", a.attn_implementation, attn is None, attn)]
+    return [
+        (
+            "--track",
+            a.track,
+            not a.track or find_spec("wandb") is not None,
+            "given with wandb installed (pip install wandb; wandb login)",
+        ),
+        ("--attn-implementation", a.attn_implementation, attn is None, attn),
+    ]
 
 
 def attn_problem(impl: str) -> str | None:
@@ -179,8 +189,10 @@ def check_writable(run_dir: str, flag: str = "--output-dir"):
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=near))
     except OSError as e:
-        raise InputError(f"{flag}: the run's folder {run_dir} can't be written, {near} refuses a new folder "
-                         f"({e.strerror}): pass another {flag}, one this user can write") from None
+        raise InputError(
+            f"{flag}: the run's folder {run_dir} can't be written, {near} refuses a new folder "
+            f"({e.strerror}): pass another {flag}, one this user can write"
+        ) from None
 
 
 def run_folder(output_dir: str, run_name: str) -> str:
@@ -263,11 +275,13 @@ def given_flags(argv: list[str]) -> set[str]:
 
 def as_flags(args: dict, names: list[str]) -> str:
     """'--policy-loss cispo --correction-bounds 0.5 2.0 --no-scale-rewards': flags as a command line gives them."""
+
     def one(k, v):
         flag = k.replace("_", "-")
         if isinstance(v, bool):
             return f"--{'' if v else 'no-'}{flag}"
         return f"--{flag} {' '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+
     return " ".join(one(k, args[k]) for k in names)
 
 
@@ -283,12 +297,21 @@ def size_for_cpu(args, sizes: dict, script: str):
     changed = {k: v for k, v in sizes.items() if k not in given_flags(sys.argv[1:])}
     flags = as_flags(changed, list(changed))
     if os.environ.get("RANK", "0") == "0":
-        where = ("generating with plain transformers (--rollout-engine hf) on the CPU"  # colocated rollout (grpo, ppo)
-                 if getattr(args, "rollout_mode", None) == "colocate" else "training on the CPU")
-        dtype = ("bfloat16" if compute_dtype(torch.device("cpu")) == torch.bfloat16 else
-                 "float32 (this CPU has no bf16 instructions)")  # fsdp.compute_dtype says why
-        print(f"{script}: no GPU found (torch.cuda.is_available() is False): {where}, computing in {dtype}"
-              + (f", CPU-sized defaults: {flags}" if flags else ""), flush=True)
+        where = (
+            "generating with plain transformers (--rollout-engine hf) on the CPU"  # colocated rollout (grpo, ppo)
+            if getattr(args, "rollout_mode", None) == "colocate"
+            else "training on the CPU"
+        )
+        dtype = (
+            "bfloat16"
+            if compute_dtype(torch.device("cpu")) == torch.bfloat16
+            else "float32 (this CPU has no bf16 instructions)"
+        )  # fsdp.compute_dtype says why
+        print(
+            f"{script}: no GPU found (torch.cuda.is_available() is False): {where}, computing in {dtype}"
+            + (f", CPU-sized defaults: {flags}" if flags else ""),
+            flush=True,
+        )
     return dataclasses.replace(args, **changed)
 
 
@@ -302,15 +325,20 @@ def check_engine(kind: str, flag: str = "--rollout-engine") -> str:
     if kind == "sglang" and not cuda:
         raise InputError(f"{flag} sglang needs a CUDA GPU and none was found: use {flag} hf")
     if kind != "hf" and cuda and importlib.util.find_spec("sglang") is None:
-        raise InputError("SGLang is not installed: pip install -r requirements.txt (SGLang 0.5.16 pins torch 2.11), "
-                         f"or {flag} hf to generate with plain transformers (slow)")
+        raise InputError(
+            "SGLang is not installed: pip install -r requirements.txt (SGLang 0.5.16 pins torch 2.11), "
+            f"or {flag} hf to generate with plain transformers (slow)"
+        )
     kind = kind if kind != "auto" else ("sglang" if cuda else "hf")
     # Container images often set PYTHONDONTWRITEBYTECODE: with no bytecode compiled in the image, this process and
     # each one SGLang spawns compile torch, transformers and SGLang from source (82-89 s to step 1 vs 44-46 s, H100)
     uncached = sys.dont_write_bytecode and not os.path.exists(importlib.util.cache_from_source(torch.__file__))
     if kind == "sglang" and uncached and os.environ.get("RANK", "0") == "0":
-        print("note: PYTHONDONTWRITEBYTECODE is set and torch has no compiled bytecode, so every process compiles torch "
-              "and SGLang from source (~40 s more start-up on an H100): unset PYTHONDONTWRITEBYTECODE to cache it", flush=True)
+        print(
+            "note: PYTHONDONTWRITEBYTECODE is set and torch has no compiled bytecode, so every process compiles torch "
+            "and SGLang from source (~40 s more start-up on an H100): unset PYTHONDONTWRITEBYTECODE to cache it",
+            flush=True,
+        )
     return kind
 
 
@@ -324,12 +352,22 @@ TINY_MODEL_HINT = f"for a CPU try-out build a tiny one: python {TINY_MODEL} ./ti
 
 def looks_like_path(name: str) -> bool:
     """A hub id is 'owner/name'; anything else that looks like a path is never sent to the hub."""
-    return (name.startswith((".", "/", "~")) or os.path.exists(name) or name.count("/") != 1
-            or name.endswith((".json", ".jsonl", ".parquet", ".safetensors", ".bin")))
+    return (
+        name.startswith((".", "/", "~"))
+        or os.path.exists(name)
+        or name.count("/") != 1
+        or name.endswith((".json", ".jsonl", ".parquet", ".safetensors", ".bin"))
+    )
 
 
-def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, raw_text: bool = True,
-                rollout_tp: int = 1, generates: bool = False):
+def check_model(
+    name: str,
+    flag: str = "--model",
+    with_tokenizer: bool = True,
+    raw_text: bool = True,
+    rollout_tp: int = 1,
+    generates: bool = False,
+):
     """Before anything starts: the model is a folder with config.json, weights and (with_tokenizer) a tokenizer, or a
     hub id that is cached or reachable, and SGLang can split it over `rollout_tp` GPUs; `generates` (a policy, a model
     to evaluate): not a reward model or critic (a scoring head). Returns (tokenizer or None, context length or None);
@@ -343,19 +381,32 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, r
         path = os.path.expanduser(name)
         if not os.path.isdir(path):
             what = "is a file, not a folder" if os.path.isfile(path) else f"does not exist ({os.path.abspath(path)})"
-            raise InputError(f"{flag} {name!r} {what}: pass a folder holding config.json, the weights and the "
-                             f"tokenizer, or a hub id like Qwen/Qwen2.5-0.5B-Instruct" + f";\n  {TINY_MODEL_HINT}" * (flag == "--model"))
+            raise InputError(
+                f"{flag} {name!r} {what}: pass a folder holding config.json, the weights and the "
+                f"tokenizer, or a hub id like Qwen/Qwen2.5-0.5B-Instruct"
+                + f";\n  {TINY_MODEL_HINT}"
+                * (flag == "--model")
+            )
         files = set(os.listdir(path))
-        missing = [what for what, ok in (
-            ("config.json", "config.json" in files),
-            ("weights (*.safetensors or *.bin)", any(f.endswith((".safetensors", ".bin")) for f in files)),
-            ("tokenizer files (tokenizer.json or tokenizer_config.json)",
-             files & set(TOKENIZER_FILES) or not with_tokenizer)) if not ok]
+        missing = [
+            what
+            for what, ok in (
+                ("config.json", "config.json" in files),
+                ("weights (*.safetensors or *.bin)", any(f.endswith((".safetensors", ".bin")) for f in files)),
+                (
+                    "tokenizer files (tokenizer.json or tokenizer_config.json)",
+                    files & set(TOKENIZER_FILES) or not with_tokenizer,
+                ),
+            )
+            if not ok
+        ]
         if missing and os.path.isfile(os.path.join(path, "model", "config.json")):  # a checkpoint, not its model/
             raise InputError(f"{flag} {name!r} is a checkpoint: pass its model folder, {os.path.join(name, 'model')}")
         if missing:
-            raise InputError(f"{flag} {name!r} has no {' and no '.join(missing)}: a model folder needs them "
-                             f"(a checkpoint's is runs/<run>/checkpoints/step_N/model); copy the missing files in")
+            raise InputError(
+                f"{flag} {name!r} has no {' and no '.join(missing)}: a model folder needs them "
+                f"(a checkpoint's is runs/<run>/checkpoints/step_N/model); copy the missing files in"
+            )
         if problem := weights_problem(path):
             raise InputError(f"{flag} {name!r}: {problem}: a copy or download cut short? copy the file again")
     else:
@@ -368,7 +419,9 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, r
             # transformers ignores it for BPE tokenizers and warns at every decode: say False outright
             tokenizer.clean_up_tokenization_spaces = False
     except (OSError, ValueError, ImportError) as e:
-        raise InputError(f"{flag} {name!r}: transformers could not load its config or tokenizer: {first_line(e)}") from e
+        raise InputError(
+            f"{flag} {name!r}: transformers could not load its config or tokenizer: {first_line(e)}"
+        ) from e
     scorer = [a for a in config.architectures or [] if a.endswith(("SequenceClassification", "TokenClassification"))]
     if generates and scorer:  # it would load as a causal LM: its score head dropped, an output head it never trained
         where = "--reward-model" if scorer[0].endswith("SequenceClassification") else "ppo.py's --critic-model"
@@ -380,7 +433,11 @@ def check_model(name: str, flag: str = "--model", with_tokenizer: bool = True, r
         raise InputError(f"--rollout-tp {rollout_tp} can't split {flag} {name} over {rollout_tp} GPUs: {problem}")
     context = getattr(config, "max_position_embeddings", None)
     if with_tokenizer and os.environ.get("RANK", "0") == "0":
-        template = "chat template" if tokenizer.chat_template else "no chat template" + ": prompts go in as raw text" * raw_text
+        template = (
+            "chat template"
+            if tokenizer.chat_template
+            else "no chat template" + ": prompts go in as raw text" * raw_text
+        )
         print(f"model {name}: {(config.architectures or ['?'])[0]}, context {context}, {template}", flush=True)
     return tokenizer, context
 
@@ -416,7 +473,9 @@ def weights_problem(folder: str) -> str | None:
         with open(os.path.join(folder, name), "rb") as f:
             n = int.from_bytes(f.read(8), "little")  # the format: 8 bytes of header length, the JSON header, the data
             try:
-                ends = [t["data_offsets"][1] for k, t in json.loads(f.read(min(n, size))).items() if k != "__metadata__"]
+                ends = [
+                    t["data_offsets"][1] for k, t in json.loads(f.read(min(n, size))).items() if k != "__metadata__"
+                ]
             except (ValueError, TypeError, KeyError):  # not JSON, not UTF-8 (cut short), not a header
                 return f"{name} ({size:,} bytes) has no readable safetensors header"
         if 8 + n + max(ends, default=0) > size:
@@ -436,8 +495,10 @@ def hub_reachable(name: str, flag: str):
     if os.environ.get("HF_HUB_OFFLINE") == "1" or isinstance(try_to_load_from_cache(name, "config.json"), str):
         return  # cached: transformers reads it without the network
     if why := hub_unreachable(name, flag):
-        raise InputError(f"{flag} {name!r} is not a local folder, not in the Hugging Face cache, and the hub "
-                         f"can't be reached ({why});\n  pass a local folder, or {TINY_MODEL_HINT}")
+        raise InputError(
+            f"{flag} {name!r} is not a local folder, not in the Hugging Face cache, and the hub "
+            f"can't be reached ({why});\n  pass a local folder, or {TINY_MODEL_HINT}"
+        )
 
 
 def hub_unreachable(name: str, flag: str, repo_type: str = "model") -> str | None:
@@ -449,30 +510,46 @@ def hub_unreachable(name: str, flag: str, repo_type: str = "model") -> str | Non
     try:
         HfApi().repo_info(name, repo_type=repo_type, timeout=10)
     except GatedRepoError:
-        raise InputError(f"{flag} {name!r} is gated on the hub: accept its licence on its page and log in "
-                         f"(hf auth login), or pass a local {'folder' if repo_type == 'model' else 'file'}") from None
+        raise InputError(
+            f"{flag} {name!r} is gated on the hub: accept its licence on its page and log in "
+            f"(hf auth login), or pass a local {'folder' if repo_type == 'model' else 'file'}"
+        ) from None
     except RepositoryNotFoundError:
-        raise InputError(f"{flag} {name!r}: no such {repo_type} on the hub (check the spelling; private ones need "
-                         f"hf auth login), and no such local {'folder' if repo_type == 'model' else 'file or folder'}") from None
+        raise InputError(
+            f"{flag} {name!r}: no such {repo_type} on the hub (check the spelling; private ones need "
+            f"hf auth login), and no such local {'folder' if repo_type == 'model' else 'file or folder'}"
+        ) from None
     except Exception as e:  # no network, DNS, proxy, timeout: all mean the same here
         return f"{type(e).__name__}: {e}"
     return None
 
 
-def check_context(context: int | None, max_prompt_len: int, max_new_tokens: int, flag: str = "--max-prompt-len", *,
-                  tools_prompt: int = 0):
+def check_context(
+    context: int | None,
+    max_prompt_len: int,
+    max_new_tokens: int,
+    flag: str = "--max-prompt-len",
+    *,
+    tools_prompt: int = 0,
+):
     """A prompt of max_prompt_len tokens (after the tools' prompt, if any) plus max_new_tokens must fit the model's
     context. The error offers only fixes that fit: flags lowered to at least 1 token, or a model with a longer context."""
     total = max_prompt_len + tools_prompt + max_new_tokens
     if context is not None and total > context:
         tools = f" + the tools' prompt {tools_prompt}" if tools_prompt else ""
         new, prompt = context - tools_prompt - max_prompt_len, context - tools_prompt - max_new_tokens  # what would fit
-        lower = [f"--max-new-tokens to {new}"] * (new >= 1) + [f"{flag} to {prompt} (longer prompts are dropped)"] * (prompt >= 1)
+        lower = [f"--max-new-tokens to {new}"] * (new >= 1) + [f"{flag} to {prompt} (longer prompts are dropped)"] * (
+            prompt >= 1
+        )
         both = context - tools_prompt  # neither alone, both together: a prompt and a response of a token each at least
         lower = lower or [f"{flag} and --max-new-tokens so that they add up to {both} or less"] * (both >= 2)
-        model = (f"a model with a context of {total} or more (a tiny one for a CPU try-out: python {TINY_MODEL} ./tiny-model "
-                 f"--context {1 << (total - 1).bit_length()})")
+        model = (
+            f"a model with a context of {total} or more (a tiny one for a CPU try-out: python {TINY_MODEL} ./tiny-model "
+            f"--context {1 << (total - 1).bit_length()})"
+        )
         room = "the tools' prompt alone leaves no room: " if tools_prompt else ""
         fix = f"lower {' or '.join(lower)}, or use {model}" if lower else f"{room}use {model}"
-        raise InputError(f"{flag} {max_prompt_len}{tools} + --max-new-tokens {max_new_tokens} = {total} tokens, "
-                         f"more than the model's context of {context} (max_position_embeddings): {fix}")
+        raise InputError(
+            f"{flag} {max_prompt_len}{tools} + --max-new-tokens {max_new_tokens} = {total} tokens, "
+            f"more than the model's context of {context} (max_position_embeddings): {fix}"
+        )

@@ -115,7 +115,7 @@ def last_boxed(text: str) -> str | None:
     for j in range(i, len(text)):
         depth += (text[j] == "{") - (text[j] == "}")
         if depth == 0:
-            return text[i + 1:j].strip() or None
+            return text[i + 1 : j].strip() or None
     return None
 
 
@@ -153,7 +153,7 @@ def math_equal(predicted: str, answer: str, timeout_s: int) -> bool:
 def extract_text(completion: str) -> str | None:
     """The rest of the line after the last '####', case-folded, spaces collapsed, a final '.' dropped; None if none."""
     marker = completion.rfind("####")
-    return normalize_text(completion[marker + 4:].lstrip().split("\n")[0]) or None if marker >= 0 else None
+    return normalize_text(completion[marker + 4 :].lstrip().split("\n")[0]) or None if marker >= 0 else None
 
 
 def normalize_text(text: str) -> str:
@@ -280,7 +280,10 @@ def score_all(reward_fn, calls: list[tuple], *, workers: int, timeout_s: float) 
                 if stuck_since and time.monotonic() - stuck_since > timeout_s:
                     with lock:
                         for i in todo:
-                            results[i] = (0.0, f"{TIMED_OUT}: not run, {len(_abandoned)} earlier calls still run past the limit")
+                            results[i] = (
+                                0.0,
+                                f"{TIMED_OUT}: not run, {len(_abandoned)} earlier calls still run past the limit",
+                            )
                         left -= len(todo)
                         todo.clear()
                     continue
@@ -331,8 +334,10 @@ def load_reward(spec: str):
     except SyntaxError as e:
         raise InputError(f"--reward {spec!r}: syntax error at {e.filename}:{e.lineno}: {e.msg}; fix the file") from None
     except ImportError as e:  # ModuleNotFoundError too: a package this environment lacks, a misspelt name
-        raise InputError(f"--reward {spec!r}: an import in {path} fails ({e}); pip install it into {sys.prefix}, "
-                         f"or fix or drop the import") from None
+        raise InputError(
+            f"--reward {spec!r}: an import in {path} fails ({e}); pip install it into {sys.prefix}, "
+            f"or fix or drop the import"
+        ) from None
     except SystemExit as e:  # sys.exit at its top level, or argparse there, reading the training script's own flags
         printed = said.getvalue().strip().splitlines()
         why = f"calls sys.exit({e.code!r})"
@@ -341,19 +346,25 @@ def load_reward(spec: str):
         raise InputError(f"--reward {spec!r}: {path} {why} on import; put it under if __name__ == '__main__'") from None
     except Exception as e:  # its top level raised: the error and its line, in one line
         where = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == module_spec.origin]
-        raise InputError(f"--reward {spec!r}: {path}, line {where[-1] if where else '?'}, raised {type(e).__name__}: "
-                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}; fix the file") from e
+        raise InputError(
+            f"--reward {spec!r}: {path}, line {where[-1] if where else '?'}, raised {type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}; fix the file"
+        ) from e
     sys.stderr.write(said.getvalue())
     if not hasattr(module, name):
         functions = [k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
         raise InputError(f"--reward {spec!r}: {path} has no {name!r}; its functions: {functions or 'none'}")
     fn = getattr(module, name)
     if not callable(fn):
-        raise InputError(f"--reward {spec!r}: {name} is a {type(fn).__name__}; it must be a function (completion, answer) -> float")
+        raise InputError(
+            f"--reward {spec!r}: {name} is a {type(fn).__name__}; it must be a function (completion, answer) -> float"
+        )
     try:
         inspect.signature(fn).bind("completion", "answer")
     except TypeError:
-        raise InputError(f"--reward {spec!r}: {name}{inspect.signature(fn)} can't be called as {name}(completion, answer)") from None
+        raise InputError(
+            f"--reward {spec!r}: {name}{inspect.signature(fn)} can't be called as {name}(completion, answer)"
+        ) from None
     if inspect.iscoroutinefunction(fn):
         raise InputError(f"--reward {spec!r}: {name} is an async def, its calls coroutines: make it a plain def")
 
@@ -380,11 +391,16 @@ def load_reward(spec: str):
 def judge(samples, answer_fn=None) -> dict[str, float]:
     """Sums over this rank's samples: strict accuracy ('#### N' right), flexible accuracy (else the
     last number), format ('#### N' present); each as the sample's kind has it, answer_fn or not."""
+
     def right(s, mode):
         check = (lambda c, a: answer_fn(c, a, mode)) if answer_fn else (lambda c, a: correct(s.kind, c, a, mode))
         return score(check, s.text, s.answer)[0]
-    return {"strict": sum(right(s, "strict") for s in samples), "flexible": sum(right(s, "flexible") for s in samples),
-            "format": sum(gives_answer(s.text, s.kind) for s in samples)}
+
+    return {
+        "strict": sum(right(s, "strict") for s in samples),
+        "flexible": sum(right(s, "flexible") for s in samples),
+        "format": sum(gives_answer(s.text, s.kind) for s in samples),
+    }
 
 
 def rollout_stats(samples, seconds: float, answer_fn=None) -> dict:
@@ -392,27 +408,64 @@ def rollout_stats(samples, seconds: float, answer_fn=None) -> dict:
     step's samples, over all ranks; rewards scored 0.0 because the function raised, gave NaN/inf or timed out.
     A reward function that raised on most samples, and any NaN/inf or timed-out reward, is also said on the console."""
     counts = judge(samples, answer_fn)
-    sampled = sum(len(s.response_ids) if s.model_mask is None else sum(s.model_mask) for s in samples)  # tools' tokens not
+    sampled = sum(
+        len(s.response_ids) if s.model_mask is None else sum(s.model_mask) for s in samples
+    )  # tools' tokens not
     nonfinite, timeouts = (sum(s.reward_error.startswith(why) for s in samples) for why in (NONFINITE, TIMED_OUT))
-    tot = all_reduce(torch.tensor([
-        len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples), counts["strict"],
-        counts["format"], sum(len(s.response_ids) for s in samples), sum(s.truncated for s in samples),
-        sum(bool(s.reward_error) for s in samples) - nonfinite - timeouts, nonfinite, sampled, timeouts,
-        sum(t.is_alive() for t in _abandoned)],  # reward calls past their limit that still run
-        dtype=torch.float64))
+    tot = all_reduce(
+        torch.tensor(
+            [
+                len(samples),
+                sum(s.reward for s in samples),
+                sum(s.reward**2 for s in samples),
+                counts["strict"],
+                counts["format"],
+                sum(len(s.response_ids) for s in samples),
+                sum(s.truncated for s in samples),
+                sum(bool(s.reward_error) for s in samples) - nonfinite - timeouts,
+                nonfinite,
+                sampled,
+                timeouts,
+                sum(t.is_alive() for t in _abandoned),
+            ],  # reward calls past their limit that still run
+            dtype=torch.float64,
+        )
+    )
     n, mean = tot[0], tot[1] / tot[0]
     if tot[7] > n / 2:  # a broken reward function: say so on the console, not only in the metrics
-        first = next((s.reward_error for s in samples if s.reward_error and not s.reward_error.startswith((NONFINITE, TIMED_OUT))), "")
-        print0(f"warning: the reward function raised on {int(tot[7])} of {int(n)} samples (scored 0)" + (f", e.g. {first}" if first else ""))
-    why = " and ".join(f"{int(k)} {what}" for k, what in ((tot[8], "NaN/inf"), (tot[10], "timed out (--reward-timeout-s)")) if k)
+        first = next(
+            (
+                s.reward_error
+                for s in samples
+                if s.reward_error and not s.reward_error.startswith((NONFINITE, TIMED_OUT))
+            ),
+            "",
+        )
+        print0(
+            f"warning: the reward function raised on {int(tot[7])} of {int(n)} samples (scored 0)"
+            + (f", e.g. {first}" if first else "")
+        )
+    why = " and ".join(
+        f"{int(k)} {what}" for k, what in ((tot[8], "NaN/inf"), (tot[10], "timed out (--reward-timeout-s)")) if k
+    )
     if why:  # each cost its own sample only, but a person must know
-        print0(f"warning: {why} of {int(n)} rewards, scored 0" + (f"; {int(tot[11])} calls still run in the background" if tot[11] else ""))
-    return {"rollout/reward_mean": mean, "rollout/reward_std": (tot[2] / n - mean**2).clamp(min=0).sqrt(),
-            "rollout/strict_acc": tot[3] / n, "rollout/format_rate": tot[4] / n,
-            "rollout/response_len_mean": tot[5] / n,
-            "rollout/response_len_max": all_reduce(max(len(s.response_ids) for s in samples), dist.ReduceOp.MAX),
-            "rollout/truncated_frac": tot[6] / n, "rollout/reward_errors": tot[7], "rollout/reward_nonfinite": tot[8],
-            "rollout/reward_timeouts": tot[10], "perf/rollout_tokens_per_s": tot[9] / seconds}  # tokens the engine sampled
+        print0(
+            f"warning: {why} of {int(n)} rewards, scored 0"
+            + (f"; {int(tot[11])} calls still run in the background" if tot[11] else "")
+        )
+    return {
+        "rollout/reward_mean": mean,
+        "rollout/reward_std": (tot[2] / n - mean**2).clamp(min=0).sqrt(),
+        "rollout/strict_acc": tot[3] / n,
+        "rollout/format_rate": tot[4] / n,
+        "rollout/response_len_mean": tot[5] / n,
+        "rollout/response_len_max": all_reduce(max(len(s.response_ids) for s in samples), dist.ReduceOp.MAX),
+        "rollout/truncated_frac": tot[6] / n,
+        "rollout/reward_errors": tot[7],
+        "rollout/reward_nonfinite": tot[8],
+        "rollout/reward_timeouts": tot[10],
+        "perf/rollout_tokens_per_s": tot[9] / seconds,
+    }  # tokens the engine sampled
 
 
 def eval_stats(samples, answer_fn=None, sources: list[str] = ()) -> dict:
@@ -420,12 +473,19 @@ def eval_stats(samples, answer_fn=None, sources: list[str] = ()) -> dict:
     on every rank, so the reduced tensors agree), each one's too: eval/<source>/strict_acc, flexible_acc, format_rate."""
     names = list(sources) if len(sources) > 1 else []
     parts = [[s for s in samples if s.source == n] for n in names] + [[s for s in samples if s.source not in names]]
-    tot = all_reduce([[c["strict"], c["flexible"], c["format"], len(p), sum(bool(s.tool_calls) for s in p)]
-                      for p, c in ((p, judge(p, answer_fn)) for p in parts)])  # [sources + 1, 5]
+    tot = all_reduce(
+        [
+            [c["strict"], c["flexible"], c["format"], len(p), sum(bool(s.tool_calls) for s in p)]
+            for p, c in ((p, judge(p, answer_fn)) for p in parts)
+        ]
+    )  # [sources + 1, 5]
     out = {}
     for key, row in [("eval", tot.sum(0))] + [(f"eval/{n}", row) for n, row in zip(names, tot) if row[3]]:
-        out |= {f"{key}/strict_acc": float(row[0] / row[3]), f"{key}/flexible_acc": float(row[1] / row[3]),
-                f"{key}/format_rate": float(row[2] / row[3])}
+        out |= {
+            f"{key}/strict_acc": float(row[0] / row[3]),
+            f"{key}/flexible_acc": float(row[1] / row[3]),
+            f"{key}/format_rate": float(row[2] / row[3]),
+        }
     return out | {"eval/tool_used_frac": float(tot[:, 4].sum() / tot[:, 3].sum())}
 
 
@@ -462,8 +522,10 @@ def sampled_eval_stats(groups: list[list], sources: list[str] = ()) -> dict:
     rows = []
     for part in parts:  # per prompt: c right of K, the majority's verdict
         right = [[score(lambda c, a, s=s: correct(s.kind, c, a), s.text, s.answer)[0] for s in g] for g in part]
-        maj = [r[i] if (i := majority([vote_key(s.kind, s.text) for s in g])) is not None else 0.0
-               for g, r in zip(part, right)]
+        maj = [
+            r[i] if (i := majority([vote_key(s.kind, s.text) for s in g])) is not None else 0.0
+            for g, r in zip(part, right)
+        ]
         rows.append([len(part), sum(maj)] + [sum(pass_at_k(K, int(sum(r)), k) for r in right) for k in ks])
     tot = all_reduce(torch.tensor(rows, dtype=torch.float64))  # [sources + 1, 2 + len(ks)]
     out = {}
@@ -473,13 +535,21 @@ def sampled_eval_stats(groups: list[list], sources: list[str] = ()) -> dict:
     return out
 
 
-EVAL_LINE = [("eval strict acc", "eval/strict_acc", ".3f"), ("flexible acc", "eval/flexible_acc", ".3f"),
-             ("format", "eval/format_rate", ".3f")]  # the console line of an evaluation
+EVAL_LINE = [
+    ("eval strict acc", "eval/strict_acc", ".3f"),
+    ("flexible acc", "eval/flexible_acc", ".3f"),
+    ("format", "eval/format_rate", ".3f"),
+]  # the console line of an evaluation
 EVAL_TOOLS_LINE = [("used a tool", "eval/tool_used_frac", ".3f")]  # and with tools
 
 
 def sampled_line(k: int) -> list[tuple]:
     """The console's part of --eval-samples K (K = 0: nothing is logged under these names)."""
     return [(f"{name}@{k}", f"eval/{name}@{k}", ".3f") for name in ("avg", "pass", "maj")]
-REWARD_LINE = [("reward errors", "rollout/reward_errors", ".0f"), ("NaN rewards", "rollout/reward_nonfinite", ".0f"),
-               ("reward timeouts", "rollout/reward_timeouts", ".0f")]  # a step's console line shows those not 0
+
+
+REWARD_LINE = [
+    ("reward errors", "rollout/reward_errors", ".0f"),
+    ("NaN rewards", "rollout/reward_nonfinite", ".0f"),
+    ("reward timeouts", "rollout/reward_timeouts", ".0f"),
+]  # a step's console line shows those not 0

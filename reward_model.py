@@ -32,17 +32,38 @@ RM_LINE = [  # the console's (name, metric, format, meaning)
 def rm_flag_rules(a) -> list[tuple[str, object, bool, str]]:
     """check_flags' rules for grpo.py's and ppo.py's --reward-model flags: the others only with it."""
     given = given_flags(sys.argv[1:]) if not a.reward_model else set()
-    lone = [k for k in ("reward_weights", "reward_model_norm", "reward_model_max_len", "reward_model_micro_batch_size",
-                        "reward_model_template") if k in given]
-    return [("--reward-model-max-len", a.reward_model_max_len, a.reward_model_max_len >= 2, ">= 2"),
-            ("--reward-model-micro-batch-size", a.reward_model_micro_batch_size, a.reward_model_micro_batch_size >= 1, ">= 1"),
-            ("--reward-weights", a.reward_weights, all(map(math.isfinite, a.reward_weights)) and any(a.reward_weights),
-             "two finite numbers, not both 0: the rule reward's weight, then the reward model's"),
-            *[(f"--{k.replace('_', '-')}", getattr(a, k), False, "given with --reward-model only") for k in lone]]
+    lone = [
+        k
+        for k in (
+            "reward_weights",
+            "reward_model_norm",
+            "reward_model_max_len",
+            "reward_model_micro_batch_size",
+            "reward_model_template",
+        )
+        if k in given
+    ]
+    return [
+        ("--reward-model-max-len", a.reward_model_max_len, a.reward_model_max_len >= 2, ">= 2"),
+        (
+            "--reward-model-micro-batch-size",
+            a.reward_model_micro_batch_size,
+            a.reward_model_micro_batch_size >= 1,
+            ">= 1",
+        ),
+        (
+            "--reward-weights",
+            a.reward_weights,
+            all(map(math.isfinite, a.reward_weights)) and any(a.reward_weights),
+            "two finite numbers, not both 0: the rule reward's weight, then the reward model's",
+        ),
+        *[(f"--{k.replace('_', '-')}", getattr(a, k), False, "given with --reward-model only") for k in lone],
+    ]
 
 
-def check_reward_model(name: str | None, template: str | None = None, max_len: int = 2048, *, system: bool = False,
-                       tools: bool = False):
+def check_reward_model(
+    name: str | None, template: str | None = None, max_len: int = 2048, *, system: bool = False, tools: bool = False
+):
     """Before anything loads: a folder or hub id of a one-label sequence-classification model whose tokenizer has a
     chat template, or `template` (--reward-model-template: a file or the Jinja text itself) that renders a
     conversation shaped as the run's (a system prompt, tool replies). Returns (tokenizer, the chat template to render
@@ -54,20 +75,34 @@ def check_reward_model(name: str | None, template: str | None = None, max_len: i
     flag, roles = "--reward-model", ("system",) * system + ("user", "assistant") + ("tool", "assistant") * tools
     tokenizer, context = check_model(name, flag, raw_text=False)
     if not has_reward_head(name, flag, fix="pass a reward model"):
-        raise InputError(f"{flag} {name!r} is not a reward model: its config.json names no *ForSequenceClassification "
-                         f"head (architectures: {AutoConfig.from_pretrained(name).architectures}); pass one (train_rm.py "
-                         f"writes one) or a rule reward, --reward FILE.py:function")
+        raise InputError(
+            f"{flag} {name!r} is not a reward model: its config.json names no *ForSequenceClassification "
+            f"head (architectures: {AutoConfig.from_pretrained(name).architectures}); pass one (train_rm.py "
+            f"writes one) or a rule reward, --reward FILE.py:function"
+        )
     if context and max_len > context:
         if "reward_model_max_len" in given_flags(sys.argv[1:]):
-            raise InputError(f"--reward-model-max-len {max_len} is more than {name!r}'s context of {context} tokens: "
-                             f"pass at most {context}")
+            raise InputError(
+                f"--reward-model-max-len {max_len} is more than {name!r}'s context of {context} tokens: "
+                f"pass at most {context}"
+            )
         max_len = context
-    return tokenizer, chat_template(tokenizer, name, template, flag=flag, template_flag="--reward-model-template",
-                                    roles=roles), max_len
+    return (
+        tokenizer,
+        chat_template(tokenizer, name, template, flag=flag, template_flag="--reward-model-template", roles=roles),
+        max_len,
+    )
 
 
-def chat_template(tokenizer, name: str, template: str | None, *, flag: str, template_flag: str,
-                  roles: tuple[str, ...] = ("user", "assistant")) -> str:
+def chat_template(
+    tokenizer,
+    name: str,
+    template: str | None,
+    *,
+    flag: str,
+    template_flag: str,
+    roles: tuple[str, ...] = ("user", "assistant"),
+) -> str:
     """The chat template conversations are read with: `template` (template_flag's: a FILE.jinja or the Jinja text
     itself), else the tokenizer's own; neither is an error naming both flags, and so is one that can't render a
     conversation of `roles`. The tokenizer gets a pad id if it has none (its eos): right padding needs one, and the
@@ -79,17 +114,26 @@ def chat_template(tokenizer, name: str, template: str | None, *, flag: str, temp
         except UnicodeDecodeError as e:
             raise InputError(f"{template_flag} {template!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     elif template is not None and "{{" not in template and "{%" not in template:
-        raise InputError(f"{template_flag} {template!r} is neither a file nor a Jinja template: pass a "
-                         f"FILE.jinja or the template's text")
+        raise InputError(
+            f"{template_flag} {template!r} is neither a file nor a Jinja template: pass a "
+            f"FILE.jinja or the template's text"
+        )
     if (template or tokenizer.chat_template) is None:
-        raise InputError(f"{flag} {name!r}: its tokenizer has no chat template to read a conversation with: pass "
-                         f"{template_flag} FILE.jinja (for a trained reward model, the one it was trained with)")
+        raise InputError(
+            f"{flag} {name!r}: its tokenizer has no chat template to read a conversation with: pass "
+            f"{template_flag} FILE.jinja (for a trained reward model, the one it was trained with)"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     which = f"{template_flag}'s template" if template else f"{flag} {name!r}'s chat template"
     template = template or tokenizer.chat_template
-    rm_tokens(tokenizer, [[{"role": r, "content": "2 + 2 = 4"} for r in roles]], template=template, max_len=2,
-              item=f"{which}, on a test conversation")
+    rm_tokens(
+        tokenizer,
+        [[{"role": r, "content": "2 + 2 = 4"} for r in roles]],
+        template=template,
+        max_len=2,
+        item=f"{which}, on a test conversation",
+    )
     return template
 
 
@@ -102,7 +146,9 @@ def has_reward_head(name: str, flag: str, fix: str) -> bool:
     if not any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
         return False
     if config.num_labels != 1:
-        raise InputError(f"{flag} {name!r} is a classifier of {config.num_labels} labels: a reward model has one; {fix}")
+        raise InputError(
+            f"{flag} {name!r} is a classifier of {config.num_labels} labels: a reward model has one; {fix}"
+        )
     return True
 
 
@@ -110,8 +156,9 @@ def load_reward_model(name: str, device: torch.device, dtype: torch.dtype, attn_
     """The reward model in `dtype`, sharded with FSDP2 like the reference model, frozen (eval mode, no gradients)."""
     from transformers import AutoModelForSequenceClassification
 
-    model = load_model(name, device, dtype, attn_implementation=attn_implementation,
-                       model_class=AutoModelForSequenceClassification).eval()
+    model = load_model(
+        name, device, dtype, attn_implementation=attn_implementation, model_class=AutoModelForSequenceClassification
+    ).eval()
     if not isinstance(getattr(model, "score", None), torch.nn.Linear):
         raise InputError(f"--reward-model {name!r}: {type(model).__name__} has no `score` head to read")
     model.requires_grad_(False)
@@ -126,8 +173,9 @@ def conversation(prompt: str | list[dict], response: str | list[dict]) -> list[d
     return asked + ([{"role": "assistant", "content": response}] if isinstance(response, str) else response)
 
 
-def rm_tokens(tokenizer, conversations: list[list[dict]], *, template: str, max_len: int,
-              item: str = "a conversation") -> tuple[list[list[int]], int]:
+def rm_tokens(
+    tokenizer, conversations: list[list[dict]], *, template: str, max_len: int, item: str = "a conversation"
+) -> tuple[list[list[int]], int]:
     """Each conversation through the reward model's chat template, cut to its first `max_len` tokens (the end is
     lost: a long response is judged on its start). A template that fails on one, or renders it empty, is an
     InputError naming `item`, the conversation's roles and its start. Returns (token ids, how many were cut)."""
@@ -139,8 +187,10 @@ def rm_tokens(tokenizer, conversations: list[list[dict]], *, template: str, max_
         except Exception as e:
             problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         if problem:
-            raise InputError(f"{item} (roles {', '.join(m.get('role', '?') for m in c)}; it begins "
-                             f"{str(c[0].get('content'))[:60]!r}): the reward model's chat template failed: {problem}")
+            raise InputError(
+                f"{item} (roles {', '.join(m.get('role', '?') for m in c)}; it begins "
+                f"{str(c[0].get('content'))[:60]!r}): the reward model's chat template failed: {problem}"
+            )
     return [x[:max_len] for x in ids], sum(len(x) > max_len for x in ids)
 
 
@@ -171,8 +221,8 @@ def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tens
         model(input_ids=input_ids, attention_mask=attention_mask)
     finally:
         hook.remove()
-    last = attention_mask.sum(-1) - 1                                               # [B]
-    return caught[0][torch.arange(len(last), device=last.device), last, 0].float()   # [B, T, 1] -> [B]
+    last = attention_mask.sum(-1) - 1  # [B]
+    return caught[0][torch.arange(len(last), device=last.device), last, 0].float()  # [B, T, 1] -> [B]
 
 
 def pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,19 +238,20 @@ def score(model, rows: list[list[int]], *, pad_id: int, micro_batch_size: int, d
     """The reward model's score of each token list, `micro_batch_size` at a time (longest first: less padding).
     Every rank runs as many forwards (FSDP2's collectives), a rank with fewer rows a one-token stand-in. [B], CPU."""
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
-    chunks = [order[k:k + micro_batch_size] for k in range(0, len(order), micro_batch_size)]
+    chunks = [order[k : k + micro_batch_size] for k in range(0, len(order), micro_batch_size)]
     count = int(all_reduce(len(chunks), dist.ReduceOp.MAX))
     out = torch.zeros(len(rows))
     for k in range(count):
         chunk = chunks[k] if k < len(chunks) else []
         ids, mask = pad([rows[i] for i in chunk] or [[pad_id]], pad_id)
         scores = last_token_scores(model, ids.to(device), mask.to(device)).cpu()
-        out[chunk] = scores[:len(chunk)]
+        out[chunk] = scores[: len(chunk)]
     return out
 
 
-def score_conversations(model, conversations: list[list[dict]], *, tokenizer, template: str, max_len: int,
-                        micro_batch_size: int, device) -> tuple[torch.Tensor, int]:
+def score_conversations(
+    model, conversations: list[list[dict]], *, tokenizer, template: str, max_len: int, micro_batch_size: int, device
+) -> tuple[torch.Tensor, int]:
     """rm_tokens, then score: ([B] scores on the CPU, how many conversations were cut to max_len)."""
     rows, cut = rm_tokens(tokenizer, conversations, template=template, max_len=max_len)
     return score(model, rows, pad_id=tokenizer.pad_token_id, micro_batch_size=micro_batch_size, device=device), cut
@@ -209,7 +260,10 @@ def score_conversations(model, conversations: list[list[dict]], *, tokenizer, te
 # ----------------------------------------------------------------------------------------------
 # ALGO: the rewards in use, weighted into one
 
-def combine_rewards(rule: torch.Tensor, rm: torch.Tensor, *, weights: tuple[float, float], whiten: bool) -> torch.Tensor:
+
+def combine_rewards(
+    rule: torch.Tensor, rm: torch.Tensor, *, weights: tuple[float, float], whiten: bool
+) -> torch.Tensor:
     """reward = w_rule * rule + w_rm * rm, each sample's (ms-swift's reward_weights). whiten: the RM's scores
     first become (score - mean) / std over the global batch, all ranks: a Bradley-Terry model fixes only score
     differences, so its offset and scale are arbitrary and would otherwise set the weight. [B] each -> [B]."""
@@ -224,8 +278,10 @@ def combine_rewards(rule: torch.Tensor, rm: torch.Tensor, *, weights: tuple[floa
 def rm_rewards(model, samples, *, weights: tuple[float, float], whiten: bool, **read) -> dict[str, float]:
     """Each sample's reward becomes combine_rewards(its rule reward, the reward model's score of its conversation);
     `read`: score_conversations' keywords. Returns the step's metrics (rm_stats)."""
-    scores, cut = score_conversations(model, [conversation(s.prompt, s.messages or s.text) for s in samples], **read)     # [n]
-    rule = torch.tensor([s.reward for s in samples])                                                  # [n]
+    scores, cut = score_conversations(
+        model, [conversation(s.prompt, s.messages or s.text) for s in samples], **read
+    )  # [n]
+    rule = torch.tensor([s.reward for s in samples])  # [n]
     for s, reward in zip(samples, combine_rewards(rule, scores, weights=weights, whiten=whiten).tolist()):
         s.reward = reward
     return rm_stats(rule, scores, cut)
@@ -235,11 +291,31 @@ def rm_stats(rule: torch.Tensor, rm: torch.Tensor, cut: int) -> dict[str, float]
     """A step's metrics over all ranks: the RM's mean and std, the rule reward's mean, their Pearson correlation
     (both on: does the RM agree with the rule? not logged where either is constant), conversations cut to --reward-model-max-len. [B] each."""
     rm, rule = rm.double(), rule.double()
-    sums = {k: float(v) for k, v in all_reduce_dict({  # one collective for all of them
-        "n": torch.tensor(float(len(rm))), "rm": rm.sum(), "rule": rule.sum(), "rm2": (rm**2).sum(),
-        "rule2": (rule**2).sum(), "cross": (rm * rule).sum(), "cut": torch.tensor(float(cut))}).items()}
+    sums = {
+        k: float(v)
+        for k, v in all_reduce_dict(
+            {  # one collective for all of them
+                "n": torch.tensor(float(len(rm))),
+                "rm": rm.sum(),
+                "rule": rule.sum(),
+                "rm2": (rm**2).sum(),
+                "rule2": (rule**2).sum(),
+                "cross": (rm * rule).sum(),
+                "cut": torch.tensor(float(cut)),
+            }
+        ).items()
+    }
     n, m, r = sums["n"], sums["rm"] / sums["n"], sums["rule"] / sums["n"]
     var_m, var_r = max(sums["rm2"] / n - m * m, 0.0), max(sums["rule2"] / n - r * r, 0.0)
-    corr = {"rollout/rm_rule_corr": (sums["cross"] / n - m * r) / (var_m * var_r) ** 0.5} if var_m > 0 and var_r > 0 else {}
-    return {"rollout/rm_score": m, "rollout/rm_score_std": var_m**0.5, "rollout/rule_reward": r, **corr,  # none: a constant
-            "rollout/rm_truncated": sums["cut"]}
+    corr = (
+        {"rollout/rm_rule_corr": (sums["cross"] / n - m * r) / (var_m * var_r) ** 0.5}
+        if var_m > 0 and var_r > 0
+        else {}
+    )
+    return {
+        "rollout/rm_score": m,
+        "rollout/rm_score_std": var_m**0.5,
+        "rollout/rule_reward": r,
+        **corr,  # none: a constant
+        "rollout/rm_truncated": sums["cut"],
+    }

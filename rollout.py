@@ -42,14 +42,15 @@ from tools import parse_tool_calls, timed_call
 @dataclass
 class SGLangOptions:
     """How SGLang starts (grpo.py and ppo.py fill it from their --sglang-* flags)."""
-    mem_fraction: float = 0.6         # share of the GPU for SGLang's weights + KV cache while awake
-    tp_size: int = 1                  # GPUs one engine spans (tensor parallel)
+
+    mem_fraction: float = 0.6  # share of the GPU for SGLang's weights + KV cache while awake
+    tp_size: int = 1  # GPUs one engine spans (tensor parallel)
     attention_backend: str = "triton"
     sampling_backend: str = "pytorch"
     cuda_graph_max_bs: int | None = None  # largest decode batch captured as a CUDA graph (None: SGLang's)
     disable_cuda_graph: bool = False
     prefill_cuda_graph: bool = False
-    load_format: str = "dummy"        # "dummy": weights only from the sync; "auto": read the checkpoint
+    load_format: str = "dummy"  # "dummy": weights only from the sync; "auto": read the checkpoint
     log_level: str = "error"
 
 
@@ -91,12 +92,23 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
     with without_agent_store():  # SGLang's schedulers inherit our environment and host their own group's store
         try:
             engine.__init__(
-                model_path=model_path, skip_tokenizer_init=True, load_format=o.load_format, dtype="bfloat16",
-                enable_memory_saver=True, mem_fraction_static=o.mem_fraction, base_gpu_id=gpu_id, tp_size=o.tp_size,
-                random_seed=seed, attention_backend=o.attention_backend, sampling_backend=o.sampling_backend,
-                cuda_graph_max_bs_decode=o.cuda_graph_max_bs, disable_cuda_graph=o.disable_cuda_graph,
-                log_level=o.log_level, cuda_graph_backend_prefill=None if o.prefill_cuda_graph else "disabled",
-                custom_sigquit_handler=quit_while_starting)  # a failed scheduler's SIGQUIT ends the start, not the process
+                model_path=model_path,
+                skip_tokenizer_init=True,
+                load_format=o.load_format,
+                dtype="bfloat16",
+                enable_memory_saver=True,
+                mem_fraction_static=o.mem_fraction,
+                base_gpu_id=gpu_id,
+                tp_size=o.tp_size,
+                random_seed=seed,
+                attention_backend=o.attention_backend,
+                sampling_backend=o.sampling_backend,
+                cuda_graph_max_bs_decode=o.cuda_graph_max_bs,
+                disable_cuda_graph=o.disable_cuda_graph,
+                log_level=o.log_level,
+                cuda_graph_backend_prefill=None if o.prefill_cuda_graph else "disabled",
+                custom_sigquit_handler=quit_while_starting,
+            )  # a failed scheduler's SIGQUIT ends the start, not the process
         except BaseException as e:  # Ctrl-C during start-up, or a failed start: stop what was started
             engine.processes = [p for p in multiprocessing.active_children() if p not in before]
             stop_engine(engine, None)
@@ -104,9 +116,15 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
             # Python ignores exceptions (a callback after a fork: then e is SGLang's own error)
             if not (quit_while_starting.ran or isinstance(e, Exception)):  # Ctrl-C, SIGTERM: friendly_errors says so
                 raise
-            what = "its error is above" if quit_while_starting.ran else f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-            raise EngineStartFailed(f"the rollout engine (SGLang) failed while starting, on GPU {gpu_id} with mem_fraction "
-                                    f"{o.mem_fraction} ({what}); nothing was trained or written") from e
+            what = (
+                "its error is above"
+                if quit_while_starting.ran
+                else f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            )
+            raise EngineStartFailed(
+                f"the rollout engine (SGLang) failed while starting, on GPU {gpu_id} with mem_fraction "
+                f"{o.mem_fraction} ({what}); nothing was trained or written"
+            ) from e
     engine.processes = [p for p in multiprocessing.active_children() if p not in before]  # scheduler(s), detokenizer
     return engine
 
@@ -167,18 +185,27 @@ class HFEngine:
             raise RuntimeError(f"generate while {sorted(self.released)} are released")
         stop_ids, pad = sp["stop_token_ids"], sp["stop_token_ids"][0]
         P = max(len(p) for p in input_ids)
-        ids = torch.tensor([[pad] * (P - len(p)) + p for p in input_ids])        # [B, P]
+        ids = torch.tensor([[pad] * (P - len(p)) + p for p in input_ids])  # [B, P]
         mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in input_ids])
         greedy = sp["temperature"] == 0
         torch.manual_seed(sp.get("sampling_seed", self.seed))
         out = self.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=sp["max_new_tokens"], do_sample=not greedy,
-            temperature=None if greedy else sp["temperature"], top_p=None if greedy else sp["top_p"], top_k=None,
-            eos_token_id=stop_ids, pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
-        new = out.sequences[:, P:]                                                # [B, N]
-        logits = torch.stack(out.logits, dim=1).float()                          # [B, N, V]
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=sp["max_new_tokens"],
+            do_sample=not greedy,
+            temperature=None if greedy else sp["temperature"],
+            top_p=None if greedy else sp["top_p"],
+            top_k=None,
+            eos_token_id=stop_ids,
+            pad_token_id=pad,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        new = out.sequences[:, P:]  # [B, N]
+        logits = torch.stack(out.logits, dim=1).float()  # [B, N, V]
         logp = torch.log_softmax(logits / (1.0 if greedy else sp["temperature"]), -1)
-        logp = logp.gather(-1, new[..., None]).squeeze(-1)                       # [B, N]
+        logp = logp.gather(-1, new[..., None]).squeeze(-1)  # [B, N]
         results = []
         for row, row_logp in zip(new.tolist(), logp.tolist()):
             n = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
@@ -198,8 +225,9 @@ class HFEngine:
         pass
 
 
-def start_engine(kind: str, model_path: str, *, seed: int, sglang: SGLangOptions | None = None,
-                 dtype: torch.dtype = torch.float32):
+def start_engine(
+    kind: str, model_path: str, *, seed: int, sglang: SGLangOptions | None = None, dtype: torch.dtype = torch.float32
+):
     """'sglang' (on this rank's GPU) or 'hf' (CPU stand-in). `engine.processes` lists the child
     processes it started (SGLang's scheduler and detokenizer), for stop.EngineWatch. `dtype`: the HF engine's
     (the trainer's compute dtype, so log-probs match); SGLang's is bf16."""
@@ -232,21 +260,28 @@ def stop_token_ids(tokenizer, model_path: str) -> list[int]:
 @dataclass
 class Sampling:
     """How each response is sampled: SGLang's sampling params, less the per-request seed."""
+
     max_new_tokens: int
-    stop_ids: list[int]         # token ids that end a response (stop_token_ids)
-    temperature: float = 1.0    # 0: greedy; log-probs are of the distribution at this temperature
+    stop_ids: list[int]  # token ids that end a response (stop_token_ids)
+    temperature: float = 1.0  # 0: greedy; log-probs are of the distribution at this temperature
     top_p: float = 1.0
 
     def params(self, seed: int) -> dict:
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "stop_token_ids": self.stop_ids, "sampling_seed": seed}
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stop_token_ids": self.stop_ids,
+            "sampling_seed": seed,
+        }
 
 
 @dataclass
 class TPGroup:
     """The ranks that share one engine (--rollout-tp k): the first rank of each k owns it."""
+
     process_group: object | None  # None for k = 1
-    owner: int                    # the owner's global rank
+    owner: int  # the owner's global rank
 
 
 def tp_group(tp_size: int) -> TPGroup:
@@ -262,8 +297,16 @@ def tp_group(tp_size: int) -> TPGroup:
     return TPGroup(mine, owner)
 
 
-def generate(engine, prompt_ids: list[list[int]], seeds: list[int], *, sampling: Sampling, tokenizer=None,
-             tp: TPGroup | None = None, tool_use: "ToolUse | None" = None) -> list[Sample]:
+def generate(
+    engine,
+    prompt_ids: list[list[int]],
+    seeds: list[int],
+    *,
+    sampling: Sampling,
+    tokenizer=None,
+    tp: TPGroup | None = None,
+    tool_use: "ToolUse | None" = None,
+) -> list[Sample]:
     """Sample one completion per prompt (repeat a prompt to get a group). Token ids in, token ids
     and per-token log-probs out. Each request carries its own `seeds[i]`: without one, SGLang
     samples repeated prompts identically. With `tool_use`, each sample is an episode of turns and
@@ -275,17 +318,42 @@ def generate(engine, prompt_ids: list[list[int]], seeds: list[int], *, sampling:
     return send(engine, prompt_ids, seeds, sampling=sampling, tokenizer=tokenizer, tp=tp, tool_use=tool_use).result()
 
 
-def generate_groups(engine, prompt_ids: list[list[int]], k: int, *, seed: int, sampling: Sampling, tokenizer=None,
-                    tp: TPGroup | None = None, tool_use: "ToolUse | None" = None) -> list[list[Sample]]:
+def generate_groups(
+    engine,
+    prompt_ids: list[list[int]],
+    k: int,
+    *,
+    seed: int,
+    sampling: Sampling,
+    tokenizer=None,
+    tp: TPGroup | None = None,
+    tool_use: "ToolUse | None" = None,
+) -> list[list[Sample]]:
     """k samples of each prompt, each with a seed of its own from `seed`, as [prompt][k] (pass@k and maj@k's input)."""
     ids = [p for p in prompt_ids for _ in range(k)]
-    samples = generate(engine, ids, [seed_for(seed, n) for n in range(len(ids))], sampling=sampling, tokenizer=tokenizer,
-                       tp=tp, tool_use=tool_use)
+    samples = generate(
+        engine,
+        ids,
+        [seed_for(seed, n) for n in range(len(ids))],
+        sampling=sampling,
+        tokenizer=tokenizer,
+        tp=tp,
+        tool_use=tool_use,
+    )
     return [samples[i : i + k] for i in range(0, len(samples), k)]
 
 
-def send(engine, prompt_ids: list[list[int]], seeds: list[int], *, sampling: Sampling, tokenizer=None,
-         tp: TPGroup | None = None, tool_use: "ToolUse | None" = None, ahead: bool = False) -> "Pending":
+def send(
+    engine,
+    prompt_ids: list[list[int]],
+    seeds: list[int],
+    *,
+    sampling: Sampling,
+    tokenizer=None,
+    tp: TPGroup | None = None,
+    tool_use: "ToolUse | None" = None,
+    ahead: bool = False,
+) -> "Pending":
     """`generate`'s first half: the group's requests gathered on the owner and run there, at once,
     or with `ahead` in a thread of their own while the caller goes on (--async-rollout: the next
     batch generates while this one trains). Every rank of the group calls `.result()` next."""
@@ -298,18 +366,30 @@ def send(engine, prompt_ids: list[list[int]], seeds: list[int], *, sampling: Sam
             requests = ([p for g in gathered for p in g[0]], [s for g in gathered for s in g[1]])
             pending.sizes = [len(g[0]) for g in gathered]
     if engine is not None:
-        run = functools.partial(run_requests, engine, *requests, sampling=sampling, tokenizer=tokenizer, tool_use=tool_use)
+        run = functools.partial(
+            run_requests, engine, *requests, sampling=sampling, tokenizer=tokenizer, tool_use=tool_use
+        )
         pending.start(run) if ahead else pending.run(run)
     return pending
 
 
-def run_requests(engine, prompts: list[list[int]], seeds: list[int], *, sampling: Sampling, tokenizer, tool_use) -> list[Sample]:
+def run_requests(
+    engine, prompts: list[list[int]], seeds: list[int], *, sampling: Sampling, tokenizer, tool_use
+) -> list[Sample]:
     if tool_use is None:
-        outputs = engine.generate(input_ids=prompts, sampling_params=[sampling.params(s) for s in seeds], return_logprob=True)
+        outputs = engine.generate(
+            input_ids=prompts, sampling_params=[sampling.params(s) for s in seeds], return_logprob=True
+        )
         return [read_output(prompt, out, sampling, tokenizer) for prompt, out in zip(prompts, outputs)]
     # the engine's own event loop drives the episodes (SGLang's Engine owns one)
-    return engine.loop.run_until_complete(all_or_none(
-        [episode(engine, prompt, seed, sampling=sampling, tool_use=tool_use) for prompt, seed in zip(prompts, seeds)]))
+    return engine.loop.run_until_complete(
+        all_or_none(
+            [
+                episode(engine, prompt, seed, sampling=sampling, tool_use=tool_use)
+                for prompt, seed in zip(prompts, seeds)
+            ]
+        )
+    )
 
 
 class Pending:
@@ -335,6 +415,7 @@ class Pending:
 
     def start(self, fn):
         """In a daemon thread; an exception there is raised by `result()`, in the trainer."""
+
         def target():
             t0 = time.perf_counter()
             try:
@@ -343,6 +424,7 @@ class Pending:
                 self.error = e
             self.seconds = time.perf_counter() - t0
             self.done.set()
+
         self.done.clear()
         threading.Thread(target=target, daemon=True, name="rollout-ahead").start()
 
@@ -362,10 +444,14 @@ class Pending:
         if self.tp is not None and self.tp.process_group is not None:
             if dist.get_rank() == self.tp.owner:
                 starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-                scatter = [samples[s:s + n] for s, n in zip(starts, self.sizes)]  # [] each if cut short
+                scatter = [samples[s : s + n] for s, n in zip(starts, self.sizes)]  # [] each if cut short
             mine = [None]
-            dist.scatter_object_list(mine, scatter if dist.get_rank() == self.tp.owner else None, src=self.tp.owner,
-                                     group=self.tp.process_group)
+            dist.scatter_object_list(
+                mine,
+                scatter if dist.get_rank() == self.tp.owner else None,
+                src=self.tp.owner,
+                group=self.tp.process_group,
+            )
             samples = mine[0]
         self.mine = samples
         return samples
@@ -375,8 +461,10 @@ def read_output(prompt: list[int], out: dict, sampling: Sampling, tokenizer=None
     """An engine's output for one request (SGLang's shape) -> a Sample of the tokens it sampled."""
     finish = out["meta_info"]["finish_reason"]
     if finish["type"] == "abort":
-        raise RuntimeError(f"SGLang aborted a request: {finish.get('message')}; a prompt of {len(prompt)} "
-                           f"tokens + {sampling.max_new_tokens} new may exceed the engine's context length")
+        raise RuntimeError(
+            f"SGLang aborted a request: {finish.get('message')}; a prompt of {len(prompt)} "
+            f"tokens + {sampling.max_new_tokens} new may exceed the engine's context length"
+        )
     response = list(out["output_ids"])
     logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
     if len(logprobs) != len(response):
@@ -397,6 +485,7 @@ class ToolUse:
     """How samples call tools (grpo.py --tools calculator,python): the tools by name (tools.py),
     at most `max_turns` model turns, each tool reply cut to `max_reply_tokens` tokens, the calls
     run in `pool`'s threads so that a slow tool holds up its own sample only."""
+
     tools: dict
     tokenizer: object
     pool: concurrent.futures.Executor
@@ -415,12 +504,18 @@ async def episode(engine, prompt: list[int], seed: int, *, sampling: Sampling, t
     out: a turn cut by it, or a tool reply that does not fit, leaves the sample truncated.
     """
     tok, loop = tool_use.tokenizer, asyncio.get_running_loop()
-    sample = Sample(prompt_ids=prompt, response_ids=[], rollout_logprobs=[], truncated=False, model_mask=[], messages=[])
+    sample = Sample(
+        prompt_ids=prompt, response_ids=[], rollout_logprobs=[], truncated=False, model_mask=[], messages=[]
+    )
     texts = []
     for turn in range(tool_use.max_turns):
-        params = {**sampling.params(seed_for(seed, "turn", turn) if turn else seed),
-                  "max_new_tokens": sampling.max_new_tokens - len(sample.response_ids)}
-        out = await engine.async_generate(input_ids=prompt + sample.response_ids, sampling_params=params, return_logprob=True)
+        params = {
+            **sampling.params(seed_for(seed, "turn", turn) if turn else seed),
+            "max_new_tokens": sampling.max_new_tokens - len(sample.response_ids),
+        }
+        out = await engine.async_generate(
+            input_ids=prompt + sample.response_ids, sampling_params=params, return_logprob=True
+        )
         turn_out = read_output(prompt, out, sampling, tok)
         sample.response_ids += turn_out.response_ids
         sample.rollout_logprobs += turn_out.rollout_logprobs
@@ -431,12 +526,16 @@ async def episode(engine, prompt: list[int], seed: int, *, sampling: Sampling, t
         if turn_out.truncated or not (calls or malformed) or turn == tool_use.max_turns - 1:
             sample.truncated = turn_out.truncated
             break
-        results = await asyncio.gather(*(loop.run_in_executor(tool_use.pool, timed_call, tool_use.tools, c) for c in calls))
+        results = await asyncio.gather(
+            *(loop.run_in_executor(tool_use.pool, timed_call, tool_use.tools, c) for c in calls)
+        )
         results += [(f"error: {problem}", "error", 0.0) for problem in malformed]  # said to the model, never raised
         sample.tool_calls += [(c["name"], status, seconds) for c, (_, status, seconds) in zip(calls, results)]
         sample.tool_calls += [("?", "error", 0.0)] * len(malformed)
-        replies = [tok.decode(plain_ids(tok, r)[:tool_use.max_reply_tokens]) for r, _, _ in results]
-        reply_ids = tool_reply_ids(tok, replies, last_token=turn_out.response_ids[-1] if turn_out.response_ids else None)
+        replies = [tok.decode(plain_ids(tok, r)[: tool_use.max_reply_tokens]) for r, _, _ in results]
+        reply_ids = tool_reply_ids(
+            tok, replies, last_token=turn_out.response_ids[-1] if turn_out.response_ids else None
+        )
         if len(sample.response_ids) + len(reply_ids) >= sampling.max_new_tokens:  # no room for it and a next turn
             sample.truncated = True
             break
@@ -476,13 +575,22 @@ def tool_reply_ids(tokenizer, replies: list[str], last_token: int | None) -> lis
     slots = [{"role": "tool", "content": f"\x00tool reply {i}\x00"} for i in range(len(replies))]
     full = tokenizer.apply_chat_template(base + slots, tokenize=False, add_generation_prompt=True)
     if _CONTENT not in full:
-        raise ValueError("the chat template rewrites an earlier assistant turn when tool messages follow it; "
-                         "a multi-turn rollout needs a template that keeps earlier turns as they were")
-    pieces = _REPLY.split(full[full.index(_CONTENT) + len(_CONTENT):])  # template text, reply number, template text, ...
+        raise ValueError(
+            "the chat template rewrites an earlier assistant turn when tool messages follow it; "
+            "a multi-turn rollout needs a template that keeps earlier turns as they were"
+        )
+    pieces = _REPLY.split(
+        full[full.index(_CONTENT) + len(_CONTENT) :]
+    )  # template text, reply number, template text, ...
     if pieces[1::2] != [str(i) for i in range(len(replies))]:
         raise ValueError("the chat template does not show each tool message's content once, in order")
-    ids = [i for k, piece in enumerate(pieces) for i in (plain_ids(tokenizer, replies[int(piece)]) if k % 2 else
-                                                         tokenizer.encode(piece, add_special_tokens=False))]
+    ids = [
+        i
+        for k, piece in enumerate(pieces)
+        for i in (
+            plain_ids(tokenizer, replies[int(piece)]) if k % 2 else tokenizer.encode(piece, add_special_tokens=False)
+        )
+    ]
     return ids[1:] if ids and ids[0] == last_token else ids
 
 
@@ -496,13 +604,16 @@ def mismatch_stats(batch, touched: torch.Tensor | None = None) -> dict:
     |log-prob difference|, small (bf16 numerics, ~0.02-0.05) when the engine generated with the trainer's weights and
     large if the sync missed or corrupted something; KL(sampler || trainer) by k3 with r = p_trainer / p_sampler
     (r - 1 - log r); the largest r; given `touched` [B, T-1], the share of tokens a rollout correction capped or masked."""
-    m = batch.response_mask                                                                    # [B, T-1]
+    m = batch.response_mask  # [B, T-1]
     log_r = ((batch.old_logprobs - batch.rollout_logprobs) * m).clamp(-20.0, 20.0)  # a -inf log-prob: finite, not inf
     k3 = torch.exp(log_r) - 1 - log_r  # clamped: one wild token can't overflow the mean
     corrected = (touched.float() * m).sum() if touched is not None else torch.zeros(())
     tokens, gap, kl, corrected = all_reduce(torch.stack([m.sum(), log_r.abs().sum(), (k3 * m).sum(), corrected]))
     largest = all_reduce(log_r.masked_fill(m == 0, -math.inf).max(), dist.ReduceOp.MAX)
     tokens = tokens.clamp(min=1)
-    stats = {"rollout/logprob_abs_diff": float(gap / tokens), "rollout/mismatch_kl": float(kl / tokens),
-             "rollout/mismatch_ratio_max": float(largest.exp())}
+    stats = {
+        "rollout/logprob_abs_diff": float(gap / tokens),
+        "rollout/mismatch_kl": float(kl / tokens),
+        "rollout/mismatch_ratio_max": float(largest.exp()),
+    }
     return stats if touched is None else {**stats, "rollout/correction_frac": float(corrected / tokens)}

@@ -142,11 +142,23 @@ class RunLog:
     A line cut short by a kill is dropped too.
     """
 
-    def __init__(self, run_dir: str, *, config: dict, start_step: int, info: dict, track: bool = False,
-                 project: str = "", run_name: str = "", eval_redone: bool = False):
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        config: dict,
+        start_step: int,
+        info: dict,
+        track: bool = False,
+        project: str = "",
+        run_name: str = "",
+        eval_redone: bool = False,
+    ):
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.rank0, self.path, self.wandb = rank == 0, os.path.join(run_dir, "metrics.jsonl"), None
-        self.undrawn = True  # rows in metrics.jsonl that curves.png does not show yet (a resumed run's trimmed ones too)
+        self.undrawn = (
+            True  # rows in metrics.jsonl that curves.png does not show yet (a resumed run's trimmed ones too)
+        )
         if not self.rank0:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -154,8 +166,9 @@ class RunLog:
             write(os.path.join(run_dir, name), json.dumps(content, indent=2))
 
         def redone(row: dict) -> bool:
-            return row["step"] > start_step or (row["step"] == start_step and eval_redone
-                                                and any(k.startswith("eval/") for k in row))
+            return row["step"] > start_step or (
+                row["step"] == start_step and eval_redone and any(k.startswith("eval/") for k in row)
+            )
 
         for path in (self.path, os.path.join(run_dir, "samples.jsonl")):
             if os.path.exists(path):
@@ -291,8 +304,12 @@ def launch_time() -> float:
 def code_commit() -> str | None:
     """This code's commit (git's short hash, '+' where the tree has changes); None outside a git checkout."""
     try:
-        out = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "describe", "--always", "--dirty=+"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", os.path.dirname(os.path.abspath(__file__)), "describe", "--always", "--dirty=+"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
@@ -302,10 +319,23 @@ def run_info(world_size: int, engine: str, python_sandbox: str | None = None, to
     """What ran where: for reports (and where the python tool ran programs, 'process' marked weaker, and the most
     memory its programs can hold)."""
     cuda = torch.cuda.is_available()
-    return {"script": os.path.basename(sys.argv[0]),  # the one script that may write into its folder (claim_run_dir)
-            "command": " ".join(sys.argv), "commit": code_commit(), "world_size": world_size, "engine": engine,
-            "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-            "gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30 if cuda else None,
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            **({"python_sandbox": python_sandbox + " (warning: a plain subprocess, not a jail)" * (python_sandbox == "process"),
-                "python_sandbox_memory": memory_bound(tool_workers)} if python_sandbox else {})}
+    return {
+        "script": os.path.basename(sys.argv[0]),  # the one script that may write into its folder (claim_run_dir)
+        "command": " ".join(sys.argv),
+        "commit": code_commit(),
+        "world_size": world_size,
+        "engine": engine,
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        "gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30 if cuda else None,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        **(
+            {
+                "python_sandbox": python_sandbox
+                + " (warning: a plain subprocess, not a jail)" * (python_sandbox == "process"),
+                "python_sandbox_memory": memory_bound(tool_workers),
+            }
+            if python_sandbox
+            else {}
+        ),
+    }

@@ -93,15 +93,62 @@ exec(compile(open("main.py").read(), "main.py", "exec"), {"__name__": "__main__"
 # Refused with EPERM inside the jail (see the module docstring); clone3 answers ENOSYS so that the C
 # library falls back to clone, whose flags the filter can read (a new user namespace is refused there).
 DENIED_SYSCALLS = (
-    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "kcmp",
-    "setns", "unshare", "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsconfig",
-    "fsmount", "fspick", "mount_setattr", "bpf", "io_uring_setup", "io_uring_enter", "io_uring_register", "keyctl",
-    "add_key", "request_key", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
-    "perf_event_open", "userfaultfd", "open_by_handle_at", "name_to_handle_at", "swapon", "swapoff", "reboot",
-    "syslog", "acct", "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "uselib", "vhangup",
-    "memfd_create", "memfd_secret",  # files in memory: outside the disk cap
-    "shmget", "msgget",  # SysV shared memory and message queues: kernel memory outside every rlimit (3 GiB in one process)
-    "inotify_init", "inotify_init1", "flock")  # per host uid (128 instances) or a whole file: one call starving others
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "pidfd_open",
+    "pidfd_getfd",
+    "pidfd_send_signal",
+    "kcmp",
+    "setns",
+    "unshare",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+    "bpf",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "perf_event_open",
+    "userfaultfd",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "swapon",
+    "swapoff",
+    "reboot",
+    "syslog",
+    "acct",
+    "quotactl",
+    "settimeofday",
+    "clock_settime",
+    "clock_adjtime",
+    "adjtimex",
+    "uselib",
+    "vhangup",
+    "memfd_create",
+    "memfd_secret",  # files in memory: outside the disk cap
+    "shmget",
+    "msgget",  # SysV shared memory and message queues: kernel memory outside every rlimit (3 GiB in one process)
+    "inotify_init",
+    "inotify_init1",
+    "flock",
+)  # per host uid (128 instances) or a whole file: one call starving others
 
 
 def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None) -> str:
@@ -126,11 +173,24 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
         if sandbox == "bwrap":
             cmd = outside_user() + cmd
         if groups:  # the shell joins the cgroups (as this process's user), then becomes the command
-            cmd = ["/bin/sh", "-c", 'for p in $0; do echo $$ > "$p"; done; exec "$@"',
-                   " ".join(os.path.join(g, "cgroup.procs") for g in groups), *cmd]
+            cmd = [
+                "/bin/sh",
+                "-c",
+                'for p in $0; do echo $$ > "$p"; done; exec "$@"',
+                " ".join(os.path.join(g, "cgroup.procs") for g in groups),
+                *cmd,
+            ]
         try:
-            proc = subprocess.Popen(cmd, cwd=host_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, pass_fds=files, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=host_dir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=files,
+                start_new_session=True,
+            )
         finally:
             for fd in files:
                 os.close(fd)
@@ -149,14 +209,21 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
         raise TimeoutError(f"the program ran longer than {lim['seconds']:g} s and was stopped")
     # bwrap exits 128 + n for a program killed by signal n, and also when the program exits with that code itself
     # (152 = 128 + SIGXCPU): RLIMIT_CPU's kill is told by the CPU time the kernel counted
-    killed_by = -proc.returncode if proc.returncode < 0 else proc.returncode - 128 if sandbox == "bwrap" and proc.returncode > 128 else 0
+    killed_by = (
+        -proc.returncode
+        if proc.returncode < 0
+        else proc.returncode - 128
+        if sandbox == "bwrap" and proc.returncode > 128
+        else 0
+    )
     if killed_by == signal.SIGXCPU and cpu_used >= cpu_s - 0.5:
         raise TimeoutError(f"the program used more than {cpu_s} s of CPU time and was stopped")
     killed_by = 0 if killed_by == signal.SIGXCPU else killed_by
     note = f"(killed by {signal.strsignal(killed_by) or killed_by}" if killed_by else ""  # SIGSYS: a refused ABI
     note += f": over its {lim['memory_mb']} MB of memory?)" if killed_by == signal.SIGKILL else ")" * bool(note)
-    return reply_text(out.decode(errors="replace"), err.decode(errors="replace"), dropped=dropped, note=note,
-                      cut=lim["output_chars"])
+    return reply_text(
+        out.decode(errors="replace"), err.decode(errors="replace"), dropped=dropped, note=note, cut=lim["output_chars"]
+    )
 
 
 def memory_bound(workers: int, limits: dict | None = None) -> str:
@@ -219,16 +286,36 @@ def reply_text(out: str, err: str, *, dropped: int, note: str, cut: int) -> str:
     return text[:cut] + f"\n... ({more} more characters cut)" if more else text
 
 
-JAIL_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",  # thread pools reserve memory that RLIMIT_AS counts
-            "SANDBOX_OWNER": str(os.getpid())}  # whose jail a process is (ps, tests; several trainers on a host)
+JAIL_ENV = {
+    "PATH": "/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",  # thread pools reserve memory that RLIMIT_AS counts
+    "SANDBOX_OWNER": str(os.getpid()),
+}  # whose jail a process is (ps, tests; several trainers on a host)
 
 
 def jail_command(*, code_fd: int, seccomp_fd: int, lim: dict) -> list[str]:
     """bwrap's command line: the namespaces, the read-only system and Python, /tmp and /dev/shm as
     size-capped tmpfs, the program copied in as /tmp/main.py, the seccomp filter, then this Python."""
-    cmd = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--uid", "65534", "--gid", "65534",
-           "--cap-drop", "ALL", "--die-with-parent", "--as-pid-1", "--new-session", "--hostname", "sandbox", "--clearenv"]
+    cmd = [
+        shutil.which("bwrap") or "bwrap",
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--uid",
+        "65534",
+        "--gid",
+        "65534",
+        "--cap-drop",
+        "ALL",
+        "--die-with-parent",
+        "--as-pid-1",
+        "--new-session",
+        "--hostname",
+        "sandbox",
+        "--clearenv",
+    ]
     for name, value in {**JAIL_ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}.items():
         cmd += ["--setenv", name, value]
     cmd += ["--ro-bind", "/usr", "/usr", "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
@@ -239,13 +326,34 @@ def jail_command(*, code_fd: int, seccomp_fd: int, lim: dict) -> list[str]:
         cmd += ["--ro-bind-try", path, path]
     for path in closed_proc_entries():  # as root the jail's uid is root's: it could read them
         cmd += ["--tmpfs", path, "--remount-ro", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
-    cmd += ["--dev", "/dev", "--size", str(lim["disk_mb"] << 20), "--tmpfs", "/dev/shm",
-            "--size", str(lim["disk_mb"] << 20), "--tmpfs", "/tmp"]
+    cmd += [
+        "--dev",
+        "/dev",
+        "--size",
+        str(lim["disk_mb"] << 20),
+        "--tmpfs",
+        "/dev/shm",
+        "--size",
+        str(lim["disk_mb"] << 20),
+        "--tmpfs",
+        "/tmp",
+    ]
     for prefix in python_prefixes():  # read-only
         cmd += ["--ro-bind", prefix, prefix]
     cmd += ["--remount-ro", "/dev", "--remount-ro", "/"]  # bwrap's own root and /dev are tmpfs too: not writable
-    return cmd + ["--file", str(code_fd), "/tmp/main.py", "--chdir", "/tmp", "--seccomp", str(seccomp_fd),
-                  sys.executable, "-I", "-c", _BOOTSTRAP]
+    return cmd + [
+        "--file",
+        str(code_fd),
+        "/tmp/main.py",
+        "--chdir",
+        "/tmp",
+        "--seccomp",
+        str(seccomp_fd),
+        sys.executable,
+        "-I",
+        "-c",
+        _BOOTSTRAP,
+    ]
 
 
 def python_prefixes() -> list[str]:
@@ -276,12 +384,18 @@ def outside_user() -> list[str]:
     RLIMIT_NPROC (waived for root), root-only files in /proc stay closed, and a process that got out would
     be nobody. Else [] (this process's own user: as root, the jail's uid is root's outside). Not Popen's
     `user=`: with it Python forks the whole trainer instead of vfork, ~0.7 s a call in a GRPO run."""
+
     def usable(path: str, bit: int) -> bool:  # by others: every folder on the way searchable, then `bit` (o+r, o+x)
         parts = [path[:i] or "/" for i in range(len(path) + 1) if i == len(path) or path[i] == "/"]
         return all(os.stat(p).st_mode & 0o001 for p in parts[:-1]) and bool(os.stat(path).st_mode & bit)
+
     bwrap = os.path.realpath(shutil.which("bwrap") or "/")
-    if os.geteuid() != 0 or not shutil.which("setpriv") or not usable(bwrap, 0o001) or \
-            not all(usable(p, 0o005) for p in python_prefixes()):
+    if (
+        os.geteuid() != 0
+        or not shutil.which("setpriv")
+        or not usable(bwrap, 0o001)
+        or not all(usable(p, 0o005) for p in python_prefixes())
+    ):
         return []
     return [shutil.which("setpriv"), "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
 
@@ -295,7 +409,9 @@ def seccomp_filter() -> bytes:
     for name in DENIED_SYSCALLS:
         f.add_rule(pyseccomp.ERRNO(1), name)  # EPERM
     f.add_rule(pyseccomp.ERRNO(38), "clone3")  # ENOSYS: use clone
-    f.add_rule(pyseccomp.ERRNO(1), "clone", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0x10000000, 0x10000000))  # CLONE_NEWUSER
+    f.add_rule(
+        pyseccomp.ERRNO(1), "clone", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0x10000000, 0x10000000)
+    )  # CLONE_NEWUSER
     # AF_VSOCK (network namespaces don't hold it). socket's domain is an int: the kernel reads the low 32 bits of the
     # 64-bit argument, so the rule compares those alone, or (1 << 32) | 40 would pass it and open a vsock
     f.add_rule(pyseccomp.ERRNO(1), "socket", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0xFFFFFFFF, 40))
@@ -368,7 +484,7 @@ def cgroup_parents() -> tuple[tuple[str, tuple[str, ...]], ...]:
         for c in found:
             if c not in own or not (own[c] + "/").startswith(mount_root.rstrip("/") + "/"):
                 continue
-            where = os.path.join(mount_point, own[c][len(mount_root.rstrip("/")):].lstrip("/"))
+            where = os.path.join(mount_point, own[c][len(mount_root.rstrip("/")) :].lstrip("/"))
             if c == "(v2)":
                 enabled = _read(os.path.join(where, "cgroup.subtree_control")).split()
                 files = ("memory.max", "memory.swap.max", "pids.max") if {"memory", "pids"} <= set(enabled) else ()
@@ -395,8 +511,12 @@ def make_cgroups(lim: dict) -> list[str]:
     """A fresh cgroup per call in this process's group of each parent (trainer_group), with the call's limits;
     [] where none can be made."""
     made, call = [], str(next(_calls))
-    values = {"memory.max": lim["memory_mb"] << 20, "memory.limit_in_bytes": lim["memory_mb"] << 20,
-              "memory.swap.max": 0, "pids.max": lim["processes"]}
+    values = {
+        "memory.max": lim["memory_mb"] << 20,
+        "memory.limit_in_bytes": lim["memory_mb"] << 20,
+        "memory.swap.max": 0,
+        "pids.max": lim["processes"],
+    }
     values.update({"cpu.shares": 1024, "cpu.weight": 100})  # v1's and v2's default: the calls weigh alike
     for parent, files in cgroup_parents():
         path = os.path.join(parent, f"sandbox-{os.getpid()}", call)
@@ -449,9 +569,12 @@ def remove_cgroups(paths: list[str]):
 def run_on_service(code: str, url: str, lim: dict) -> str:
     """The program run by a SandboxFusion server: its `run_timeout` and `memory_limit_MB` are ours, the
     answer is read up to SERVICE_MAX_BYTES and cut as a local run's is."""
-    body = json.dumps({"code": code, "language": "python", "run_timeout": lim["seconds"],
-                       "memory_limit_MB": lim["memory_mb"]}).encode()
-    request = urllib.request.Request(url.rstrip("/") + "/run_code", data=body, headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {"code": code, "language": "python", "run_timeout": lim["seconds"], "memory_limit_MB": lim["memory_mb"]}
+    ).encode()
+    request = urllib.request.Request(
+        url.rstrip("/") + "/run_code", data=body, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=lim["seconds"] + SERVICE_GRACE_S) as answer:
             raw = answer.read(SERVICE_MAX_BYTES + 1)
@@ -459,12 +582,16 @@ def run_on_service(code: str, url: str, lim: dict) -> str:
             raise ValueError(f"its answer is over {SERVICE_MAX_BYTES >> 20} MiB")
         result = json.loads(raw)
     except urllib.error.HTTPError as e:
-        raise ConnectionError(f"the sandbox service at {url} answered HTTP {e.code}: {e.read(500).decode(errors='replace')}") from None
+        raise ConnectionError(
+            f"the sandbox service at {url} answered HTTP {e.code}: {e.read(500).decode(errors='replace')}"
+        ) from None
     except (OSError, ValueError) as e:  # refused, unreachable, timed out, not JSON
         raise ConnectionError(f"the sandbox service at {url} did not answer: {e}") from None
     run = result.get("run_result") or {}
     if result.get("status") == "SandboxError" or run.get("status") == "Error":
-        raise ConnectionError(f"the sandbox service at {url} failed to run the program: {result.get('message', '')[:500]}")
+        raise ConnectionError(
+            f"the sandbox service at {url} failed to run the program: {result.get('message', '')[:500]}"
+        )
     if run.get("status") == "TimeLimitExceeded":
         raise TimeoutError(f"the program ran longer than {lim['seconds']:g} s and was stopped")
     out, err = str(run.get("stdout") or ""), str(run.get("stderr") or "")
@@ -479,7 +606,9 @@ def run_on_service(code: str, url: str, lim: dict) -> str:
 def sandbox_problem(sandbox: str) -> str | None:
     """None if programs can run in `sandbox`, else one line: what is wrong and how to fix it. Runs a
     one-line program the way every call will."""
-    fixes = "; or pass --python-sandbox process to accept a plain subprocess's weaker isolation (README: the python tool)"
+    fixes = (
+        "; or pass --python-sandbox process to accept a plain subprocess's weaker isolation (README: the python tool)"
+    )
     if sandbox == "process":
         return None
     if sandbox == "bwrap":
@@ -488,17 +617,24 @@ def sandbox_problem(sandbox: str) -> str | None:
         try:
             seccomp_filter()
         except (ImportError, OSError, RuntimeError) as e:
-            return f"the python tool's jail needs libseccomp and pyseccomp ({e}): pip install pyseccomp, apt-get install libseccomp2" + fixes
+            return (
+                f"the python tool's jail needs libseccomp and pyseccomp ({e}): pip install pyseccomp, apt-get install libseccomp2"
+                + fixes
+            )
     elif not sandbox.startswith(("http://", "https://")):
         return f"--python-sandbox {sandbox} must be bwrap, process or a SandboxFusion server's http(s):// URL"
     try:
         reply = run_program("print(6 * 7)", sandbox=sandbox, limits={"seconds": 30.0})
     except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
-        return f"--python-sandbox {sandbox}: {e}" + ("" if sandbox == "bwrap" else ": start the service, or fix the URL" + fixes)
+        return f"--python-sandbox {sandbox}: {e}" + (
+            "" if sandbox == "bwrap" else ": start the service, or fix the URL" + fixes
+        )
     if reply.strip() == "42":
         return None
     if sandbox != "bwrap":
         return f"--python-sandbox {sandbox}: a test program printed {reply.strip()[:300]!r}, not 42" + fixes
-    return (f"bubblewrap could not make the python tool's jail: {reply.strip()[:300]!r}. The kernel or the container refuses "
-            "user namespaces: allow them (sysctl kernel.unprivileged_userns_clone=1 and user.max_user_namespaces > 0; in "
-            "Docker, --security-opt seccomp=unconfined --security-opt apparmor=unconfined, or --privileged)" + fixes)
+    return (
+        f"bubblewrap could not make the python tool's jail: {reply.strip()[:300]!r}. The kernel or the container refuses "
+        "user namespaces: allow them (sysctl kernel.unprivileged_userns_clone=1 and user.max_user_namespaces > 0; in "
+        "Docker, --security-opt seccomp=unconfined --security-opt apparmor=unconfined, or --privileged)" + fixes
+    )

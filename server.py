@@ -47,7 +47,14 @@ from preflight import InputError, Interrupted, RunFailed, first_line
 from rollout import SGLangOptions
 from stop import kill, requested
 
-SHAPES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+SHAPES = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 LAUNCH_HINT = "start it with: python -m sglang.launch_server --model-path <the policy's model> --port <port>"
 STUCK_S = 10.0  # a /health_generate 503 this slow is SGLang's failed health check (20 s), not a server starting
 SIGNAL_GRACE_S = 5.0  # a weight sync under way when a signal comes gets this long to finish: a server left
@@ -75,7 +82,9 @@ def post(url: str, path: str, payload: dict, timeout_s: float):
     except urllib.error.HTTPError as e:  # the server answered with an error: its message is the useful part
         raise ServerError(f"rollout server {url}{path} answered {e.code}: {error_text(e.read())}") from None
     except TimeoutError:
-        raise ServerError(f"rollout server {url}{path} did not answer within --rollout-timeout {timeout_s:g} s") from None
+        raise ServerError(
+            f"rollout server {url}{path} did not answer within --rollout-timeout {timeout_s:g} s"
+        ) from None
     except (urllib.error.URLError, ConnectionError) as e:
         reason = getattr(e, "reason", e)
         raise ServerError(f"rollout server {url}{path} cannot be reached ({reason}); is it still running?") from None
@@ -92,6 +101,7 @@ def in_thread(fn, *args, **kwargs) -> Future:
             future.set_result(fn(*args, **kwargs))
         except BaseException as e:  # noqa: BLE001 (it goes to whoever waits on the future)
             future.set_exception(e)
+
     threading.Thread(target=run, daemon=True, name="rollout-http").start()
     return future
 
@@ -105,8 +115,10 @@ def wait_healthy(url: str, timeout_s: float, every_s: float = 2.0, process: "Ser
     deadline, last = time.time() + timeout_s, "no answer"
     while True:
         if process is not None and process.poll() is not None:
-            raise ServerError(f"the rollout server {url} (GPUs {process.gpus}) exited with code {process.returncode} while "
-                              f"starting; the end of its log {process.log}:\n{tail(process.log)}")
+            raise ServerError(
+                f"the rollout server {url} (GPUs {process.gpus}) exited with code {process.returncode} while "
+                f"starting; the end of its log {process.log}:\n{tail(process.log)}"
+            )
         t0 = time.time()
         try:  # SGLang answers within its 20 s health-check limit: a longer wait than that is no answer
             with urllib.request.urlopen(url + "/health_generate", timeout=max(1.0, min(30.0, timeout_s))) as answer:
@@ -114,24 +126,37 @@ def wait_healthy(url: str, timeout_s: float, every_s: float = 2.0, process: "Ser
                     return
         except urllib.error.HTTPError as e:
             if e.code == 503 and time.time() - t0 >= STUCK_S:
-                raise ServerError(f"rollout server {url} is up but its scheduler did not generate one token in "
-                                  f"{time.time() - t0:.0f} s (SGLang's health check failed): it is stuck, e.g. waiting "
-                                  f"inside a weight sync whose trainer died mid-way, and will not recover: restart it") from None
+                raise ServerError(
+                    f"rollout server {url} is up but its scheduler did not generate one token in "
+                    f"{time.time() - t0:.0f} s (SGLang's health check failed): it is stuck, e.g. waiting "
+                    f"inside a weight sync whose trainer died mid-way, and will not recover: restart it"
+                ) from None
             last = f"HTTP {e.code}"  # starting
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             last = str(getattr(e, "reason", e))
         if time.time() >= deadline:
-            raise ServerError(f"no rollout server ready at {url} after {timeout_s:g} s (last: {last}); "
-                              + (f"its log: {process.log}" if process else LAUNCH_HINT))
+            raise ServerError(
+                f"no rollout server ready at {url} after {timeout_s:g} s (last: {last}); "
+                + (f"its log: {process.log}" if process else LAUNCH_HINT)
+            )
         time.sleep(every_s)
 
 
 class ServerEngine:
     """sglang.Engine's generate/async_generate over HTTP, on one or several servers (or a router)."""
 
-    def __init__(self, urls: list[str], *, timeout_s: float, start_timeout_s: float | None = None, model: str | None = None,
-                 sync_backend: str | None = None, sync_address: str | None = None, processes: list | None = None,
-                 batch: int = 0):
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        timeout_s: float,
+        start_timeout_s: float | None = None,
+        model: str | None = None,
+        sync_backend: str | None = None,
+        sync_address: str | None = None,
+        processes: list | None = None,
+        batch: int = 0,
+    ):
         """Wait for every server, refuse one that serves another model than `model`; with
         `sync_backend` ('nccl', 'gloo', 'auto': NCCL on GPUs, gloo on CPUs) form the weight-update
         group, this process listening at `sync_address` (default: its address on the route to the
@@ -151,8 +176,14 @@ class ServerEngine:
                 raise ServerInputError(*e.args) from None
             raise
 
-    def start(self, model: str | None, start_timeout_s: float | None, sync_backend: str | None, sync_address: str | None,
-              batch: int):
+    def start(
+        self,
+        model: str | None,
+        start_timeout_s: float | None,
+        sync_backend: str | None,
+        sync_address: str | None,
+        batch: int,
+    ):
         for url, process in zip(self.urls, self.processes or [None] * len(self.urls)):
             wait_healthy(url, self.timeout_s if start_timeout_s is None else start_timeout_s, process=process)
         infos = [post(url, "/server_info", None, self.timeout_s) for url in self.urls]  # SGLang's settings of each
@@ -167,14 +198,27 @@ class ServerEngine:
         self.backend = sync_backend
         self.group = self.join_weight_sync(infos, sync_backend, sync_address) if sync_backend else None
 
-    def generate(self, input_ids: list[list[int]], sampling_params: list[dict], return_logprob: bool = False) -> list[dict]:
+    def generate(
+        self, input_ids: list[list[int]], sampling_params: list[dict], return_logprob: bool = False
+    ) -> list[dict]:
         """A batch, split into one contiguous part per URL, the parts sent concurrently."""
         n, k = len(input_ids), len(self.urls)
         bounds = [n * i // k for i in range(k + 1)]
         parts = [(url, lo, hi) for url, lo, hi in zip(self.urls, bounds, bounds[1:]) if hi > lo]
-        futures = [in_thread(post, url, "/generate", {"input_ids": input_ids[lo:hi], "sampling_params": sampling_params[lo:hi],
-                                                             "return_logprob": return_logprob}, self.timeout_s)
-                   for url, lo, hi in parts]
+        futures = [
+            in_thread(
+                post,
+                url,
+                "/generate",
+                {
+                    "input_ids": input_ids[lo:hi],
+                    "sampling_params": sampling_params[lo:hi],
+                    "return_logprob": return_logprob,
+                },
+                self.timeout_s,
+            )
+            for url, lo, hi in parts
+        ]
         return [out for f in futures for out in f.result()]
 
     async def async_generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = False) -> dict:
@@ -191,8 +235,10 @@ class ServerEngine:
         sizes = []
         for url, info in zip(self.urls, infos):
             if info.get("dp_size", 1) > 1 and not info.get("enable_dp_attention"):
-                raise ServerError(f"rollout server {url} runs --dp-size {info['dp_size']}: SGLang's weight update needs "
-                                  f"one data-parallel rank per server; start one server per GPU group and pass each URL")
+                raise ServerError(
+                    f"rollout server {url} runs --dp-size {info['dp_size']}: SGLang's weight update needs "
+                    f"one data-parallel rank per server; start one server per GPU group and pass each URL"
+                )
             sizes.append(info.get("tp_size", 1))
         host = self.urls[0].split("://")[-1].rsplit(":", 1)[0]
         address = address or reachable_address(host)
@@ -201,27 +247,64 @@ class ServerEngine:
             port = s.getsockname()[1]
         world = 1 + sum(sizes)
         self.group_name = f"weight_sync_{address}_{port}"  # a new name for each trainer: a server outlives restarts
-        requests = [in_thread(post, url, "/init_weights_update_group", {
-            "master_address": address, "master_port": port, "rank_offset": 1 + sum(sizes[:i]), "world_size": world,
-            "group_name": self.group_name, "backend": backend}, self.timeout_s + 5) for i, url in enumerate(self.urls)]
+        requests = [
+            in_thread(
+                post,
+                url,
+                "/init_weights_update_group",
+                {
+                    "master_address": address,
+                    "master_port": port,
+                    "rank_offset": 1 + sum(sizes[:i]),
+                    "world_size": world,
+                    "group_name": self.group_name,
+                    "backend": backend,
+                },
+                self.timeout_s + 5,
+            )
+            for i, url in enumerate(self.urls)
+        ]
         # rank 0 joins in a thread, watched together with the requests: a server that fails its side
         # (it cannot reach address:port, say) must not leave us waiting for the whole timeout
-        joined = in_thread(join_group, address=address, port=port, world_size=world, rank=0, group_name=self.group_name,
-                           backend=backend, timeout_s=self.timeout_s)
-        self.settle(joined, requests, what="forming the weight-update group",
-                    late=f"can the servers reach this machine at {address}:{port}? (--rollout-sync-address)")
+        joined = in_thread(
+            join_group,
+            address=address,
+            port=port,
+            world_size=world,
+            rank=0,
+            group_name=self.group_name,
+            backend=backend,
+            timeout_s=self.timeout_s,
+        )
+        self.settle(
+            joined,
+            requests,
+            what="forming the weight-update group",
+            late=f"can the servers reach this machine at {address}:{port}? (--rollout-sync-address)",
+        )
         return joined.result()
 
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True):
         """sglang.Engine's call, over NCCL: announce the bucket to every server, then broadcast its
         tensors as one flat byte tensor (SGLang's "flattened_bucket" format, in order)."""
-        payload = {"names": [n for n, _ in named_tensors], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
-                   "shapes": [list(t.shape) for _, t in named_tensors], "group_name": self.group_name, "flush_cache": flush_cache,
-                   "load_format": "flattened_bucket"}
-        requests = [in_thread(post, url, "/update_weights_from_distributed", payload, self.timeout_s + 5) for url in self.urls]
+        payload = {
+            "names": [n for n, _ in named_tensors],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
+            "shapes": [list(t.shape) for _, t in named_tensors],
+            "group_name": self.group_name,
+            "flush_cache": flush_cache,
+            "load_format": "flattened_bucket",
+        }
+        requests = [
+            in_thread(post, url, "/update_weights_from_distributed", payload, self.timeout_s + 5) for url in self.urls
+        ]
         flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named_tensors])  # [bytes]
-        self.settle(in_thread(broadcast, flat, self.group), requests, what="the weight sync",
-                    late="is every server still running?")
+        self.settle(
+            in_thread(broadcast, flat, self.group),
+            requests,
+            what="the weight sync",
+            late="is every server still running?",
+        )
 
     def settle(self, work: Future, requests: list[Future], *, what: str, late: str):
         """Wait for this process's side of a collective (`work`, in a thread of its own) and every server's answer to
@@ -234,29 +317,38 @@ class ServerEngine:
             errors = [r.exception() for r in requests if r.done() and r.exception()]  # the server's own words first
             if errors or (work.done() and work.exception()):
                 self.abort()
-                raise ServerError(f"{what} failed: {errors[0]}{self.hint(str(errors[0]))}" if errors else
-                                  f"{what} to the rollout servers {', '.join(self.urls)} failed ({first_line(work.exception())}); "
-                                  f"{late}") from None
+                raise ServerError(
+                    f"{what} failed: {errors[0]}{self.hint(str(errors[0]))}"
+                    if errors
+                    else f"{what} to the rollout servers {', '.join(self.urls)} failed ({first_line(work.exception())}); "
+                    f"{late}"
+                ) from None
             if work.done() and all(r.done() for r in requests):
                 return
             signalled = signalled or (time.time() if requested() else None)
             if signalled and time.time() > signalled + SIGNAL_GRACE_S:
                 self.abort()
-                raise Interrupted(requested(), f"{what} to the rollout servers, which had not finished {SIGNAL_GRACE_S:g} s later")
+                raise Interrupted(
+                    requested(), f"{what} to the rollout servers, which had not finished {SIGNAL_GRACE_S:g} s later"
+                )
             if time.time() > deadline:
                 silent = [url for url, r in zip(self.urls, requests) if not r.done()]
                 self.abort()
-                raise ServerError(f"{what} did not finish within --rollout-timeout {self.timeout_s:g} s (no answer from "
-                                  f"{', '.join(silent) if silent else 'this side'}): {late}")
+                raise ServerError(
+                    f"{what} did not finish within --rollout-timeout {self.timeout_s:g} s (no answer from "
+                    f"{', '.join(silent) if silent else 'this side'}): {late}"
+                )
             time.sleep(0.005)
 
     def hint(self, error: str) -> str:
         """What a failed sync's server error most likely means, where it names NCCL."""
         if "NCCL" not in error or self.backend != "nccl":
             return ""
-        return (f"\n  the trainer's and the servers' NCCL must agree on NCCL_CUMEM_ENABLE (this trainer's: "
-                f"{os.environ.get('NCCL_CUMEM_ENABLE')}; SGLang sets 0 where it starts unless it is exported there); a "
-                f"server whose earlier sync was cut short (its trainer killed mid-sync) may need a restart")
+        return (
+            f"\n  the trainer's and the servers' NCCL must agree on NCCL_CUMEM_ENABLE (this trainer's: "
+            f"{os.environ.get('NCCL_CUMEM_ENABLE')}; SGLang sets 0 where it starts unless it is exported there); a "
+            f"server whose earlier sync was cut short (its trainer killed mid-sync) may need a restart"
+        )
 
     def abort(self):
         """Abort the weight-update group after a failed collective (NCCL: frees a kernel still waiting on it), not
@@ -289,6 +381,7 @@ class ServerEngine:
 class ServerProcess(subprocess.Popen):
     """A server this job launched, seen as stop.EngineWatch and stop.kill see an engine's processes
     (multiprocessing.Process's names)."""
+
     name = "sglang.launch_server"
 
     def is_alive(self) -> bool:
@@ -305,22 +398,54 @@ class ServerProcess(subprocess.Popen):
             pass
 
 
-def launch_servers(model: str, *, gpus: list[int], tp_size: int, seed: int, options: SGLangOptions, log_dir: str,
-                   mem_fraction: float | None = None, command: tuple = (sys.executable, "-m", "sglang.launch_server")):
+def launch_servers(
+    model: str,
+    *,
+    gpus: list[int],
+    tp_size: int,
+    seed: int,
+    options: SGLangOptions,
+    log_dir: str,
+    mem_fraction: float | None = None,
+    command: tuple = (sys.executable, "-m", "sglang.launch_server"),
+):
     """Start one server with SGLang's own launcher per `tp_size` GPUs of `gpus` (their index on this
     node), each on a free port of this machine, its output in log_dir/rollout_server_<first GPU>.log.
     Returns their URLs and processes (not waited for: ServerEngine waits). Weights: random until the
     first sync (`options.load_format`, "dummy" as the colocated engine's). `mem_fraction` None:
     SGLang's default for a GPU of its own. One server per GPU group, not one with --dp-size: SGLang's
     distributed weight update takes one data-parallel rank per server."""
-    env = {k: v for k, v in os.environ.items()  # not a torchrun worker: SGLang forms its own groups
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-                        "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE") and not k.startswith("TORCHELASTIC_")}
-    flags = {"--skip-tokenizer-init": True, "--load-format": options.load_format, "--dtype": "bfloat16",
-             "--random-seed": seed, "--attention-backend": options.attention_backend, "--tp-size": tp_size,
-             "--sampling-backend": options.sampling_backend, "--cuda-graph-max-bs-decode": options.cuda_graph_max_bs,
-             "--disable-cuda-graph": options.disable_cuda_graph, "--mem-fraction-static": mem_fraction,
-             "--cuda-graph-backend-prefill": None if options.prefill_cuda_graph else "disabled", "--log-level": "warning"}
+    env = {
+        k: v
+        for k, v in os.environ.items()  # not a torchrun worker: SGLang forms its own groups
+        if k
+        not in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "ROLE_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "TORCHELASTIC_USE_AGENT_STORE",
+        )
+        and not k.startswith("TORCHELASTIC_")
+    }
+    flags = {
+        "--skip-tokenizer-init": True,
+        "--load-format": options.load_format,
+        "--dtype": "bfloat16",
+        "--random-seed": seed,
+        "--attention-backend": options.attention_backend,
+        "--tp-size": tp_size,
+        "--sampling-backend": options.sampling_backend,
+        "--cuda-graph-max-bs-decode": options.cuda_graph_max_bs,
+        "--disable-cuda-graph": options.disable_cuda_graph,
+        "--mem-fraction-static": mem_fraction,
+        "--cuda-graph-backend-prefill": None if options.prefill_cuda_graph else "disabled",
+        "--log-level": "warning",
+    }
     args = [str(x) for k, v in flags.items() if v not in (None, False) for x in ((k,) if v is True else (k, v))]
     urls, processes = [], []
     os.makedirs(log_dir, exist_ok=True)
@@ -330,9 +455,25 @@ def launch_servers(model: str, *, gpus: list[int], tp_size: int, seed: int, opti
             port = s.getsockname()[1]
         log = os.path.join(log_dir, f"rollout_server_{first}.log")
         with open(log, "ab") as out:
-            p = ServerProcess([*command, "--model-path", model, "--host", "127.0.0.1", "--port", str(port),
-                               "--base-gpu-id", str(first), *args], env=env, stdout=out, stderr=subprocess.STDOUT,
-                              start_new_session=True, preexec_fn=die_with_parent)  # a Ctrl-C is the trainer's to handle
+            p = ServerProcess(
+                [
+                    *command,
+                    "--model-path",
+                    model,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--base-gpu-id",
+                    str(first),
+                    *args,
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )  # a Ctrl-C is the trainer's to handle
         p.gpus, p.log = list(range(first, first + tp_size)), log
         urls.append(f"http://127.0.0.1:{port}")
         processes.append(p)
@@ -345,6 +486,7 @@ def die_with_parent():
     their launcher."""
     import ctypes
     import signal
+
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
@@ -362,15 +504,23 @@ def check_same_model(url: str, info: dict, model: str, timeout_s: float):
     fix = f"start it with --model-path {model}"
     theirs = post(url, "/model_info", None, timeout_s).get("architectures")
     if theirs and theirs != ours.architectures:
-        raise ServerError(f"rollout server {url} serves a {theirs[0]}, the policy --model {model} is a {ours.architectures[0]}; {fix}")
+        raise ServerError(
+            f"rollout server {url} serves a {theirs[0]}, the policy --model {model} is a {ours.architectures[0]}; {fix}"
+        )
     try:
         config = AutoConfig.from_pretrained(info["model_path"], local_files_only=True)
     except (OSError, ValueError, KeyError):
         return
-    diff = [f"{k} {getattr(config, k, None)} vs {getattr(ours, k, None)}" for k in SHAPES if getattr(config, k, None) != getattr(ours, k, None)]
+    diff = [
+        f"{k} {getattr(config, k, None)} vs {getattr(ours, k, None)}"
+        for k in SHAPES
+        if getattr(config, k, None) != getattr(ours, k, None)
+    ]
     if diff:
-        raise ServerError(f"rollout server {url} serves {info['model_path']}, whose shapes are not the policy's "
-                          f"(--model {model}): {', '.join(diff)}; {fix}")
+        raise ServerError(
+            f"rollout server {url} serves {info['model_path']}, whose shapes are not the policy's "
+            f"(--model {model}): {', '.join(diff)}; {fix}"
+        )
 
 
 def broadcast(flat: torch.Tensor, group):
@@ -399,12 +549,17 @@ def check_nccl_memory(urls: list[str], infos: list[dict]):
     ours = os.environ.get("NCCL_CUMEM_ENABLE")
     for url, info in zip(urls, infos):
         if info.get("enable_symm_mem") and ours != "1":
-            raise ServerError(f"rollout server {url} runs with --enable-symm-mem, which sets NCCL_CUMEM_ENABLE=1 in its "
-                              f"processes, and this trainer's is {ours}: export NCCL_CUMEM_ENABLE=1 before starting the "
-                              f"trainer, or start the server without --enable-symm-mem")
+            raise ServerError(
+                f"rollout server {url} runs with --enable-symm-mem, which sets NCCL_CUMEM_ENABLE=1 in its "
+                f"processes, and this trainer's is {ours}: export NCCL_CUMEM_ENABLE=1 before starting the "
+                f"trainer, or start the server without --enable-symm-mem"
+            )
     if ours != "0" and not all(info.get("enable_symm_mem") for info in infos) and os.environ.get("RANK", "0") == "0":
-        print(f"weight sync: NCCL_CUMEM_ENABLE={ours} is exported here; SGLang servers use 0 unless it is exported where "
-              f"they start too: export the same value there, or the first sync fails", flush=True)
+        print(
+            f"weight sync: NCCL_CUMEM_ENABLE={ours} is exported here; SGLang servers use 0 unless it is exported where "
+            f"they start too: export the same value there, or the first sync fails",
+            flush=True,
+        )
 
 
 def check_graphs(urls: list[str], infos: list[dict], batch: int):
@@ -414,8 +569,11 @@ def check_graphs(urls: list[str], infos: list[dict], batch: int):
     for url, info in zip(urls, infos):
         decode = (info.get("cuda_graph_config") or {}).get("decode") or {}
         if decode.get("backend", "disabled") != "disabled" and batch > (decode.get("max_bs") or batch):
-            print(f"rollout server {url} has CUDA graphs for decode batches up to {decode['max_bs']} and gets {batch} "
-                  f"samples a step: start it with --cuda-graph-max-bs-decode {batch} to decode them all in graphs", flush=True)
+            print(
+                f"rollout server {url} has CUDA graphs for decode batches up to {decode['max_bs']} and gets {batch} "
+                f"samples a step: start it with --cuda-graph-max-bs-decode {batch} to decode them all in graphs",
+                flush=True,
+            )
 
 
 def reachable_address(host: str) -> str:
@@ -447,8 +605,15 @@ def join_group(*, address: str, port: int, world_size: int, rank: int, group_nam
     if bound is not None:
         default.bound_device_id = None
     try:
-        group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                             group_name=group_name, timeout=timeout)
+        group, _ = _new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            Backend(backend),
+            PrefixStore(group_name, store),
+            group_name=group_name,
+            timeout=timeout,
+        )
     finally:
         if bound is not None:
             default.bound_device_id = bound

@@ -50,7 +50,10 @@ def _on_signal(signum, frame):
     _state["signum"] = max(_state["signum"], signum)  # SIGTERM after SIGINT (torchrun forwarding) wins
     if first and os.environ.get("RANK", "0") == "0":
         when = "now" if _state["interruptible"] else "at the next safe point"
-        os.write(2, f"\n{signal.Signals(signum).name} received: stopping {when} (Ctrl-C again to exit at once, unsaved)\n".encode())
+        os.write(
+            2,
+            f"\n{signal.Signals(signum).name} received: stopping {when} (Ctrl-C again to exit at once, unsaved)\n".encode(),
+        )
     if _state["interruptible"]:
         raise Interrupted(signum)
 
@@ -131,8 +134,10 @@ class EngineWatch:
             if sglang_watch is not None:
                 sglang_watch.stop()
                 self.names.update({p.pid: name for p, name in zip(sglang_watch._processes, sglang_watch._names)})
-            signal.signal(signal.SIGQUIT, lambda signum, frame: self.fail(
-                "the rollout engine reported an error (its traceback is above)"))
+            signal.signal(
+                signal.SIGQUIT,
+                lambda signum, frame: self.fail("the rollout engine reported an error (its traceback is above)"),
+            )
             handle_signals()
         if self.processes:
             threading.Thread(target=self._watch, args=(interval,), daemon=True).start()
@@ -144,15 +149,19 @@ class EngineWatch:
             dead = [p for p in self.processes if not p.is_alive()]
             if dead:
                 p = dead[0]
-                self.fail(f"the rollout engine's process {self.names[p.pid]} (pid {p.pid}) died with exit code {p.exitcode}")
+                self.fail(
+                    f"the rollout engine's process {self.names[p.pid]} (pid {p.pid}) died with exit code {p.exitcode}"
+                )
 
     def fail(self, what: str):
         """Say what failed and in which phase, stop the engine's processes, exit 1 (from any thread)."""
         if self._done.is_set():  # stopping the engine on purpose
             return
         self._done.set()
-        message = (f"{what} during {self.phase()}: stopping (out of GPU or host memory? killed?); "
-                   f"--resume continues from the last checkpoint")
+        message = (
+            f"{what} during {self.phase()}: stopping (out of GPU or host memory? killed?); "
+            f"--resume continues from the last checkpoint"
+        )
         tell_torchrun(message)
         os.write(2, f"\n{message}\n".encode())
         kill(self.processes)
@@ -210,9 +219,13 @@ class NonFinite:
             return None
         self.in_a_row += 1
         if self.in_a_row >= self.limit:
-            raise InputError(f"steps {step - self.limit + 1}-{step} each skipped updates for a NaN/inf loss or gradient "
-                             f"(the skipped updates never reached the weights).\n  Likely causes: a learning rate too "
-                             f"high (--lr), a model that overflows in bf16; --max-nonfinite-steps sets how many in a row "
-                             f"are tolerated")
-        return (f"step {step}: {skipped} of {total} updates skipped for a NaN/inf loss or gradient (the weights are "
-                f"unchanged; {self.limit - self.in_a_row} more such steps in a row stop the run)")
+            raise InputError(
+                f"steps {step - self.limit + 1}-{step} each skipped updates for a NaN/inf loss or gradient "
+                f"(the skipped updates never reached the weights).\n  Likely causes: a learning rate too "
+                f"high (--lr), a model that overflows in bf16; --max-nonfinite-steps sets how many in a row "
+                f"are tolerated"
+            )
+        return (
+            f"step {step}: {skipped} of {total} updates skipped for a NaN/inf loss or gradient (the weights are "
+            f"unchanged; {self.limit - self.in_a_row} more such steps in a row stop the run)"
+        )

@@ -45,8 +45,15 @@ def calculator(expression: str) -> str:
     return str(value)
 
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 MAX_DIGITS = 1000  # a result (or a power's operands) beyond this is refused: '9 ** 9 ** 9' must not hang the tool
 
@@ -97,8 +104,10 @@ def select_tools(names: str, *, python_sandbox: str = "bwrap", seconds: float = 
         if problem:
             raise InputError(problem)
         if python_sandbox == "process":
-            print0("warning: --python-sandbox process: model-written programs run as plain subprocesses of the trainer, "
-                   "which they can read, signal or exhaust (README: the python tool)")
+            print0(
+                "warning: --python-sandbox process: model-written programs run as plain subprocesses of the trainer, "
+                "which they can read, signal or exhaust (README: the python tool)"
+            )
         PYTHON_SANDBOX.update(sandbox=python_sandbox, limits={"seconds": seconds})
         if not python_sandbox.startswith(("http://", "https://")):  # a service's memory is its own
             print0(memory_bound(workers))
@@ -132,15 +141,19 @@ def tools_prompt(tokenizer, tools: dict, template: str = "{question}") -> tuple[
     messages = []
     if "tools" not in (tokenizer.chat_template or ""):
         described = [{k: v for k, v in s["function"].items() if k != "return"} for s in specs]
-        messages.append({"role": "system", "content": TOOLS_SYSTEM_PROMPT.format(tools="\n".join(map(json.dumps, described)))})
+        messages.append(
+            {"role": "system", "content": TOOLS_SYSTEM_PROMPT.format(tools="\n".join(map(json.dumps, described)))}
+        )
     name = next((n for n in tools if n in EXAMPLE_CALLS), None)
     for question, expression, result in EXAMPLES if name else []:
         argument, fmt = EXAMPLE_CALLS[name]
         call = json.dumps({"name": name, "arguments": {argument: fmt.format(expression)}})
-        messages += [{"role": "user", "content": ask(question, template)},
-                     {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
-                     {"role": "tool", "content": result},
-                     {"role": "assistant", "content": f"{expression} = {result}\n#### {result}"}]
+        messages += [
+            {"role": "user", "content": ask(question, template)},
+            {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+            {"role": "tool", "content": result},
+            {"role": "assistant", "content": f"{expression} = {result}\n#### {result}"},
+        ]
     return messages, (specs if "tools" in (tokenizer.chat_template or "") else None)
 
 
@@ -165,13 +178,29 @@ def tool_stats(samples) -> dict:
     from fsdp import all_reduce
 
     calls = [c for s in samples for c in s.tool_calls]
-    tot = all_reduce(torch.tensor([len(samples), sum(s.turns for s in samples), len(calls),
-                                   sum(status == "error" for _, status, _ in calls), sum(status == "timeout" for _, status, _ in calls),
-                                   sum(seconds for _, _, seconds in calls), sum(bool(s.tool_calls) for s in samples)],
-                                  dtype=torch.float64))
+    tot = all_reduce(
+        torch.tensor(
+            [
+                len(samples),
+                sum(s.turns for s in samples),
+                len(calls),
+                sum(status == "error" for _, status, _ in calls),
+                sum(status == "timeout" for _, status, _ in calls),
+                sum(seconds for _, _, seconds in calls),
+                sum(bool(s.tool_calls) for s in samples),
+            ],
+            dtype=torch.float64,
+        )
+    )
     n = tot[0].clamp(min=1)
-    return {"tools/turns_mean": tot[1] / n, "tools/calls_per_sample": tot[2] / n, "tools/errors": tot[3],
-            "tools/timeouts": tot[4], "tools/seconds": tot[5], "tools/used_frac": tot[6] / n}
+    return {
+        "tools/turns_mean": tot[1] / n,
+        "tools/calls_per_sample": tot[2] / n,
+        "tools/errors": tot[3],
+        "tools/timeouts": tot[4],
+        "tools/seconds": tot[5],
+        "tools/used_frac": tot[6] / n,
+    }
 
 
 def tool_spec(fn) -> dict:
@@ -194,7 +223,9 @@ def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
         except json.JSONDecodeError as e:
             malformed.append(f"the tool call is not valid JSON ({e.msg}): {body.strip()[:200]}")
             continue
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments", {}), dict)):
+        if not (
+            isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments", {}), dict)
+        ):
             malformed.append(f'a tool call needs {{"name": "...", "arguments": {{...}}}}, got: {body.strip()[:200]}')
             continue
         calls.append({"name": call["name"], "arguments": call.get("arguments", {})})

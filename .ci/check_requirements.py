@@ -25,10 +25,22 @@ def resolve(*sets: tuple[str, ...]) -> list[dict[str, str]]:
         procs = []
         for k, files in enumerate(sets):
             report = os.path.join(tmp, f"report{k}.json")
-            cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", report]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--quiet",
+                "--report",
+                report,
+            ]
             for f in files:
                 cmd += ["-r", os.path.join(ROOT, f)]
-            procs.append((files, report, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
+            procs.append(
+                (files, report, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            )
         errors = [proc.communicate()[1] for _, _, proc in procs]  # every one finished before any report is read
         out = []
         for (files, report, proc), err in zip(procs, errors):
@@ -42,7 +54,11 @@ def resolve(*sets: tuple[str, ...]) -> list[dict[str, str]]:
 main_job, both = resolve(("requirements.txt",), ("requirements.txt", "requirements-test.txt"))
 moved = {name: (v, both.get(name)) for name, v in main_job.items() if both.get(name) != v}
 if moved:
-    sys.exit("requirements-test.txt changes what requirements.txt installs:\n"
-             + "\n".join(f"  {name}: {a} -> {b}" for name, (a, b) in sorted(moved.items())))
-print(f"requirements: requirements.txt resolves to {len(main_job)} packages (torch {main_job.get('torch')}, "
-      f"sglang {main_job.get('sglang')}); requirements-test.txt adds {sorted(set(both) - set(main_job))} and moves none")
+    sys.exit(
+        "requirements-test.txt changes what requirements.txt installs:\n"
+        + "\n".join(f"  {name}: {a} -> {b}" for name, (a, b) in sorted(moved.items()))
+    )
+print(
+    f"requirements: requirements.txt resolves to {len(main_job)} packages (torch {main_job.get('torch')}, "
+    f"sglang {main_job.get('sglang')}); requirements-test.txt adds {sorted(set(both) - set(main_job))} and moves none"
+)

@@ -15,6 +15,7 @@ the checksum throughput over one checkpoint's files (GB/s, all threads and one),
 shapes are extrapolated (`extrapolate`): their files computed from the shape (bf16 Hugging Face
 weights; fp32 weights and AdamW's two moments in DCP shards), on 1 GPU and on 8.
 """
+
 import datetime
 import json
 import os
@@ -87,8 +88,12 @@ def extrapolate(shape: str, gbps: dict, save_gbps: float | None, cores: int) -> 
         n = sum(p.numel() for p in Qwen2ForCausalLM(Qwen2Config(**SHAPES[shape])).parameters())
     head = SHAPES[shape]["vocab_size"] * SHAPES[shape]["hidden_size"] if SHAPES[shape]["tie_word_embeddings"] else 0
     hf, dcp = 2 * (n + head), 12 * n + 4 * head
-    out = {"params": n, "hf_bf16_bytes": hf, "dcp_fp32_weights_and_adam_bytes": dcp,
-           "how": "extrapolated from the GB/s measured here over this machine's checkpoint files"}
+    out = {
+        "params": n,
+        "hf_bf16_bytes": hf,
+        "dcp_fp32_weights_and_adam_bytes": dcp,
+        "how": "extrapolated from the GB/s measured here over this machine's checkpoint files",
+    }
     for gpus in (1, 8):
         rank0, threads = dcp // gpus + hf, max(1, cores // gpus)
         rate = gbps["all_threads"] if gpus == 1 else min(gbps["all_threads"], gbps["one_thread"] * threads)
@@ -136,15 +141,16 @@ def main(args: Args):
         os.sync()  # each save starts with no dirty pages of the one before
         timed["manifest_s"] = 0.0
         t0 = time.perf_counter()
-        path = checkpoint.save_checkpoint(args.save_dir, step, {"policy": (policy, optimizer)}, {"model": policy},
-                                          tokenizer, {"step": step}, keep=0)
+        path = checkpoint.save_checkpoint(
+            args.save_dir, step, {"policy": (policy, optimizer)}, {"model": policy}, tokenizer, {"step": step}, keep=0
+        )
         return path, time.perf_counter() - t0, timed["manifest_s"]
 
     save("none", 0)  # warm-up: first-call costs (imports, allocations) out of the rounds
     runs = {v: {"save_s": [], "manifest_s": []} for v in args.variants}
     verify_s = []
     for rep in range(args.reps):
-        order = args.variants[rep % len(args.variants):] + args.variants[:rep % len(args.variants)]
+        order = args.variants[rep % len(args.variants) :] + args.variants[: rep % len(args.variants)]
         for variant in order:
             path, seconds, manifest_s = save(variant, rep + 1)
             runs[variant]["save_s"].append(seconds)
@@ -162,8 +168,10 @@ def main(args: Args):
     sizes = {f: os.path.getsize(os.path.join(path, f)) for f in files}
     total = sum(sizes.values())
     cores = len(os.sched_getaffinity(0))
-    gbps = {name: {"all_threads": throughput(path, sizes, fn, cores), "one_thread": throughput(path, sizes, fn, 1)}
-            for name, fn in (("crc32", real_piece), ("sha256", sha256_piece))}
+    gbps = {
+        name: {"all_threads": throughput(path, sizes, fn, cores), "one_thread": throughput(path, sizes, fn, 1)}
+        for name, fn in (("crc32", real_piece), ("sha256", sha256_piece))
+    }
     checkpoint.piece_crc = real_piece
     shutil.rmtree(args.save_dir, ignore_errors=True)
 
@@ -178,13 +186,28 @@ def main(args: Args):
             result[v]["added_fraction"] = result[v]["save_s"]["median"] / base - 1
     save_gbps = total / base / 1e9 if base else None  # the save's own rate: bytes of files per second
     far = {shape: extrapolate(shape, gbps["crc32"], save_gbps, cores) for shape in ("1.5b", "7b")}
-    commit = os.environ.get("BENCH_CODE") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                                            capture_output=True, text=True).stdout.strip()
-    out = {"date": datetime.date.today().isoformat(), "machine": machine(), "code": commit,
-           "command": " ".join(["python", *sys.argv]), "model": args.model, "params": n_params,
-           "checkpoint_bytes": total, "checkpoint_files": sizes, "reps": args.reps, "saves": result,
-           "resume_check_s": summary(verify_s) if verify_s else None, "checksum_GBps": gbps,
-           "save_GBps_without_checksums": save_gbps, "extrapolated": far}
+    commit = (
+        os.environ.get("BENCH_CODE")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    )
+    out = {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "code": commit,
+        "command": " ".join(["python", *sys.argv]),
+        "model": args.model,
+        "params": n_params,
+        "checkpoint_bytes": total,
+        "checkpoint_files": sizes,
+        "reps": args.reps,
+        "saves": result,
+        "resume_check_s": summary(verify_s) if verify_s else None,
+        "checksum_GBps": gbps,
+        "save_GBps_without_checksums": save_gbps,
+        "extrapolated": far,
+    }
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
     print(json.dumps({k: out[k] for k in ("machine", "checkpoint_bytes", "checksum_GBps")}, indent=1))

@@ -8,6 +8,7 @@ tokenizer is borrowed (its ids are a subset of the model's vocabulary); the mode
 are the tokenizer's, so random generations almost always run to the length limit: the worst case
 for memory.
 """
+
 import sys
 from dataclasses import dataclass
 from typing import Literal
@@ -17,14 +18,42 @@ import tyro
 
 # Qwen2.5 base shapes and SmolLM2-135M's (a Llama) from their published config.json files.
 SHAPES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "smollm2": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
 }
 # the rest of each config: SmolLM2-135M is a Llama (no q/k/v bias), with its own context, RoPE base and norm eps
 LLAMA = {"smollm2": dict(max_position_embeddings=8192, rope_theta=1e5, rms_norm_eps=1e-5)}
@@ -48,9 +77,15 @@ def main(args: Args):
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     ids = dict(eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
     if args.shape in LLAMA:
-        config, model_class, name = LlamaConfig(**SHAPES[args.shape], **LLAMA[args.shape], **ids), LlamaForCausalLM, "SmolLM2-135M"
+        config, model_class, name = (
+            LlamaConfig(**SHAPES[args.shape], **LLAMA[args.shape], **ids),
+            LlamaForCausalLM,
+            "SmolLM2-135M",
+        )
     else:
-        config = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, **ids)
+        config = Qwen2Config(
+            **SHAPES[args.shape], max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, **ids
+        )
         model_class, name = Qwen2ForCausalLM, f"Qwen2.5-{args.shape}"
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -14,6 +14,7 @@ micro-batch with no padding. The first `warmup` steps are not timed (flex_attent
 no backward on a CPU).
 A model of 0.5b / 1.5b / 7b is random weights of that Qwen2.5 shape (make_random_model.SHAPES).
 """
+
 import json
 import os
 import shutil
@@ -30,8 +31,17 @@ sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 import fsdp  # noqa: E402
 from data import Sample, collate  # noqa: E402
 from preflight import friendly_errors  # noqa: E402
-from fsdp import (batch_logprobs, init_distributed, load_model, matmul_params, mfu, micro_batches, peak_flops,  # noqa: E402
-                  shard_model, token_logprobs)
+from fsdp import (
+    batch_logprobs,
+    init_distributed,
+    load_model,
+    matmul_params,
+    mfu,
+    micro_batches,
+    peak_flops,  # noqa: E402
+    shard_model,
+    token_logprobs,
+)
 from make_random_model import SHAPES  # noqa: E402  (bench/ is on sys.path: this file's folder)
 
 
@@ -89,10 +99,17 @@ def main(args: Args):
     vocab = __import__("transformers").AutoConfig.from_pretrained(path).vocab_size
     gen = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(args.min_len, args.max_len + 1, (args.samples,), generator=gen).tolist()
-    samples = [Sample(torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist(),
-                      torch.randint(3, vocab, (n,), generator=gen).tolist(), [0.0] * n, False) for n in lengths]
+    samples = [
+        Sample(
+            torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist(),
+            torch.randint(3, vocab, (n,), generator=gen).tolist(),
+            [0.0] * n,
+            False,
+        )
+        for n in lengths
+    ]
     batch = collate(samples, pad_id=0)
-    rows, tokens = torch.arange(len(batch)), batch.attention_mask.sum(-1)                 # [B]
+    rows, tokens = torch.arange(len(batch)), batch.attention_mask.sum(-1)  # [B]
     padded_tokens = sum(len(r) * int(tokens[r].max()) for r in micro_batches(rows, tokens, args.micro_batch_size))
     num_loss_tokens = float(batch.response_mask.sum())
     peak = peak_flops(torch.cuda.get_device_name(device) if cuda else "")
@@ -122,15 +139,27 @@ def main(args: Args):
     def profile(model, max_tokens: int):
         """The top GPU kernels of the fullest micro-batch's log-prob forward and of its update forward + backward."""
         from torch.profiler import ProfilerActivity, profile
+
         mb = batch.select(micro_batches(rows, tokens, args.micro_batch_size, max_tokens)[0]).to(device)
-        for name, fn in (("log-prob", lambda: torch.no_grad()(token_logprobs)(model, mb.input_ids, mb.attention_mask, 1.0,
-                                                                               packed=max_tokens > 0)),
-                         ("update", lambda: update(model, mb, max_tokens))):
+        for name, fn in (
+            (
+                "log-prob",
+                lambda: torch.no_grad()(token_logprobs)(
+                    model, mb.input_ids, mb.attention_mask, 1.0, packed=max_tokens > 0
+                ),
+            ),
+            ("update", lambda: update(model, mb, max_tokens)),
+        ):
             with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
                 fn()
                 sync()
             print(f"--- {name}: one micro-batch of {int(mb.attention_mask.sum())} tokens", flush=True)
-            print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25, max_name_column_width=70), flush=True)
+            print(
+                prof.key_averages().table(
+                    sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25, max_name_column_width=70
+                ),
+                flush=True,
+            )
         model.zero_grad(set_to_none=True)
 
     results, chunk = [], fsdp.LOGIT_CHUNK
@@ -139,8 +168,9 @@ def main(args: Args):
         budget = [int(x) for x in rest if x.isdigit()]
         max_tokens = 0 if layout == "padded" else budget[0] if budget else args.max_tokens
         fsdp.LOGIT_CHUNK = 2**40 if "whole" in rest else chunk  # whole: as before the chunked head
-        model = shard_model(load_model(path, device, torch.float32, args.gradient_checkpointing, attn),
-                            compile="compile" in rest)  # --compile: each decoder layer through torch.compile
+        model = shard_model(
+            load_model(path, device, torch.float32, args.gradient_checkpointing, attn), compile="compile" in rest
+        )  # --compile: each decoder layer through torch.compile
         if "eagerhead" in rest:  # compiled layers, but fsdp.logits_to_logprobs as it is
             del model.logits_to_logprobs
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=cuda)
@@ -148,14 +178,21 @@ def main(args: Args):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         try:
-            times = [step(model, optimizer, max_tokens) for _ in range(args.warmup + args.steps)][args.warmup:]
-            out.update({k: sum(t[i] for t in times) / len(times) for i, k in enumerate(("logprob_s", "update_s", "optimizer_s"))})
+            times = [step(model, optimizer, max_tokens) for _ in range(args.warmup + args.steps)][args.warmup :]
+            out.update(
+                {
+                    k: sum(t[i] for t in times) / len(times)
+                    for i, k in enumerate(("logprob_s", "update_s", "optimizer_s"))
+                }
+            )
             if args.profile:
                 profile(model, max_tokens)
         except torch.OutOfMemoryError:  # a result too: this layout does not fit at this budget
             out["error"] = "out of memory"
-        out.update(micro_batches=len(micro_batches(rows, tokens, args.micro_batch_size, max_tokens)),
-                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+        out.update(
+            micro_batches=len(micro_batches(rows, tokens, args.micro_batch_size, max_tokens)),
+            peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        )
         if peak and "error" not in out:
             all_tokens = float(tokens.sum()) * world_size  # every rank runs the same samples
             out["logprob_mfu"] = mfu(2 * n_params, all_tokens, out["logprob_s"], peak, world_size)
@@ -170,19 +207,31 @@ def main(args: Args):
     for r in results[1:]:
         if "error" not in r and "error" not in base:
             r["speedup_vs_" + base["run"]] = (base["logprob_s"] + base["update_s"]) / (r["logprob_s"] + r["update_s"])
-    summary = {"gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "date": time.strftime("%Y-%m-%d"),
-               "command": " ".join(sys.argv), "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-               "args": asdict(args), "parameters": n_params, "real_tokens": int(tokens.sum()), "padded_tokens": padded_tokens,
-               "runs": results}
+    summary = {
+        "gpu": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "args": asdict(args),
+        "parameters": n_params,
+        "real_tokens": int(tokens.sum()),
+        "padded_tokens": padded_tokens,
+        "runs": results,
+    }
     if args.model in SHAPES:
         shutil.rmtree(path)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=1)
-    print(f"real tokens {summary['real_tokens']}, padded {padded_tokens} ({padded_tokens / summary['real_tokens']:.2f}x)")
+    print(
+        f"real tokens {summary['real_tokens']}, padded {padded_tokens} ({padded_tokens / summary['real_tokens']:.2f}x)"
+    )
     torch.distributed.destroy_process_group()
 
 
-if __name__ == "__main__":  # friendly_errors collects main's FSDP2 modules: gloo can abort at exit otherwise (tests/gloo_exit_check.py)
+if (
+    __name__ == "__main__"
+):  # friendly_errors collects main's FSDP2 modules: gloo can abort at exit otherwise (tests/gloo_exit_check.py)
     with friendly_errors("bench/packing_bench.py"):
         main(tyro.cli(Args))

@@ -6,6 +6,7 @@ Times token_logprobs (no grad) and forward+backward over a fixed random batch fo
 micro-batch sizes, with and without MemoryLog's background memory sampler, then prints the
 top CUDA/CPU ops of one profiled forward+backward.
 """
+
 import sys
 import time
 from dataclasses import dataclass
@@ -49,11 +50,11 @@ def main(args: Args):
     def logprob_pass(mbs):
         with torch.no_grad():
             for i in range(0, args.num_seqs, mbs):
-                token_logprobs(model, ids[i:i + mbs], mask[i:i + mbs], 1.0)[0].cpu()
+                token_logprobs(model, ids[i : i + mbs], mask[i : i + mbs], 1.0)[0].cpu()
 
     def update_pass(mbs):
         for i in range(0, args.num_seqs, mbs):
-            logp, ent = token_logprobs(model, ids[i:i + mbs], mask[i:i + mbs], 1.0, with_entropy=True)
+            logp, ent = token_logprobs(model, ids[i : i + mbs], mask[i : i + mbs], 1.0, with_entropy=True)
             logp.mean().backward()
         model.zero_grad(set_to_none=True)
 
@@ -64,8 +65,11 @@ def main(args: Args):
             update_pass(mbs)
             t_lp, t_up = timed(lambda: logprob_pass(mbs)), timed(lambda: update_pass(mbs))
             tokens = args.num_seqs * args.seq_len
-            print(f"sampler={sampler} micro_batch={mbs}: logprob {t_lp:.2f}s ({tokens / t_lp:.0f} tok/s) | "
-                  f"fwd+bwd {t_up:.2f}s ({tokens / t_up:.0f} tok/s)", flush=True)
+            print(
+                f"sampler={sampler} micro_batch={mbs}: logprob {t_lp:.2f}s ({tokens / t_lp:.0f} tok/s) | "
+                f"fwd+bwd {t_up:.2f}s ({tokens / t_up:.0f} tok/s)",
+                flush=True,
+            )
         if log:
             log.close()
 
@@ -80,7 +84,9 @@ def main(args: Args):
     model = fsdp_model
 
     mbs = args.micro_batch_sizes[-1]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         update_pass(mbs)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))

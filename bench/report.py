@@ -11,6 +11,7 @@
     python bench/report.py variants runs/variants --task addition --out bench/results/variants_addition.json \
         --png bench/results/variants_addition.png --summary bench/results/summary.json    # run_variants.sh's; --task tools
 """
+
 import json
 import math
 import os
@@ -60,11 +61,19 @@ class Args:
 def memory_summary(train):
     """Peak GiB (whole device, and the trainer's own) and mean seconds of every memory phase."""
     suffix = "_device_peak_gib"
-    phases = sorted({k[len("memory/"):-len(suffix)] for r in train for k in r if k.startswith("memory/") and k.endswith(suffix)})
-    return {"peak_gib_per_phase": {
-                p: {"device_peak": max(r.get(f"memory/{p}_device_peak_gib", 0) for r in train),
-                    "training_process_peak": max(r.get(f"memory/{p}_peak_gib", 0) for r in train)} for p in phases},
-            "seconds_per_phase": {p: statistics.mean(r.get(f"time/{p}", 0) for r in train) for p in phases}}
+    phases = sorted(
+        {k[len("memory/") : -len(suffix)] for r in train for k in r if k.startswith("memory/") and k.endswith(suffix)}
+    )
+    return {
+        "peak_gib_per_phase": {
+            p: {
+                "device_peak": max(r.get(f"memory/{p}_device_peak_gib", 0) for r in train),
+                "training_process_peak": max(r.get(f"memory/{p}_peak_gib", 0) for r in train),
+            }
+            for p in phases
+        },
+        "seconds_per_phase": {p: statistics.mean(r.get(f"time/{p}", 0) for r in train) for p in phases},
+    }
 
 
 def eval_by_time(rows):
@@ -95,11 +104,20 @@ def scaling(a: Args):
             continue
         train, _, info, args = load(path)
         timed = train[1:] or train
-        runs.append({"run": name, "gpus": info["world_size"], "steps": len(train), "prompts_per_step": args["prompts_per_step"],
-                     "rollout_tokens_per_s": statistics.mean(r["perf/rollout_tokens_per_s"] for r in timed),
-                     "step_s": statistics.mean(r["perf/step_s"] for r in timed),
-                     "generate_s": statistics.mean(r["time/generate"] for r in timed),
-                     "sync_s": statistics.mean(r["time/sync_weights"] for r in timed), "gpu": info["gpu"], "date": info["date"]})
+        runs.append(
+            {
+                "run": name,
+                "gpus": info["world_size"],
+                "steps": len(train),
+                "prompts_per_step": args["prompts_per_step"],
+                "rollout_tokens_per_s": statistics.mean(r["perf/rollout_tokens_per_s"] for r in timed),
+                "step_s": statistics.mean(r["perf/step_s"] for r in timed),
+                "generate_s": statistics.mean(r["time/generate"] for r in timed),
+                "sync_s": statistics.mean(r["time/sync_weights"] for r in timed),
+                "gpu": info["gpu"],
+                "date": info["date"],
+            }
+        )
     if not runs:
         raise SystemExit(f"{a.run_dir}: no run folders with metrics.jsonl (run bench/run_scaling.sh first)")
     runs.sort(key=lambda r: r["gpus"])
@@ -126,29 +144,57 @@ def tools(a: Args):
         evals = sorted(evals, key=lambda r: r["step"])
         timed = train[1:] or train  # step 1 includes warm-up
         runs[name] = {
-            "steps": len(train), "eval_prompts": args["num_eval_prompts"], "tools": args["tools"],
-            "eval_curve": [[r["step"], round(r["eval/strict_acc"], 4), round(r.get("eval/tool_used_frac", 0.0), 4)]
-                           for r in evals],
-            "final_strict_acc": evals[-1]["eval/strict_acc"], "best_strict_acc": max(r["eval/strict_acc"] for r in evals),
-            "rollout_curve": [[r["step"], round(r["rollout/strict_acc"], 4), round(r.get("tools/used_frac", 0.0), 4),
-                               round(r.get("tools/calls_per_sample", 0.0), 3), round(r["rollout/logprob_abs_diff"], 4)]
-                              for r in train],
+            "steps": len(train),
+            "eval_prompts": args["num_eval_prompts"],
+            "tools": args["tools"],
+            "eval_curve": [
+                [r["step"], round(r["eval/strict_acc"], 4), round(r.get("eval/tool_used_frac", 0.0), 4)] for r in evals
+            ],
+            "final_strict_acc": evals[-1]["eval/strict_acc"],
+            "best_strict_acc": max(r["eval/strict_acc"] for r in evals),
+            "rollout_curve": [
+                [
+                    r["step"],
+                    round(r["rollout/strict_acc"], 4),
+                    round(r.get("tools/used_frac", 0.0), 4),
+                    round(r.get("tools/calls_per_sample", 0.0), 3),
+                    round(r["rollout/logprob_abs_diff"], 4),
+                ]
+                for r in train
+            ],
             "logprob_abs_diff_max": max(r["rollout/logprob_abs_diff"] for r in train),
             "rollout_tokens_per_s": statistics.mean(r["perf/rollout_tokens_per_s"] for r in timed),
             "seconds_per_step": statistics.mean(r["perf/step_s"] for r in timed),
             "median_seconds_per_step": statistics.median(r["perf/step_s"] for r in timed),
-            "tool_errors": sum(r.get("tools/errors", 0) for r in train), "tool_timeouts": sum(r.get("tools/timeouts", 0) for r in train),
+            "tool_errors": sum(r.get("tools/errors", 0) for r in train),
+            "tool_timeouts": sum(r.get("tools/timeouts", 0) for r in train),
             "tool_seconds_per_step": statistics.mean(r.get("tools/seconds", 0.0) for r in train),
-            "gpu": info["gpu"], "date": info["date"], "command": info["command"]}
+            "gpu": info["gpu"],
+            "date": info["date"],
+            "command": info["command"],
+        }
     w, wo = runs["tools_calculator"], runs["tools_none"]
-    out = {"gpu": w["gpu"], "date": w["date"], "command": a.command, "note": a.note,
-           "with_tools_final_strict_acc": w["final_strict_acc"], "without_tools_final_strict_acc": wo["final_strict_acc"],
-           "multiturn_logprob_gap_max": w["logprob_abs_diff_max"],
-           "rollout_tokens_per_s_ratio_with_over_without": w["rollout_tokens_per_s"] / wo["rollout_tokens_per_s"],
-           "columns": {"eval_curve": ["updates", "strict acc (greedy)", "share of samples calling a tool (greedy)"],
-                       "rollout_curve": ["step", "strict acc (sampled)", "share of samples calling a tool",
-                                         "tool calls per sample", "logprob_abs_diff (model tokens)"]},
-           "runs": runs}
+    out = {
+        "gpu": w["gpu"],
+        "date": w["date"],
+        "command": a.command,
+        "note": a.note,
+        "with_tools_final_strict_acc": w["final_strict_acc"],
+        "without_tools_final_strict_acc": wo["final_strict_acc"],
+        "multiturn_logprob_gap_max": w["logprob_abs_diff_max"],
+        "rollout_tokens_per_s_ratio_with_over_without": w["rollout_tokens_per_s"] / wo["rollout_tokens_per_s"],
+        "columns": {
+            "eval_curve": ["updates", "strict acc (greedy)", "share of samples calling a tool (greedy)"],
+            "rollout_curve": [
+                "step",
+                "strict acc (sampled)",
+                "share of samples calling a tool",
+                "tool calls per sample",
+                "logprob_abs_diff (model tokens)",
+            ],
+        },
+        "runs": runs,
+    }
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))
@@ -156,19 +202,45 @@ def tools(a: Args):
         fig, ax = subplots(1, 2, figsize=(11, 4))
         for name, style in (("tools_calculator", "o-"), ("tools_none", "s--")):
             r = runs[name]
-            ax[0].plot([e[0] for e in r["eval_curve"]], [e[1] for e in r["eval_curve"]], style, label=f"{name} (greedy, held out)")
-            ax[1].plot([e[0] for e in r["rollout_curve"]], [e[2] for e in r["rollout_curve"]], style[1:], label=f"{name} (sampled)")
-        ax[1].plot([e[0] for e in w["eval_curve"]], [e[2] for e in w["eval_curve"]], "o", label="tools_calculator (greedy, held out)")
+            ax[0].plot(
+                [e[0] for e in r["eval_curve"]],
+                [e[1] for e in r["eval_curve"]],
+                style,
+                label=f"{name} (greedy, held out)",
+            )
+            ax[1].plot(
+                [e[0] for e in r["rollout_curve"]],
+                [e[2] for e in r["rollout_curve"]],
+                style[1:],
+                label=f"{name} (sampled)",
+            )
+        ax[1].plot(
+            [e[0] for e in w["eval_curve"]],
+            [e[2] for e in w["eval_curve"]],
+            "o",
+            label="tools_calculator (greedy, held out)",
+        )
         ax[0].set_ylabel("strict accuracy"), ax[1].set_ylabel("share of samples that call a tool")
         for x in ax:
             x.set_xlabel("updates"), x.set_ylim(-0.02, 1.02), x.legend(loc="center right")
-        fig.suptitle(f"GRPO on 3-digit x 2-digit multiplication, SmolLM2-135M-Instruct, with and without the calculator ({w['gpu']})")
+        fig.suptitle(
+            f"GRPO on 3-digit x 2-digit multiplication, SmolLM2-135M-Instruct, with and without the calculator ({w['gpu']})"
+        )
         fig.tight_layout()
         fig.savefig(a.png, dpi=110)
 
 
-SERVER_RUNS = ("colocate", "colocate_x2", "server_sync", "server_async", "injob_async", "server2_sync", "injob_async_tp2",
-               "colocate_x4", "injob_async_2p2")
+SERVER_RUNS = (
+    "colocate",
+    "colocate_x2",
+    "server_sync",
+    "server_async",
+    "injob_async",
+    "server2_sync",
+    "injob_async_tp2",
+    "colocate_x4",
+    "injob_async_2p2",
+)
 
 
 def server(a: Args):
@@ -184,40 +256,69 @@ def server(a: Args):
         info_path = os.path.join(path, "run_info.json")
         log = os.path.join(a.run_dir, f"{name}.log")  # run_server.sh's: its first line "=== <UTC time> <run>"
         started = open(log).readline().split()[1][:10] if os.path.isfile(log) else None
-        info = json.load(open(info_path)) if os.path.isfile(info_path) else {"gpu": a.gpu, "date": started, "command": None,
-                                                                             "world_size": 2 if name == "colocate_x2" else 1}
+        info = (
+            json.load(open(info_path))
+            if os.path.isfile(info_path)
+            else {"gpu": a.gpu, "date": started, "command": None, "world_size": 2 if name == "colocate_x2" else 1}
+        )
         evals, timed = sorted(evals, key=lambda r: r["step"]), train[1:] or train  # step 1 includes warm-up
         runs[name] = {
-            "steps": len(train), "world_size": info["world_size"],
-            "eval_curve": [[r["step"], round(r["eval/strict_acc"], 4), round(r["eval/flexible_acc"], 4)] for r in evals],
+            "steps": len(train),
+            "world_size": info["world_size"],
+            "eval_curve": [
+                [r["step"], round(r["eval/strict_acc"], 4), round(r["eval/flexible_acc"], 4)] for r in evals
+            ],
             "logprob_abs_diff_max": max(r["rollout/logprob_abs_diff"] for r in train),
             "staleness_mean": statistics.mean(r.get("rollout/staleness", 0.0) for r in train),
             "seconds_per_step": statistics.mean(r["perf/step_s"] for r in timed),
             "median_seconds_per_step": statistics.median(r["perf/step_s"] for r in timed),
-            "seconds_per_phase": {k[len("time/"):]: statistics.mean(r.get(k, 0.0) for r in timed)
-                                  for k in ("time/generate", "time/sync_weights", "time/logprob", "time/update")},
-            "median_seconds_per_phase": {k[len("time/"):]: statistics.median(r.get(k, 0.0) for r in timed)
-                                         for k in ("time/generate", "time/sync_weights", "time/logprob", "time/update")},
+            "seconds_per_phase": {
+                k[len("time/") :]: statistics.mean(r.get(k, 0.0) for r in timed)
+                for k in ("time/generate", "time/sync_weights", "time/logprob", "time/update")
+            },
+            "median_seconds_per_phase": {
+                k[len("time/") :]: statistics.median(r.get(k, 0.0) for r in timed)
+                for k in ("time/generate", "time/sync_weights", "time/logprob", "time/update")
+            },
             "startup_to_first_step_s": train[0].get("time/startup_to_first_step_s"),
-            "gpu": info["gpu"], "date": info["date"], "command": info["command"]}
+            "gpu": info["gpu"],
+            "date": info["date"],
+            "command": info["command"],
+        }
     if not runs:
-        raise SystemExit(f"{a.run_dir}: none of {', '.join(SERVER_RUNS)} has a metrics.jsonl (run bench/run_server.sh first)")
-    out = {"gpu": next(iter(runs.values()))["gpu"], "date": next(iter(runs.values()))["date"], "command": a.command, "note": a.note,
-           "columns": {"eval_curve": ["updates", "strict acc (greedy)", "flexible acc (greedy)"]}}
+        raise SystemExit(
+            f"{a.run_dir}: none of {', '.join(SERVER_RUNS)} has a metrics.jsonl (run bench/run_server.sh first)"
+        )
+    out = {
+        "gpu": next(iter(runs.values()))["gpu"],
+        "date": next(iter(runs.values()))["date"],
+        "command": a.command,
+        "note": a.note,
+        "columns": {"eval_curve": ["updates", "strict acc (greedy)", "flexible acc (greedy)"]},
+    }
     if "colocate" in runs and "server_sync" in runs:  # after the last update both evaluated
         done = {e[0]: e for e in runs["server_sync"]["eval_curve"]}
         last = max(e[0] for e in runs["colocate"]["eval_curve"] if e[0] in done)
         col = next(e for e in runs["colocate"]["eval_curve"] if e[0] == last)
-        out.update(server_acc_gap=round(col[1] - done[last][1], 4), server_flexible_acc_gap=round(col[2] - done[last][2], 4),
-                   acc_gap_after_updates=last)
+        out.update(
+            server_acc_gap=round(col[1] - done[last][1], 4),
+            server_flexible_acc_gap=round(col[2] - done[last][2], 4),
+            acc_gap_after_updates=last,
+        )
     if "server_sync" in runs:
         out["server_logprob_gap_max"] = runs["server_sync"]["logprob_abs_diff_max"]
     if "server_sync" in runs and "server_async" in runs:
         out["async_speedup"] = runs["server_sync"]["seconds_per_step"] / runs["server_async"]["seconds_per_step"]
-    for base, placements in (("colocate_x2", ("server_sync", "server_async", "injob_async")), ("colocate_x4", ("injob_async_2p2",))):
+    for base, placements in (
+        ("colocate_x2", ("server_sync", "server_async", "injob_async")),
+        ("colocate_x4", ("injob_async_2p2",)),
+    ):
         if base in runs:  # the same GPUs, colocated: the baseline a placement on them must beat (median steps)
-            out[f"speedup_over_{base}"] = {n: round(runs[base]["median_seconds_per_step"] / runs[n]["median_seconds_per_step"], 3)
-                                           for n in placements if n in runs}
+            out[f"speedup_over_{base}"] = {
+                n: round(runs[base]["median_seconds_per_step"] / runs[n]["median_seconds_per_step"], 3)
+                for n in placements
+                if n in runs
+            }
     out["runs"] = runs
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)
@@ -229,9 +330,16 @@ def server(a: Args):
         else:
             fig, time_ax = subplots(1, 1, figsize=(6, 4))
         for name, r in runs.items() if evaluated else ():
-            line, = acc_ax.plot([e[0] for e in r["eval_curve"]], [e[2] for e in r["eval_curve"]], "o-", label=f"{name} flexible")
-            acc_ax.plot([e[0] for e in r["eval_curve"]], [e[1] for e in r["eval_curve"]], "x:", color=line.get_color(),
-                       label=f"{name} strict")
+            (line,) = acc_ax.plot(
+                [e[0] for e in r["eval_curve"]], [e[2] for e in r["eval_curve"]], "o-", label=f"{name} flexible"
+            )
+            acc_ax.plot(
+                [e[0] for e in r["eval_curve"]],
+                [e[1] for e in r["eval_curve"]],
+                "x:",
+                color=line.get_color(),
+                label=f"{name} strict",
+            )
         names = list(runs)
         bottom = [0.0] * len(names)
         for phase in ("generate", "sync_weights", "logprob", "update"):
@@ -240,10 +348,23 @@ def server(a: Args):
             bottom = [b + h for b, h in zip(bottom, height)]
         time_ax.plot(names, [runs[n]["seconds_per_step"] for n in names], "k_", markersize=30, label="step (all of it)")
         if evaluated:
-            acc_ax.set_xlabel("updates"), acc_ax.set_ylabel("held-out accuracy (greedy)"), acc_ax.set_ylim(-0.02, 1.02), acc_ax.legend()
-        time_ax.set_ylabel("seconds per step (mean, step 1 left out)"), time_ax.legend(loc="lower center", fontsize=8, framealpha=0.9)
-        model = a.model_name or os.path.basename(json.load(open(os.path.join(a.run_dir, names[0], "args.json")))["model"].rstrip("/"))
-        data = ", ".join(os.path.basename(d.rstrip("/")) for d in json.load(open(os.path.join(a.run_dir, names[0], "args.json")))["dataset"])
+            (
+                acc_ax.set_xlabel("updates"),
+                acc_ax.set_ylabel("held-out accuracy (greedy)"),
+                acc_ax.set_ylim(-0.02, 1.02),
+                acc_ax.legend(),
+            )
+        (
+            time_ax.set_ylabel("seconds per step (mean, step 1 left out)"),
+            time_ax.legend(loc="lower center", fontsize=8, framealpha=0.9),
+        )
+        model = a.model_name or os.path.basename(
+            json.load(open(os.path.join(a.run_dir, names[0], "args.json")))["model"].rstrip("/")
+        )
+        data = ", ".join(
+            os.path.basename(d.rstrip("/"))
+            for d in json.load(open(os.path.join(a.run_dir, names[0], "args.json")))["dataset"]
+        )
         fig.suptitle(f"GRPO on {data}, {model}:\ncolocated engine vs SGLang server ({out['gpu']})")
         fig.tight_layout()
         fig.savefig(a.png, dpi=110)
@@ -263,28 +384,58 @@ def rm(a: Args):
     train, evals, info, args = load(os.path.join(a.run_dir, "grpo_rm"))
     evals = sorted(evals, key=lambda r: r["step"])
     last = evals_rm[-1]
-    out = {"gpu": info["gpu"], "date": info["date"], "command": a.command, "note": a.note,
-           "pairs": {k: pairs[k] for k in ("train", "eval")},
-           "rm_steps": last["step"], "rm_pair_acc": last["eval/pair_acc"], "rm_margin": last.get("eval/margin"),
-           "rm_pair_acc_by_group": by_group, "rm_eval_curve": [[r["step"], round(r["eval/pair_acc"], 4)] for r in evals_rm],
-           "grpo_steps": len(train), "grpo_command": info["command"],
-           "baseline_strict_acc": evals[0]["eval/strict_acc"], "final_strict_acc": evals[-1]["eval/strict_acc"],
-           "strict_acc_gain": evals[-1]["eval/strict_acc"] - evals[0]["eval/strict_acc"],
-           "eval_curve": [[r["step"], round(r["eval/strict_acc"], 4), round(r["eval/format_rate"], 4)] for r in evals],
-           "rm_score_curve": [[r["step"], round(r["rollout/rm_score"], 4), round(r["rollout/strict_acc"], 4),
-                               round(r.get("rollout/rm_rule_corr", math.nan), 4)] for r in train],
-           "rm_seconds_per_step": statistics.mean(r["time/reward_model"] for r in train),
-           "seconds_per_step": statistics.mean(r["perf/step_s"] for r in train),
-           "columns": {"eval_curve": ["updates", "held-out strict acc (greedy, by the rule)", "format rate"],
-                       "rm_score_curve": ["step", "RM score (sampled, mean)", "strict acc (sampled, by the rule)",
-                                          "correlation RM score / rule reward"]}}
+    out = {
+        "gpu": info["gpu"],
+        "date": info["date"],
+        "command": a.command,
+        "note": a.note,
+        "pairs": {k: pairs[k] for k in ("train", "eval")},
+        "rm_steps": last["step"],
+        "rm_pair_acc": last["eval/pair_acc"],
+        "rm_margin": last.get("eval/margin"),
+        "rm_pair_acc_by_group": by_group,
+        "rm_eval_curve": [[r["step"], round(r["eval/pair_acc"], 4)] for r in evals_rm],
+        "grpo_steps": len(train),
+        "grpo_command": info["command"],
+        "baseline_strict_acc": evals[0]["eval/strict_acc"],
+        "final_strict_acc": evals[-1]["eval/strict_acc"],
+        "strict_acc_gain": evals[-1]["eval/strict_acc"] - evals[0]["eval/strict_acc"],
+        "eval_curve": [[r["step"], round(r["eval/strict_acc"], 4), round(r["eval/format_rate"], 4)] for r in evals],
+        "rm_score_curve": [
+            [
+                r["step"],
+                round(r["rollout/rm_score"], 4),
+                round(r["rollout/strict_acc"], 4),
+                round(r.get("rollout/rm_rule_corr", math.nan), 4),
+            ]
+            for r in train
+        ],
+        "rm_seconds_per_step": statistics.mean(r["time/reward_model"] for r in train),
+        "seconds_per_step": statistics.mean(r["perf/step_s"] for r in train),
+        "columns": {
+            "eval_curve": ["updates", "held-out strict acc (greedy, by the rule)", "format rate"],
+            "rm_score_curve": [
+                "step",
+                "RM score (sampled, mean)",
+                "strict acc (sampled, by the rule)",
+                "correlation RM score / rule reward",
+            ],
+        },
+    }
     out["rm_score_share_of_step"] = out["rm_seconds_per_step"] / out["seconds_per_step"]
     out["other_reward_models"] = {}  # rm_* beside rm: other starting points or learning rates on such pairs
-    for name in sorted(d for d in os.listdir(a.run_dir) if d.startswith("rm_") and os.path.isdir(os.path.join(a.run_dir, d))):
+    for name in sorted(
+        d for d in os.listdir(a.run_dir) if d.startswith("rm_") and os.path.isdir(os.path.join(a.run_dir, d))
+    ):
         other, other_by_group = rm_evals(os.path.join(a.run_dir, name))
         rm_args = json.load(open(os.path.join(a.run_dir, name, "args.json")))
-        out["other_reward_models"][name] = {"init": rm_args["model"], "lr": rm_args["lr"], "steps": other[-1]["step"],
-                                            "pair_acc": other[-1]["eval/pair_acc"], "pair_acc_by_group": other_by_group}
+        out["other_reward_models"][name] = {
+            "init": rm_args["model"],
+            "lr": rm_args["lr"],
+            "steps": other[-1]["step"],
+            "pair_acc": other[-1]["eval/pair_acc"],
+            "pair_acc_by_group": other_by_group,
+        }
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)
     print(json.dumps({k: v for k, v in out.items() if not k.endswith("curve")}, indent=2))
@@ -293,13 +444,24 @@ def rm(a: Args):
         plot_metric(ax[0], evals_rm, "eval/pair_acc", "o-", color="k", label="all held-out pairs")
         for i, group in enumerate(sorted(out["rm_pair_acc_by_group"])):
             plot_metric(ax[0], evals_rm, f"eval/pair_acc/{group}", ".--", color=f"C{i}", label=f"'{group}' pairs")
-        ax[0].set(xlabel="reward-model training step", ylabel="held-out pairwise accuracy", ylim=(0, 1.02),
-                  title="train_rm.py from SmolLM2 on its own labelled pairs"), ax[0].legend(fontsize=8)
+        (
+            ax[0].set(
+                xlabel="reward-model training step",
+                ylabel="held-out pairwise accuracy",
+                ylim=(0, 1.02),
+                title="train_rm.py from SmolLM2 on its own labelled pairs",
+            ),
+            ax[0].legend(fontsize=8),
+        )
         plot_metric(ax[1], evals, "eval/strict_acc", "o-", color="C0", label="held-out strict acc (rule, greedy)")
         plot_metric(ax[1], evals, "eval/flexible_acc", "s--", color="C2", label="held-out flexible acc (last number)")
         plot_metric(ax[1], train, "rollout/strict_acc", "-", color="C0", alpha=0.35, label="strict acc (rule, sampled)")
-        ax[1].set(xlabel="GRPO step", ylabel="accuracy (judged by the rule)", ylim=(0, 1.02),
-                  title="GRPO with the reward model alone (--reward-weights 0 1)")
+        ax[1].set(
+            xlabel="GRPO step",
+            ylabel="accuracy (judged by the rule)",
+            ylim=(0, 1.02),
+            title="GRPO with the reward model alone (--reward-weights 0 1)",
+        )
         twin = ax[1].twinx()
         plot_metric(twin, train, "rollout/rm_score", "-", color="C3", label="RM score (sampled, mean)")
         twin.set_ylabel("reward-model score", color="C3")
@@ -309,10 +471,21 @@ def rm(a: Args):
         fig.savefig(a.png, dpi=110)
 
 
-VARIANT_RUNS = {"addition": ("add_grpo", "add_gspo", "add_cispo", "add_rloo", "add_reinforcepp", "add_tis", "add_mis",
-                             "add_icepop", "add_seqmask"),
-                "tools": ("mul_ppoclip", "mul_gspo", "mul_cispo"),
-                "addition-mb4": ("add_ppoclip_mb4", "add_gspo_mb4", "add_cispo_mb4", "add_sapo_mb4")}
+VARIANT_RUNS = {
+    "addition": (
+        "add_grpo",
+        "add_gspo",
+        "add_cispo",
+        "add_rloo",
+        "add_reinforcepp",
+        "add_tis",
+        "add_mis",
+        "add_icepop",
+        "add_seqmask",
+    ),
+    "tools": ("mul_ppoclip", "mul_gspo", "mul_cispo"),
+    "addition-mb4": ("add_ppoclip_mb4", "add_gspo_mb4", "add_cispo_mb4", "add_sapo_mb4"),
+}
 
 
 def variants(a: Args):
@@ -328,35 +501,76 @@ def variants(a: Args):
 
         def mean(key):
             return statistics.mean(r.get(key, 0.0) for r in train)
+
         runs[name] = {
-            **{k: args.get(k) for k in ("advantage", "policy_loss", "rollout_correction", "clip_low", "clip_high",
-                                        "tis_cap", "correction_bounds", "loss_agg")},
-            "steps": len(train), "of_steps": args["steps"], "final_eval_after": evals[-1]["step"],
-            "final_strict_acc": evals[-1]["eval/strict_acc"], "final_flexible_acc": evals[-1]["eval/flexible_acc"],
-            "eval_curve": [[r["step"], round(r["eval/strict_acc"], 4), round(r["eval/flexible_acc"], 4)] for r in evals],
+            **{
+                k: args.get(k)
+                for k in (
+                    "advantage",
+                    "policy_loss",
+                    "rollout_correction",
+                    "clip_low",
+                    "clip_high",
+                    "tis_cap",
+                    "correction_bounds",
+                    "loss_agg",
+                )
+            },
+            "steps": len(train),
+            "of_steps": args["steps"],
+            "final_eval_after": evals[-1]["step"],
+            "final_strict_acc": evals[-1]["eval/strict_acc"],
+            "final_flexible_acc": evals[-1]["eval/flexible_acc"],
+            "eval_curve": [
+                [r["step"], round(r["eval/strict_acc"], 4), round(r["eval/flexible_acc"], 4)] for r in evals
+            ],
             "seconds_per_step": statistics.mean(r["perf/step_s"] for r in timed),
             "median_seconds_per_step": statistics.median(r["perf/step_s"] for r in timed),
-            "mismatch_kl_mean": mean("rollout/mismatch_kl"), "mismatch_ratio_max": max(r["rollout/mismatch_ratio_max"] for r in train),
+            "mismatch_kl_mean": mean("rollout/mismatch_kl"),
+            "mismatch_ratio_max": max(r["rollout/mismatch_ratio_max"] for r in train),
             "logprob_abs_diff_max": max(r["rollout/logprob_abs_diff"] for r in train),
-            "correction_frac_mean": mean("rollout/correction_frac"), "clip_frac_mean": mean("train/clip_frac"),
+            "correction_frac_mean": mean("rollout/correction_frac"),
+            "clip_frac_mean": mean("train/clip_frac"),
             "nonfinite_skips": sum(r.get("train/nonfinite_skips", 0) for r in train),
-            "gpu": info["gpu"], "date": info["date"], "command": info["command"]}
+            "gpu": info["gpu"],
+            "date": info["date"],
+            "command": info["command"],
+        }
     if not runs:
-        raise SystemExit(f"{a.run_dir}: none of {', '.join(VARIANT_RUNS[a.task])} has a metrics.jsonl (run bench/run_variants.sh first)")
+        raise SystemExit(
+            f"{a.run_dir}: none of {', '.join(VARIANT_RUNS[a.task])} has a metrics.jsonl (run bench/run_variants.sh first)"
+        )
     gpus = sorted({r["gpu"] for r in runs.values()})
-    gpu = gpus[0] if len(gpus) == 1 else "; ".join(  # runs finished on another machine: each GPU with its runs
-        f"{g} ({', '.join(name for name, r in runs.items() if r['gpu'] == g)})" for g in gpus)
-    out = {"gpu": gpu, "date": max(r["date"] for r in runs.values()), "task": a.task, "command": a.command, "note": a.note,
-           "variants": {name: r["final_strict_acc"] for name, r in runs.items() if r["steps"] == r["of_steps"]},
-           "unfinished": {name: f"{r['steps']} of {r['of_steps']} steps" for name, r in runs.items() if r["steps"] < r["of_steps"]},
-           "columns": {"eval_curve": ["updates", "strict acc (greedy, held out)", "flexible acc (greedy, held out)"]},
-           "runs": runs}
+    gpu = (
+        gpus[0]
+        if len(gpus) == 1
+        else "; ".join(  # runs finished on another machine: each GPU with its runs
+            f"{g} ({', '.join(name for name, r in runs.items() if r['gpu'] == g)})" for g in gpus
+        )
+    )
+    out = {
+        "gpu": gpu,
+        "date": max(r["date"] for r in runs.values()),
+        "task": a.task,
+        "command": a.command,
+        "note": a.note,
+        "variants": {name: r["final_strict_acc"] for name, r in runs.items() if r["steps"] == r["of_steps"]},
+        "unfinished": {
+            name: f"{r['steps']} of {r['of_steps']} steps" for name, r in runs.items() if r["steps"] < r["of_steps"]
+        },
+        "columns": {"eval_curve": ["updates", "strict acc (greedy, held out)", "flexible acc (greedy, held out)"]},
+        "runs": runs,
+    }
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)
-    print(f"{'run':16} {'steps':>5} {'final strict':>12} {'flexible':>8} {'s/step':>7} {'mismatch kl':>11} {'corrected':>9}")
+    print(
+        f"{'run':16} {'steps':>5} {'final strict':>12} {'flexible':>8} {'s/step':>7} {'mismatch kl':>11} {'corrected':>9}"
+    )
     for name, r in runs.items():
-        print(f"{name:16} {r['steps']:5d} {r['final_strict_acc']:12.3f} {r['final_flexible_acc']:8.3f} {r['seconds_per_step']:7.2f} "
-              f"{r['mismatch_kl_mean']:11.2e} {r['correction_frac_mean']:9.3f}")
+        print(
+            f"{name:16} {r['steps']:5d} {r['final_strict_acc']:12.3f} {r['final_flexible_acc']:8.3f} {r['seconds_per_step']:7.2f} "
+            f"{r['mismatch_kl_mean']:11.2e} {r['correction_frac_mean']:9.3f}"
+        )
     if a.png:
         draw([os.path.join(a.run_dir, name) for name in runs], a.png)
     if a.summary:
@@ -365,8 +579,12 @@ def variants(a: Args):
         entry = summary.get("variants", {"value": {}, "sources": []})
         entry["value"][a.task] = out["variants"]
         entry["sources"] = sorted(set(entry["sources"]) | {os.path.basename(a.out)})
-        entry.update(gpu=out["gpu"], date=out["date"], what="final held-out strict accuracy (greedy) of each run of "
-                     "bench/run_variants.sh: one policy loss, advantage or rollout correction changed from GRPO's defaults")
+        entry.update(
+            gpu=out["gpu"],
+            date=out["date"],
+            what="final held-out strict accuracy (greedy) of each run of "
+            "bench/run_variants.sh: one policy loss, advantage or rollout correction changed from GRPO's defaults",
+        )
         summary["variants"] = entry
         with open(a.summary, "w") as f:
             json.dump(summary, f, indent=1)
@@ -384,27 +602,39 @@ def main(a: Args):
     if a.kind == "server":
         return server(a)
     train, evals, info, args = load(a.run_dir)
-    out = {"gpu": info["gpu"], "command": a.command or info["command"], "date": info["date"],
-           "world_size": info["world_size"], "steps": len(train), "torch": info["torch"],
-           "rollout_logprob_abs_diff_max": max(r["rollout/logprob_abs_diff"] for r in train),
-           "weight_sync_s_mean": statistics.mean(r["time/sync_weights"] for r in train)}
+    out = {
+        "gpu": info["gpu"],
+        "command": a.command or info["command"],
+        "date": info["date"],
+        "world_size": info["world_size"],
+        "steps": len(train),
+        "torch": info["torch"],
+        "rollout_logprob_abs_diff_max": max(r["rollout/logprob_abs_diff"] for r in train),
+        "weight_sync_s_mean": statistics.mean(r["time/sync_weights"] for r in train),
+    }
     if a.note:
         out["note"] = a.note
     if a.kind == "arith":
         evals = sorted(evals, key=lambda r: r["step"])
-        out.update({
-            "baseline_strict_acc": evals[0]["eval/strict_acc"] if evals and evals[0]["step"] == 0 else None,
-            "final_strict_acc": evals[-1]["eval/strict_acc"], "final_flexible_acc": evals[-1]["eval/flexible_acc"],
-            "final_format_rate": evals[-1]["eval/format_rate"],
-            "best_strict_acc": max(r["eval/strict_acc"] for r in evals),
-            "eval_curve": [[r["step"], round(r["eval/strict_acc"], 4), round(r["eval/format_rate"], 4)] for r in evals],
-            "seconds_per_step": statistics.mean(r["perf/step_s"] for r in train[1:]),
-            "wall_clock_s": sum(r["perf/step_s"] for r in train),
-            "startup_to_first_step_s": train[0].get("time/startup_to_first_step_s"),
-            "eval_prompts": args["num_eval_prompts"], "prompts_per_step": args["prompts_per_step"],
-            "samples_per_prompt": args.get("group_size", args.get("samples_per_prompt")),
-            **memory_summary(train),
-        })
+        out.update(
+            {
+                "baseline_strict_acc": evals[0]["eval/strict_acc"] if evals and evals[0]["step"] == 0 else None,
+                "final_strict_acc": evals[-1]["eval/strict_acc"],
+                "final_flexible_acc": evals[-1]["eval/flexible_acc"],
+                "final_format_rate": evals[-1]["eval/format_rate"],
+                "best_strict_acc": max(r["eval/strict_acc"] for r in evals),
+                "eval_curve": [
+                    [r["step"], round(r["eval/strict_acc"], 4), round(r["eval/format_rate"], 4)] for r in evals
+                ],
+                "seconds_per_step": statistics.mean(r["perf/step_s"] for r in train[1:]),
+                "wall_clock_s": sum(r["perf/step_s"] for r in train),
+                "startup_to_first_step_s": train[0].get("time/startup_to_first_step_s"),
+                "eval_prompts": args["num_eval_prompts"],
+                "prompts_per_step": args["prompts_per_step"],
+                "samples_per_prompt": args.get("group_size", args.get("samples_per_prompt")),
+                **memory_summary(train),
+            }
+        )
         if a.png:
             fig, ax = subplots(1, 2, figsize=(11, 4))
             plot_metric(ax[0], train, "rollout/reward_mean", label="reward (sampled)")
@@ -422,8 +652,10 @@ def main(a: Args):
         if a.compare:
             fig, ax = subplots(1, 2, figsize=(11, 4))
             name = os.path.basename(a.compare).split(".")[0]
-            for label, rows in ((args["run_name"], read_metrics(os.path.join(a.run_dir, "metrics.jsonl"))),
-                                (name, read_metrics(a.compare))):
+            for label, rows in (
+                (args["run_name"], read_metrics(os.path.join(a.run_dir, "metrics.jsonl"))),
+                (name, read_metrics(a.compare)),
+            ):
                 pts = eval_by_time(rows)
                 ax[0].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
                 ax[1].plot([p[1] for p in pts], [p[2] for p in pts], "o-", label=label)

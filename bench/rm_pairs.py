@@ -71,10 +71,12 @@ _NUMBER = re.compile(r"\d+")
 def with_last_number(text: str, number: int) -> str:
     """`text` with its last run of digits replaced by `number`."""
     last = list(_NUMBER.finditer(text))[-1]
-    return f"{text[:last.start()]}{number}{text[last.end():]}"
+    return f"{text[: last.start()]}{number}{text[last.end() :]}"
 
 
-def pairs_of(prompt, answer: str, kind: str, completions: list[str], rng: random.Random, number_pairs: int = 1) -> list[dict]:
+def pairs_of(
+    prompt, answer: str, kind: str, completions: list[str], rng: random.Random, number_pairs: int = 1
+) -> list[dict]:
     """The rows one prompt gives (module docstring): a 'format' pair, `number_pairs` 'number' pairs (each from another
     sample), a 'wrong' pair; none from completions without a number."""
     n, rows = int(answer), []
@@ -89,23 +91,35 @@ def pairs_of(prompt, answer: str, kind: str, completions: list[str], rng: random
     bad = [c for c in completions if not correct(kind, c, answer, "flexible")]
     if good and bad:
         c = rng.choice(good)
-        rows.append({"prompt": prompt, "chosen": c, "group": "wrong",
-                     "rejected": min(bad, key=lambda w: (abs(len(w) - len(c)), rng.random()))})
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": c,
+                "group": "wrong",
+                "rejected": min(bad, key=lambda w: (abs(len(w) - len(c)), rng.random())),
+            }
+        )
     return rows
 
 
 def main(args: Args):
     a = args
-    check_flags([  # (flag, value, holds, what it must be): before any file is opened
-        ("--out", a.out, a.out.endswith(".jsonl") and os.path.isdir(os.path.dirname(os.path.abspath(a.out))),
-         "a .jsonl file in a folder that exists (train_rm.py reads .jsonl)"),
-        ("--train-prompts", a.train_prompts, a.train_prompts >= 1, ">= 1"),
-        ("--eval-prompts", a.eval_prompts, a.eval_prompts >= 1, ">= 1"),
-        ("--group-size", a.group_size, a.group_size >= 1, ">= 1"),
-        ("--number-pairs", a.number_pairs, a.number_pairs >= 0, ">= 0"),
-        ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
-        ("--prompts-per-call", a.prompts_per_call, a.prompts_per_call >= 1, ">= 1"),
-    ])
+    check_flags(
+        [  # (flag, value, holds, what it must be): before any file is opened
+            (
+                "--out",
+                a.out,
+                a.out.endswith(".jsonl") and os.path.isdir(os.path.dirname(os.path.abspath(a.out))),
+                "a .jsonl file in a folder that exists (train_rm.py reads .jsonl)",
+            ),
+            ("--train-prompts", a.train_prompts, a.train_prompts >= 1, ">= 1"),
+            ("--eval-prompts", a.eval_prompts, a.eval_prompts >= 1, ">= 1"),
+            ("--group-size", a.group_size, a.group_size >= 1, ">= 1"),
+            ("--number-pairs", a.number_pairs, a.number_pairs >= 0, ">= 0"),
+            ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
+            ("--prompts-per-call", a.prompts_per_call, a.prompts_per_call >= 1, ">= 1"),
+        ]
+    )
     kind = check_engine(args.rollout_engine)
     tokenizer, _ = check_model(args.model)
     if args.dataset in BUILTIN_TASKS:
@@ -116,32 +130,64 @@ def main(args: Args):
         raise InputError(f"--dataset {args.dataset!r}: the 'number' pairs need whole-number answers")
     sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, load_format="auto")
     engine = start_engine(kind, args.model, seed=args.seed, sglang=sglang)
-    sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_token_ids(tokenizer, args.model), temperature=1.0)
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens, stop_ids=stop_token_ids(tokenizer, args.model), temperature=1.0
+    )
     rng, counts = random.Random(args.seed), {}
-    for split, examples, path in [("train", train[:args.train_prompts], args.out),
-                                  ("eval", test[:args.eval_prompts], args.out.removesuffix(".jsonl") + ".eval.jsonl")]:
+    for split, examples, path in [
+        ("train", train[: args.train_prompts], args.out),
+        ("eval", test[: args.eval_prompts], args.out.removesuffix(".jsonl") + ".eval.jsonl"),
+    ]:
         ids, kept, _ = tokenize_prompts(tokenizer, examples, 1024, args.dataset)
         n = args.group_size
         t0 = time.time()
         samples = []  # request j's seed is j, however the prompts are split into calls
         for k in range(0, len(ids), args.prompts_per_call):
-            chunk = ids[k:k + args.prompts_per_call]
-            samples += generate(engine, [p for p in chunk for _ in range(n)], list(range(k * n, (k + len(chunk)) * n)),
-                                sampling=sampling, tokenizer=tokenizer)
-        rows = [row for k, e in enumerate(kept) for row in
-                pairs_of(e.prompt, e.answer, e.kind, [s.text for s in samples[k * n:(k + 1) * n]], rng, args.number_pairs)]
+            chunk = ids[k : k + args.prompts_per_call]
+            samples += generate(
+                engine,
+                [p for p in chunk for _ in range(n)],
+                list(range(k * n, (k + len(chunk)) * n)),
+                sampling=sampling,
+                tokenizer=tokenizer,
+            )
+        rows = [
+            row
+            for k, e in enumerate(kept)
+            for row in pairs_of(
+                e.prompt, e.answer, e.kind, [s.text for s in samples[k * n : (k + 1) * n]], rng, args.number_pairs
+            )
+        ]
         with open(path + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         os.replace(path + ".tmp", path)  # an earlier file is replaced only by a whole new one
-        right = sum(correct(e.kind, s.text, e.answer, "flexible") for k, e in enumerate(kept) for s in samples[k * n:(k + 1) * n])
-        counts[split] = {"prompts": len(kept), "completions": len(samples), "right_frac": right / len(samples),
-                         "pairs": {g: sum(r["group"] == g for r in rows) for g in ("wrong", "format", "number")},
-                         "seconds": round(time.time() - t0, 1), "file": path}
+        right = sum(
+            correct(e.kind, s.text, e.answer, "flexible")
+            for k, e in enumerate(kept)
+            for s in samples[k * n : (k + 1) * n]
+        )
+        counts[split] = {
+            "prompts": len(kept),
+            "completions": len(samples),
+            "right_frac": right / len(samples),
+            "pairs": {g: sum(r["group"] == g for r in rows) for g in ("wrong", "format", "number")},
+            "seconds": round(time.time() - t0, 1),
+            "file": path,
+        }
         print(f"{split}: {json.dumps(counts[split])}", flush=True)
     stop_engine(engine, None)
     with open(args.out.removesuffix(".jsonl") + ".summary.json", "w") as f:
-        json.dump({"model": args.model, "dataset": args.dataset, "engine": kind, **counts,
-                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}, f, indent=2)
+        json.dump(
+            {
+                "model": args.model,
+                "dataset": args.dataset,
+                "engine": kind,
+                **counts,
+                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            },
+            f,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":  # SGLang spawns its scheduler: keep this guard

@@ -12,6 +12,7 @@ between calls (bf16 kernels give batch-dependent numerics, and one changed token
 `identical_responses_ours_vs_raw` says how many matched), so the comparison is tokens per second
 (new tokens / wall seconds) over equally distributed samples, median of `reps` interleaved runs.
 """
+
 import json
 import os
 import statistics
@@ -65,9 +66,16 @@ def main(args: Args):
     _, _, device = init_distributed()
     t0 = time.time()
     if args.rollout_engine == "sglang":
-        engine = start_sglang(args.model, gpu_id=0, options=SGLangOptions(
-            mem_fraction=args.sglang_mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
-            prefill_cuda_graph=args.prefill_cuda_graph, log_level=args.log_level))
+        engine = start_sglang(
+            args.model,
+            gpu_id=0,
+            options=SGLangOptions(
+                mem_fraction=args.sglang_mem_fraction,
+                cuda_graph_max_bs=args.cuda_graph_max_bs,
+                prefill_cuda_graph=args.prefill_cuda_graph,
+                log_level=args.log_level,
+            ),
+        )
     else:
         engine = HFEngine(args.model)
     release(engine, ALL_TAGS)
@@ -81,10 +89,12 @@ def main(args: Args):
     model_s = time.time() - t0
     n_params = sum(p.numel() for p in policy.parameters())
     examples, _, _ = load_task("addition", None, seed=0, num_eval=0)
-    prompts, examples, _ = tokenize_prompts(tokenizer, examples[:args.prompts_per_step], 256)
-    ids = [p for p in prompts for _ in range(args.group_size)]                     # [B] lists of token ids
+    prompts, examples, _ = tokenize_prompts(tokenizer, examples[: args.prompts_per_step], 256)
+    ids = [p for p in prompts for _ in range(args.group_size)]  # [B] lists of token ids
     seeds = list(range(len(ids)))
-    sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p)
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p
+    )
     params = [sampling.params(s) for s in seeds]
     mem = MemoryLog()
     phases = dict(models=[policy], optimizers=[], offload=False, mem=mem)
@@ -111,12 +121,20 @@ def main(args: Args):
         s_lp, tok_lp = raw(True)
         sleep(engine, device=device, **phases)
         n = sum(map(len, tok_ours))
-        row = {"raw": sum(map(len, tok_raw)) / s_raw, "raw_logprob": sum(map(len, tok_lp)) / s_lp, "ours": n / s_ours,
-               "ours_generate": n / m["time/generate"], "sync_s": m["time/sync_weights"],
-               "identical": sum(a == b for a, b in zip(tok_ours, tok_raw)) / len(ids)}
-        print(f"rep {rep}: ours {row['ours']:.0f} tok/s ({s_ours:.2f} s, generate {m['time/generate']:.2f} s, "
-              f"sync {row['sync_s']:.3f} s) | raw {row['raw']:.0f} tok/s | raw+logprob {row['raw_logprob']:.0f} tok/s | "
-              f"identical responses {row['identical']:.2f}", flush=True)
+        row = {
+            "raw": sum(map(len, tok_raw)) / s_raw,
+            "raw_logprob": sum(map(len, tok_lp)) / s_lp,
+            "ours": n / s_ours,
+            "ours_generate": n / m["time/generate"],
+            "sync_s": m["time/sync_weights"],
+            "identical": sum(a == b for a, b in zip(tok_ours, tok_raw)) / len(ids),
+        }
+        print(
+            f"rep {rep}: ours {row['ours']:.0f} tok/s ({s_ours:.2f} s, generate {m['time/generate']:.2f} s, "
+            f"sync {row['sync_s']:.3f} s) | raw {row['raw']:.0f} tok/s | raw+logprob {row['raw_logprob']:.0f} tok/s | "
+            f"identical responses {row['identical']:.2f}",
+            flush=True,
+        )
         if rep == 0:
             continue
         for k, v in row.items():
@@ -126,17 +144,31 @@ def main(args: Args):
     stop_engine(engine, None)
     med = {k: statistics.median(v) for k, v in results.items()}
     summary = {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": os.path.basename(args.model.rstrip("/")), "params": n_params,
-        "requests": len(ids), "max_new_tokens": args.max_new_tokens,
-        "response_len_mean": response_len_mean, "reps": args.reps,
-        "raw_tokens_per_s": med["raw"], "raw_logprob_tokens_per_s": med["raw_logprob"],
-        "ours_tokens_per_s": med["ours"], "ours_generate_only_tokens_per_s": med["ours_generate"],
-        "rollout_efficiency": med["ours"] / med["raw"], "rollout_efficiency_vs_raw_logprob": med["ours"] / med["raw_logprob"],
-        "sync_s": med["sync_s"], "identical_responses_ours_vs_raw": statistics.mean(results["identical"]),
-        "engine_start_s": engine_s, "model_load_and_shard_s": model_s, "script_s": time.time() - t_launch,
-        "engine_settings": {"mem_fraction": args.sglang_mem_fraction, "cuda_graph_max_bs": args.cuda_graph_max_bs,
-                            "prefill_cuda_graph": args.prefill_cuda_graph, "attention_backend": "triton",
-                            "sampling_backend": "pytorch"},
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "model": os.path.basename(args.model.rstrip("/")),
+        "params": n_params,
+        "requests": len(ids),
+        "max_new_tokens": args.max_new_tokens,
+        "response_len_mean": response_len_mean,
+        "reps": args.reps,
+        "raw_tokens_per_s": med["raw"],
+        "raw_logprob_tokens_per_s": med["raw_logprob"],
+        "ours_tokens_per_s": med["ours"],
+        "ours_generate_only_tokens_per_s": med["ours_generate"],
+        "rollout_efficiency": med["ours"] / med["raw"],
+        "rollout_efficiency_vs_raw_logprob": med["ours"] / med["raw_logprob"],
+        "sync_s": med["sync_s"],
+        "identical_responses_ours_vs_raw": statistics.mean(results["identical"]),
+        "engine_start_s": engine_s,
+        "model_load_and_shard_s": model_s,
+        "script_s": time.time() - t_launch,
+        "engine_settings": {
+            "mem_fraction": args.sglang_mem_fraction,
+            "cuda_graph_max_bs": args.cuda_graph_max_bs,
+            "prefill_cuda_graph": args.prefill_cuda_graph,
+            "attention_backend": "triton",
+            "sampling_backend": "pytorch",
+        },
         "all_reps": results,
         "command": "python " + " ".join(sys.argv),
     }

@@ -40,12 +40,31 @@ from dataclasses import dataclass
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = ("normal_end", "sigint_startup", "sigint_group", "sigterm_parent", "sigterm_group", "sigkill_parent",
-         "killed_scheduler", "crashed_scheduler", "engine_no_memory", "killed_server")
-SERVER_CASES = ("server_sync_ok", "sigterm_mid_sync", "sigkill_mid_sync", "after_sigkill", "nccl_cumem_mismatch",
-                "server_sync_ok", "killed_server_mid_sync")  # in this order: each leaves the server as the next needs it
-HOG = ("import time, torch; free = torch.cuda.mem_get_info()[0]; x = torch.empty(free - (1400 << 20), dtype=torch.uint8, "
-       "device='cuda'); print('holding', flush=True); time.sleep(900)")
+CASES = (
+    "normal_end",
+    "sigint_startup",
+    "sigint_group",
+    "sigterm_parent",
+    "sigterm_group",
+    "sigkill_parent",
+    "killed_scheduler",
+    "crashed_scheduler",
+    "engine_no_memory",
+    "killed_server",
+)
+SERVER_CASES = (
+    "server_sync_ok",
+    "sigterm_mid_sync",
+    "sigkill_mid_sync",
+    "after_sigkill",
+    "nccl_cumem_mismatch",
+    "server_sync_ok",
+    "killed_server_mid_sync",
+)  # in this order: each leaves the server as the next needs it
+HOG = (
+    "import time, torch; free = torch.cuda.mem_get_info()[0]; x = torch.empty(free - (1400 << 20), dtype=torch.uint8, "
+    "device='cuda'); print('holding', flush=True); time.sleep(900)"
+)
 SERVER_PORT = 30556
 
 
@@ -80,10 +99,27 @@ def shared_server(args: "Args") -> subprocess.Popen:
     SERVER["starts"] += 1
     gpu = "0" if args.server_gpu is None else str(args.server_gpu)  # of the GPUs this process sees
     log = os.path.join(args.logs, f"server_{SERVER['starts']}.txt")
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.server_model or args.model, "--port",
-           str(SERVER_PORT), "--skip-tokenizer-init", "--mem-fraction-static", "0.3" if args.server_gpu is None else "0.6",
-           "--attention-backend", "triton", "--sampling-backend", "pytorch", "--cuda-graph-backend-prefill", "disabled",
-           "--disable-cuda-graph", "--base-gpu-id", gpu]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        args.server_model or args.model,
+        "--port",
+        str(SERVER_PORT),
+        "--skip-tokenizer-init",
+        "--mem-fraction-static",
+        "0.3" if args.server_gpu is None else "0.6",
+        "--attention-backend",
+        "triton",
+        "--sampling-backend",
+        "pytorch",
+        "--cuda-graph-backend-prefill",
+        "disabled",
+        "--disable-cuda-graph",
+        "--base-gpu-id",
+        gpu,
+    ]
     os.makedirs(args.logs, exist_ok=True)
     SERVER["proc"] = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     wait_ready(SERVER["proc"], log, "The server is fired up")
@@ -131,7 +167,7 @@ def session_processes(sid: int) -> list[str]:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
-            name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
             if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: session id
                 out.append(f"{pid} {name}")
         except (OSError, ValueError):
@@ -140,8 +176,9 @@ def session_processes(sid: int) -> list[str]:
 
 
 def gpu_mem_used_mib() -> int:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True
+    ).stdout
     return int(out.split()[0])
 
 
@@ -152,7 +189,7 @@ def children(pid: int) -> list[tuple[int, str]]:
         try:
             with open(f"/proc/{p}/stat") as f:
                 stat = f.read()
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
                 with open(f"/proc/{p}/cmdline") as f:
                     found.append((int(p), f.read().replace("\0", " ")))
         except (OSError, ValueError):
@@ -166,11 +203,41 @@ def run_case(case: str, args: Args, index: int) -> dict:
     served = case in SERVER_CASES or case == "killed_server"
     steps = "2" if case in ("normal_end", "server_sync_ok", "after_sigkill") else "500"
     model = args.server_model or args.model if served else args.model
-    cmd = [sys.executable, "grpo.py", "--model", model, "--steps", steps, "--lr", "1e-5", "--micro-batch-size", "128",
-           "--eval-every", "0", "--save-every", "100", "--output-dir", out_dir, "--run-name", "r", *args.grpo_flags.split()]
+    cmd = [
+        sys.executable,
+        "grpo.py",
+        "--model",
+        model,
+        "--steps",
+        steps,
+        "--lr",
+        "1e-5",
+        "--micro-batch-size",
+        "128",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "100",
+        "--output-dir",
+        out_dir,
+        "--run-name",
+        "r",
+        *args.grpo_flags.split(),
+    ]
     if served:
-        cmd += ["--rollout-mode", "server", "--rollout-url", f"http://127.0.0.1:{SERVER_PORT}", "--rollout-timeout", "60"]
-        cmd += ["--rollout-sync-backend", "gloo"] if args.server_gpu is None else ["--sync-bucket-mb", str(args.sync_bucket_mb)]
+        cmd += [
+            "--rollout-mode",
+            "server",
+            "--rollout-url",
+            f"http://127.0.0.1:{SERVER_PORT}",
+            "--rollout-timeout",
+            "60",
+        ]
+        cmd += (
+            ["--rollout-sync-backend", "gloo"]
+            if args.server_gpu is None
+            else ["--sync-bucket-mb", str(args.sync_bucket_mb)]
+        )
     helper = start_helper(case, args, out_dir)
     console_path = os.path.join(out_dir, "console.txt")
     console = open(console_path, "w")
@@ -181,9 +248,15 @@ def run_case(case: str, args: Args, index: int) -> dict:
         env["NCCL_CUMEM_ENABLE"] = "1"
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     sid, t_start = proc.pid, time.time()
-    wait_for = {"normal_end": None, "crashed_scheduler": "Scheduler hit an exception", "sigint_startup": "data:",
-                "engine_no_memory": None, "server_sync_ok": None, "after_sigkill": None, "nccl_cumem_mismatch": None}.get(
-        case, args.wait_for)  # crashed_scheduler: seconds to exit count from the scheduler's error line
+    wait_for = {
+        "normal_end": None,
+        "crashed_scheduler": "Scheduler hit an exception",
+        "sigint_startup": "data:",
+        "engine_no_memory": None,
+        "server_sync_ok": None,
+        "after_sigkill": None,
+        "nccl_cumem_mismatch": None,
+    }.get(case, args.wait_for)  # crashed_scheduler: seconds to exit count from the scheduler's error line
     if wait_for:
         while wait_for not in open(console_path).read():
             if proc.poll() is not None or time.time() - t_start > 300:
@@ -226,13 +299,23 @@ def run_case(case: str, args: Args, index: int) -> dict:
     time.sleep(5)
     text = open(console_path).read()
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    return {"case": case, "seconds_to_exit": round(seconds, 1), "exit_code": code, "server_after": server_after,
-            "step_lines": [line[:160] for line in lines if line.startswith("step ")],
-            "leftover_processes": session_processes(sid), "gpu_mem_after_mib": gpu_mem_used_mib(),
-            "traceback_in_output": "Traceback" in text, "last_line": lines[-1] if lines else "",
-            "checkpoints": sorted(os.listdir(os.path.join(out_dir, "r", "checkpoints")))
-            if os.path.isdir(os.path.join(out_dir, "r", "checkpoints")) else [],
-            "run_folder": sorted(os.listdir(os.path.join(out_dir, "r"))) if os.path.isdir(os.path.join(out_dir, "r")) else []}
+    return {
+        "case": case,
+        "seconds_to_exit": round(seconds, 1),
+        "exit_code": code,
+        "server_after": server_after,
+        "step_lines": [line[:160] for line in lines if line.startswith("step ")],
+        "leftover_processes": session_processes(sid),
+        "gpu_mem_after_mib": gpu_mem_used_mib(),
+        "traceback_in_output": "Traceback" in text,
+        "last_line": lines[-1] if lines else "",
+        "checkpoints": sorted(os.listdir(os.path.join(out_dir, "r", "checkpoints")))
+        if os.path.isdir(os.path.join(out_dir, "r", "checkpoints"))
+        else [],
+        "run_folder": sorted(os.listdir(os.path.join(out_dir, "r")))
+        if os.path.isdir(os.path.join(out_dir, "r"))
+        else [],
+    }
 
 
 def health(port: int) -> str:
@@ -261,9 +344,19 @@ def main(args: Args):
         for leftover in results[-1]["leftover_processes"]:  # nothing carries over into the next case
             os.kill(int(leftover.split()[0]), signal.SIGKILL)
         with open(args.out, "w") as f:  # after every case: a run cut short keeps what it measured
-            json.dump({"gpu": gpu.stdout.strip(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
-                       "server_model": args.server_model, "server_gpu": args.server_gpu,
-                       "command": " ".join(sys.argv), "cases": results}, f, indent=2)
+            json.dump(
+                {
+                    "gpu": gpu.stdout.strip(),
+                    "date": time.strftime("%Y-%m-%d"),
+                    "model": args.model,
+                    "server_model": args.server_model,
+                    "server_gpu": args.server_gpu,
+                    "command": " ".join(sys.argv),
+                    "cases": results,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

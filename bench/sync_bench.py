@@ -13,6 +13,7 @@ the tensors); the rest is ours (all-gathers, handles, barriers). Both ways must 
 the trainer's weights: after each, SGLang samples and the FSDP2 model rescores (mean |log-prob gap|,
 small); with the training weights moved and not synced it is large.
 """
+
 import json
 import statistics
 import sys
@@ -49,7 +50,9 @@ def gap(engine, policy, tp, device, seed: int) -> float:
     g = torch.Generator().manual_seed(seed + dist.get_rank())
     prompts = torch.randint(100, 10000, (16, 32), generator=g).tolist()
     sampling = Sampling(max_new_tokens=32, stop_ids=[0], temperature=1.0)
-    samples = generate(engine, prompts, [seed * 100 + dist.get_rank() * 16 + i for i in range(16)], sampling=sampling, tp=tp)
+    samples = generate(
+        engine, prompts, [seed * 100 + dist.get_rank() * 16 + i for i in range(16)], sampling=sampling, tp=tp
+    )
     batch = collate(samples, pad_id=0)
     batch.old_logprobs, _ = token_logprobs(policy, batch.input_ids.to(device), batch.attention_mask.to(device), 1.0)
     batch.old_logprobs = batch.old_logprobs.cpu()
@@ -63,8 +66,11 @@ def main(args: Args):
     group = tp.process_group or dist.new_group([0])  # one GPU: a group of one, to run the per-rank path there too
     engine = None
     if rank == tp.owner:
-        engine = start_sglang(args.model, gpu_id=0, options=SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=world,
-                                                                          disable_cuda_graph=True))
+        engine = start_sglang(
+            args.model,
+            gpu_id=0,
+            options=SGLangOptions(mem_fraction=args.sglang_mem_fraction, tp_size=world, disable_cuda_graph=True),
+        )
     dist.barrier()
     policy = load_model(args.model, device, torch.float32)
     shard_model(policy, param_dtype=torch.bfloat16)
@@ -79,6 +85,7 @@ def main(args: Args):
             out = update(*args, **kwargs)
             counted.seconds += time.perf_counter() - t0
             return out
+
         engine.update_weights_from_tensor = counted
 
     def timed(mode: str) -> float:
@@ -93,8 +100,17 @@ def main(args: Args):
             inside[mode].append(counted.seconds)
         return time.perf_counter() - t0
 
-    result = {"model": args.model, "params": n_params, "tp": world, "gpu": torch.cuda.get_device_name(),
-              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "first_sync_s": {}, "sync_s": {}, "gap": {}}
+    result = {
+        "model": args.model,
+        "params": n_params,
+        "tp": world,
+        "gpu": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+        "first_sync_s": {},
+        "sync_s": {},
+        "gap": {},
+    }
     for mode in ("owner", "each"):  # first calls (handles opened for the first time), then a check of each
         result["first_sync_s"][mode] = timed(mode)
         result["gap"][mode] = gap(engine, policy, tp, device, seed=len(result["gap"]))
@@ -110,7 +126,7 @@ def main(args: Args):
     result["sync_s_all"] = times
     result["owner_over_each"] = result["sync_s"]["owner"] / result["sync_s"]["each"]
     # where a sync's time goes: SGLang's side (update calls) and ours (gathers, handles, barriers, cache flush)
-    result["sglang_update_s"] = {mode: statistics.median(t[-args.reps:]) for mode, t in inside.items() if t}
+    result["sglang_update_s"] = {mode: statistics.median(t[-args.reps :]) for mode, t in inside.items() if t}
     if rank == 0:
         print(json.dumps(result, indent=2))
         with open(args.out, "w") as f:

@@ -56,31 +56,59 @@ def main(args: Args):
     tools = {name: TOOLS[name] for name in args.tools.split(",")}
     context, specs = tools_prompt(tokenizer, tools, ADDITION_PROMPT)
     stop_ids = stop_token_ids(tokenizer, args.model)
-    engine = (start_sglang(args.model, gpu_id=0, options=SGLangOptions(load_format="auto", disable_cuda_graph=True))
-              if args.rollout_engine == "sglang" else HFEngine(args.model))
-    result = {"model": args.model, "dataset": args.dataset, "tools": args.tools, "engine": args.rollout_engine,
-              "context": context, "samples": args.num_eval_prompts * args.group_size}
+    engine = (
+        start_sglang(args.model, gpu_id=0, options=SGLangOptions(load_format="auto", disable_cuda_graph=True))
+        if args.rollout_engine == "sglang"
+        else HFEngine(args.model)
+    )
+    result = {
+        "model": args.model,
+        "dataset": args.dataset,
+        "tools": args.tools,
+        "engine": args.rollout_engine,
+        "context": context,
+        "samples": args.num_eval_prompts * args.group_size,
+    }
     for with_tools in (True, False):
         chat = {"context": context, "tools": specs} if with_tools else {}
-        _, held, _ = task_prompts(tokenizer, args.dataset, None, seed=0, num_eval=args.num_eval_prompts, max_prompt_len=4096,
-                                  template=ADDITION_PROMPT, **chat)
+        _, held, _ = task_prompts(
+            tokenizer,
+            args.dataset,
+            None,
+            seed=0,
+            num_eval=args.num_eval_prompts,
+            max_prompt_len=4096,
+            template=ADDITION_PROMPT,
+            **chat,
+        )
         ids = [p for p in held.ids for _ in range(args.group_size)]
-        sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            stop_ids=stop_ids + (tool_call_stop_ids(tokenizer) if with_tools else []))
+        sampling = Sampling(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            stop_ids=stop_ids + (tool_call_stop_ids(tokenizer) if with_tools else []),
+        )
         tool_use = ToolUse(tools, tokenizer, ThreadPoolExecutor(16), max_turns=args.max_turns) if with_tools else None
-        samples = generate(engine, ids, list(range(len(ids))), sampling=sampling, tokenizer=tokenizer, tool_use=tool_use)
+        samples = generate(
+            engine, ids, list(range(len(ids))), sampling=sampling, tokenizer=tokenizer, tool_use=tool_use
+        )
         for s, e in zip(samples, [e for e in held.examples for _ in range(args.group_size)]):
             s.answer = e.answer
         n, counts = len(samples), judge(samples, int_match_reward)
         key = "with_tools" if with_tools else "without_tools"
-        result[key] = {"strict_acc": counts["strict"] / n, "format_rate": counts["format"] / n,
-                       "truncated_frac": sum(s.truncated for s in samples) / n}
+        result[key] = {
+            "strict_acc": counts["strict"] / n,
+            "format_rate": counts["format"] / n,
+            "truncated_frac": sum(s.truncated for s in samples) / n,
+        }
         if with_tools:
-            result[key].update({
-                "called_frac": sum(bool(s.tool_calls) for s in samples) / n,
-                "well_formed_call_frac": sum(any(st != "error" for _, st, _ in s.tool_calls) for s in samples) / n,
-                "turns_mean": sum(s.turns for s in samples) / n,
-                "transcripts": [tokenizer.decode(s.response_ids) for s in samples[:6]]})
+            result[key].update(
+                {
+                    "called_frac": sum(bool(s.tool_calls) for s in samples) / n,
+                    "well_formed_call_frac": sum(any(st != "error" for _, st, _ in s.tool_calls) for s in samples) / n,
+                    "turns_mean": sum(s.turns for s in samples) / n,
+                    "transcripts": [tokenizer.decode(s.response_ids) for s in samples[:6]],
+                }
+            )
         print(json.dumps({k: v for k, v in result[key].items() if k != "transcripts"}), key, flush=True)
     stop_engine(engine, None)
     if args.out:

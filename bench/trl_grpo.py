@@ -17,6 +17,7 @@ never back, so from step 1 on it trains in pure bf16 (no fp32 master weights; an
 is below bf16's resolution for most weights). --generation-path generate keeps fp32 weights.
 Writes out_dir/trl_metrics.jsonl (one row per optimizer step) and out_dir/trl_summary.json.
 """
+
 import json
 import os
 import statistics
@@ -120,19 +121,28 @@ class StepLog(TrainerCallback):
         if "train_runtime" in logs:  # the summary log after the last step
             return
         trainer = self.trainer  # set once the trainer exists: it holds the generation timer
-        row = {"step": state.global_step, "perf/step_s": self.step_s, "time/generate": trainer.gen_s,
-               "generate_calls": trainer.gen_calls, **logs}
+        row = {
+            "step": state.global_step,
+            "perf/step_s": self.step_s,
+            "time/generate": trainer.gen_s,
+            "generate_calls": trainer.gen_calls,
+            **logs,
+        }
         trainer.gen_s, trainer.gen_calls = 0.0, 0
         self.rows.append(row)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"step {row['step']} | {row['perf/step_s']:.2f} s (generate {row['time/generate']:.2f} s) | "
-              f"reward {logs.get('reward', float('nan')):.3f} | len {logs.get('completions/mean_length', 0):.1f} | "
-              f"loss {logs.get('loss', float('nan')):.4f} | grad_norm {logs.get('grad_norm', float('nan')):.3f}", flush=True)
+        print(
+            f"step {row['step']} | {row['perf/step_s']:.2f} s (generate {row['time/generate']:.2f} s) | "
+            f"reward {logs.get('reward', float('nan')):.3f} | len {logs.get('completions/mean_length', 0):.1f} | "
+            f"loss {logs.get('loss', float('nan')):.4f} | grad_norm {logs.get('grad_norm', float('nan')):.3f}",
+            flush=True,
+        )
 
 
 class TimedGRPOTrainer(GRPOTrainer):
     """GRPOTrainer that also times its generation (TRL's own profiling only reports to wandb/mlflow/trackio)."""
+
     gen_s, gen_calls = 0.0, 0
 
     def _generate_single_turn(self, *a, **kw):
@@ -147,13 +157,16 @@ def main(args: Args):
     t_launch = time.time()
     completions_per_step = args.prompts_per_step * args.group_size
     if completions_per_step % args.micro_batch_size:
-        raise SystemExit(f"--micro-batch-size {args.micro_batch_size} must divide the {completions_per_step} completions per step")
+        raise SystemExit(
+            f"--micro-batch-size {args.micro_batch_size} must divide the {completions_per_step} completions per step"
+        )
     os.makedirs(args.out_dir, exist_ok=True)
 
     # ---- data: our addition split, one user turn; TRL applies the chat template as data.tokenize_prompts does
     train_examples, _, _ = load_task("addition", None, seed=args.seed, num_eval=0)
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": e.prompt}], "answer": e.answer}
-                                 for e in train_examples])
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": e.prompt}], "answer": e.answer} for e in train_examples]
+    )
 
     # ALGO: the reward of grpo.py's reward_fn (format_weight 0), through reward.score (a raising reward is a 0)
     def reward_one(completion: str, answer: str) -> float:
@@ -166,29 +179,55 @@ def main(args: Args):
         return [score(reward_one, c[0]["content"], a)[0] for c, a in zip(completions, answer)]
 
     config = GRPOConfig(
-        output_dir=args.out_dir, max_steps=args.max_steps, seed=args.seed, report_to="none", save_strategy="no",
-        logging_steps=1, disable_tqdm=True, bf16=args.bf16, use_cpu=not torch.cuda.is_available(),
+        output_dir=args.out_dir,
+        max_steps=args.max_steps,
+        seed=args.seed,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        bf16=args.bf16,
+        use_cpu=not torch.cuda.is_available(),
         gradient_checkpointing=args.gradient_checkpointing,
         model_init_kwargs={"dtype": torch.float32, "attn_implementation": args.attn_implementation},
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
         max_grad_norm=args.max_grad_norm,
         # one generation of 512 per optimizer step: per_device_train_batch_size x accumulation = 512
         per_device_train_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=completions_per_step // args.micro_batch_size,
-        num_generations=args.group_size, max_completion_length=args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, top_k=0,
-        beta=args.beta, epsilon=args.clip_low, epsilon_high=args.clip_high, num_iterations=1,
-        scale_rewards="group" if args.scale_rewards else "none", loss_type=args.loss_type,
+        num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=0,
+        beta=args.beta,
+        epsilon=args.clip_low,
+        epsilon_high=args.clip_high,
+        num_iterations=1,
+        scale_rewards="group" if args.scale_rewards else "none",
+        loss_type=args.loss_type,
         use_transformers_continuous_batching=args.generation_path == "paged",
         # CUDA graphs off, as TRL's authors advise for training (they are off anyway with sdpa's attention mask)
-        transformers_continuous_batching_config={"max_memory_percent": args.paged_mem_fraction, "use_cuda_graph": False},
+        transformers_continuous_batching_config={
+            "max_memory_percent": args.paged_mem_fraction,
+            "use_cuda_graph": False,
+        },
     )
-    if (config.generation_batch_size, config.steps_per_generation) != (completions_per_step, config.gradient_accumulation_steps):
-        raise SystemExit(f"TRL would generate {config.generation_batch_size} completions every {config.steps_per_generation} "
-                         f"micro-steps, not {completions_per_step} per optimizer step: check this TRL version's GRPOConfig")
+    if (config.generation_batch_size, config.steps_per_generation) != (
+        completions_per_step,
+        config.gradient_accumulation_steps,
+    ):
+        raise SystemExit(
+            f"TRL would generate {config.generation_batch_size} completions every {config.steps_per_generation} "
+            f"micro-steps, not {completions_per_step} per optimizer step: check this TRL version's GRPOConfig"
+        )
     log = StepLog(os.path.join(args.out_dir, "trl_metrics.jsonl"), t_launch, args.max_seconds)
-    trainer = TimedGRPOTrainer(model=args.model, reward_funcs=reward_fn, args=config, train_dataset=dataset,
-                               callbacks=[log])
+    trainer = TimedGRPOTrainer(
+        model=args.model, reward_funcs=reward_fn, args=config, train_dataset=dataset, callbacks=[log]
+    )
     log.trainer = trainer
     trainer.remove_callback(PrinterCallback)  # our one line per step replaces its dict dump
 
@@ -199,14 +238,25 @@ def main(args: Args):
     timed = rows[1:] or rows  # step 1 also pays for warm-up: left out of the means
     summary = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
-        "generation_path": args.generation_path, "bf16": args.bf16, "loss_type": args.loss_type,
-        "steps": len(rows), "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
-        "seconds_per_step": statistics.mean(r["perf/step_s"] for r in timed), "seconds_per_step_excludes_step_1": len(rows) > 1,
+        "trl": trl.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "generation_path": args.generation_path,
+        "bf16": args.bf16,
+        "loss_type": args.loss_type,
+        "steps": len(rows),
+        "prompts_per_step": args.prompts_per_step,
+        "group_size": args.group_size,
+        "seconds_per_step": statistics.mean(r["perf/step_s"] for r in timed),
+        "seconds_per_step_excludes_step_1": len(rows) > 1,
         "generate_s_per_step": statistics.mean(r["time/generate"] for r in timed),
         "generate_calls_per_step": sorted({r["generate_calls"] for r in rows}),
-        "startup_to_first_step_s": log.startup_s, "train_s": time.time() - t0, "wall_clock_s": time.time() - t_launch,
-        "new_tokens_per_s": statistics.mean(r["completions/mean_length"] * completions_per_step / r["perf/step_s"] for r in timed),
+        "startup_to_first_step_s": log.startup_s,
+        "train_s": time.time() - t0,
+        "wall_clock_s": time.time() - t_launch,
+        "new_tokens_per_s": statistics.mean(
+            r["completions/mean_length"] * completions_per_step / r["perf/step_s"] for r in timed
+        ),
         "reward_curve": [[r["step"], r.get("reward")] for r in rows],
         "final_reward": rows[-1].get("reward"),
         "param_dtype_after_training": str(next(trainer.model.parameters()).dtype),

@@ -15,8 +15,14 @@ for path in (ROOT, os.path.join(ROOT, "tests")):  # `from grpo import ...`, `fro
 
 def torchrun_check(script: str, *args: str) -> subprocess.CompletedProcess:
     """tests/<script> under torchrun as two CPU ranks (gloo): the checks that need a real two-rank world."""
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.fixture(autouse=True)

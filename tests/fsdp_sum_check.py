@@ -16,9 +16,9 @@ from fsdp import all_reduce, init_distributed, load_model, shard_model, token_lo
 
 rank, world, device = init_distributed()
 torch.manual_seed(0)
-ids = torch.randint(1, 100, (4, 6))                                       # [B, T], the same on every rank
+ids = torch.randint(1, 100, (4, 6))  # [B, T], the same on every rank
 mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 1, 1]], dtype=torch.float)  # [B, T-1]
-num_tokens = float(all_reduce(mask[rank::world].sum()))                   # the whole batch's, over ranks
+num_tokens = float(all_reduce(mask[rank::world].sum()))  # the whole batch's, over ranks
 
 
 def loss_of(model, rows):

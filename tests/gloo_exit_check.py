@@ -24,7 +24,7 @@ def main(model_dir: str):
     rank, world, device = init_distributed()
     policy = shard_model(load_model(model_dir, device, torch.float32), param_dtype=None)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-4)
-    ids = torch.randint(1, 100, (2, 8))                                   # [B, T]
+    ids = torch.randint(1, 100, (2, 8))  # [B, T]
     for _ in range(3):
         logp, _ = token_logprobs(policy, ids, torch.ones_like(ids), 1.0)  # [B, T-1]
         logp.mean().backward()

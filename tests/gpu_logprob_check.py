@@ -67,13 +67,21 @@ def main(args: Args):
     _, _, DEVICE = init_distributed()
     backend = None  # of the weight sync to a launched server
     if args.rollout_engine == "sglang":
-        engine = start_sglang(args.model, gpu_id=0, options=SGLangOptions(mem_fraction=args.sglang_mem_fraction, disable_cuda_graph=True))
+        engine = start_sglang(
+            args.model, gpu_id=0, options=SGLangOptions(mem_fraction=args.sglang_mem_fraction, disable_cuda_graph=True)
+        )
     elif args.rollout_engine == "launched":
         two = torch.cuda.device_count() >= 2
         backend = "nccl" if two else "gloo"
-        urls, processes = launch_servers(args.model, gpus=[1 if two else 0], tp_size=1, seed=0, mem_fraction=None if two else
-                                         args.sglang_mem_fraction, options=SGLangOptions(disable_cuda_graph=True),
-                                         log_dir=os.path.dirname(os.path.abspath(args.out)))
+        urls, processes = launch_servers(
+            args.model,
+            gpus=[1 if two else 0],
+            tp_size=1,
+            seed=0,
+            mem_fraction=None if two else args.sglang_mem_fraction,
+            options=SGLangOptions(disable_cuda_graph=True),
+            log_dir=os.path.dirname(os.path.abspath(args.out)),
+        )
         engine = ServerEngine(urls, processes=processes, timeout_s=300, model=args.model, sync_backend=backend)
     else:
         engine = HFEngine(args.model)
@@ -85,7 +93,7 @@ def main(args: Args):
     policy = load_model(args.model, DEVICE, torch.float32)
     shard_model(policy)
     _, test = addition_task(seed=0)
-    prompts, _, _ = tokenize_prompts(tokenizer, test[:args.num_eval_prompts], 256)
+    prompts, _, _ = tokenize_prompts(tokenizer, test[: args.num_eval_prompts], 256)
     log = MemoryLog()
     result = {}
 
@@ -113,9 +121,16 @@ def main(args: Args):
     engine.flush_cache()
     result["garbage"] = mean_abs_diff(engine, policy, prompts, stop_ids, args, 3000)
 
-    result.update({"model": args.model, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                   "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "engine": args.rollout_engine,
-                   "sync_backend": backend})
+    result.update(
+        {
+            "model": args.model,
+            "num_prompts": len(prompts),
+            "max_new_tokens": args.max_new_tokens,
+            "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
+            "engine": args.rollout_engine,
+            "sync_backend": backend,
+        }
+    )
     print(json.dumps(result, indent=2))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -38,8 +38,9 @@ if mode == "engine_child":
     class EngineWithChild(rollout.HFEngine):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,), daemon=True,
-                                                                      name="scheduler-stand-in")
+            self.child = multiprocessing.get_context("fork").Process(
+                target=time.sleep, args=(600,), daemon=True, name="scheduler-stand-in"
+            )
             self.child.start()
             self.processes = [self.child]
             print(f"engine child pid {self.child.pid}", flush=True)
@@ -53,7 +54,9 @@ elif mode in ("nan_reward", "raising_reward", "slow_reward"):
     calls, lock, real = {"n": 0}, threading.Lock(), reward.format_reward
     per_step = int(os.environ.get("PATCH_SAMPLES_PER_STEP", "16"))
 
-    def format_reward(completion: str, kind: str = "gsm8k") -> float:  # reward_fn adds format_weight * this: NaN * 0 is NaN
+    def format_reward(
+        completion: str, kind: str = "gsm8k"
+    ) -> float:  # reward_fn adds format_weight * this: NaN * 0 is NaN
         if sys._getframe(1).f_code.co_name != "reward_fn":  # the metrics' own calls (reward.judge): the real one
             return real(completion, kind)
         with lock:  # reward calls run in threads (reward.score_all)
@@ -92,7 +95,9 @@ elif mode == "tool_caller":
 
     import rollout
 
-    CALL = os.environ.get("PATCH_TOOL_CALL", '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>')
+    CALL = os.environ.get(
+        "PATCH_TOOL_CALL", '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'
+    )
 
     class ToolCaller(rollout.HFEngine):
         async def async_generate(self, input_ids, sampling_params, return_logprob=False):
@@ -104,10 +109,17 @@ elif mode == "tool_caller":
                 return await super().async_generate(input_ids, sampling_params, return_logprob)
             forced = tok.encode(CALL, add_special_tokens=False) + [tok.eos_token_id]
             with torch.no_grad():
-                logits = self.model(torch.tensor([input_ids + forced])).logits[0, len(input_ids) - 1:-1].float()
-            logp = torch.log_softmax(logits / sampling_params["temperature"], -1).gather(-1, torch.tensor(forced)[:, None])
-            return {"output_ids": forced, "meta_info": {"finish_reason": {"type": "stop"},
-                                                        "output_token_logprobs": [(lp, t, None) for lp, t in zip(logp[:, 0].tolist(), forced)]}}
+                logits = self.model(torch.tensor([input_ids + forced])).logits[0, len(input_ids) - 1 : -1].float()
+            logp = torch.log_softmax(logits / sampling_params["temperature"], -1).gather(
+                -1, torch.tensor(forced)[:, None]
+            )
+            return {
+                "output_ids": forced,
+                "meta_info": {
+                    "finish_reason": {"type": "stop"},
+                    "output_token_logprobs": [(lp, t, None) for lp, t in zip(logp[:, 0].tolist(), forced)],
+                },
+            }
 
     rollout.HFEngine = ToolCaller
 elif mode == "engine_owner":
@@ -117,8 +129,11 @@ elif mode == "engine_owner":
 
     def start_engine(kind, *args, **kwargs):
         env = os.environ
-        print(f"engine {kind} started by rank {env['RANK']} on node {env['GROUP_RANK']} (local rank {env['LOCAL_RANK']}, "
-              f"CUDA_VISIBLE_DEVICES {env.get('CUDA_VISIBLE_DEVICES', 'unset')})", flush=True)
+        print(
+            f"engine {kind} started by rank {env['RANK']} on node {env['GROUP_RANK']} (local rank {env['LOCAL_RANK']}, "
+            f"CUDA_VISIBLE_DEVICES {env.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+            flush=True,
+        )
         return real_start(kind, *args, **kwargs)
 
     rollout.start_engine = start_engine
@@ -140,15 +155,22 @@ elif mode == "sglang_start_fails":
         if os.environ.get("PATCH_SGLANG_FAIL") == "killed":
             os.kill(os.getpid(), signal.SIGKILL)
         try:
-            raise RuntimeError(f"Not enough memory. Please try to increase --mem-fraction-static. "
-                               f"Current value: mem_fraction_static={mem_fraction}")
+            raise RuntimeError(
+                f"Not enough memory. Please try to increase --mem-fraction-static. "
+                f"Current value: mem_fraction_static={mem_fraction}"
+            )
         except RuntimeError:
-            print(f"[stand-in SGLang] Scheduler hit an exception: {traceback.format_exc()}", file=sys.stderr, flush=True)
+            print(
+                f"[stand-in SGLang] Scheduler hit an exception: {traceback.format_exc()}", file=sys.stderr, flush=True
+            )
             os.kill(os.getppid(), signal.SIGQUIT)
 
     def launch_phase_sigquit_handler(signum, frame):  # SGLang's: the whole process tree, this process included
-        print("[stand-in SGLang] Received sigquit from a child process. It usually means the child failed.", file=sys.stderr,
-              flush=True)
+        print(
+            "[stand-in SGLang] Received sigquit from a child process. It usually means the child failed.",
+            file=sys.stderr,
+            flush=True,
+        )
         for p in multiprocessing.active_children():
             p.kill()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -157,6 +179,7 @@ elif mode == "sglang_start_fails":
         """SGLang 0.5.16's Engine.__init__ up to the failure (entrypoints/engine.py): the SIGQUIT handler of its
         launch phase (custom_sigquit_handler, or its own), its settings pickled for the scheduler process (spawn),
         the scheduler started through run_scheduler_process_func, its pipe polled as _wait_for_scheduler_ready does."""
+
         run_scheduler_process_func = staticmethod(failing_scheduler)
         run_detokenizer_process_func = staticmethod(time.sleep)
 
@@ -169,8 +192,9 @@ elif mode == "sglang_start_fails":
                 logging.getLogger("sglang.srt.entrypoints.engine").error(f"Using custom SIGQUIT handler: {handler}")
             signal.signal(signal.SIGQUIT, handler)
             reader, writer = multiprocessing.Pipe(duplex=False)
-            proc = multiprocessing.get_context("fork").Process(target=self.run_scheduler_process_func,
-                                                               args=(writer, kwargs["mem_fraction_static"]))
+            proc = multiprocessing.get_context("fork").Process(
+                target=self.run_scheduler_process_func, args=(writer, kwargs["mem_fraction_static"])
+            )
             proc.start()
             while not reader.poll(timeout=1.0):  # SGLang polls every 5 s
                 if not proc.is_alive():
@@ -181,8 +205,9 @@ elif mode == "sglang_start_fails":
 
     logging.basicConfig(format="[%(asctime)s] %(message)s", level=logging.ERROR)  # SGLang's configure_logger
     install_fake_sglang(pytest.MonkeyPatch(), FailingEngine)
-    rollout.start_engine = lambda kind, model, *, seed, sglang=None, dtype=None: rollout.start_sglang(model, gpu_id=0, seed=seed,
-                                                                                          options=sglang)
+    rollout.start_engine = lambda kind, model, *, seed, sglang=None, dtype=None: rollout.start_sglang(
+        model, gpu_id=0, seed=seed, options=sglang
+    )
 elif mode == "phases":
     import memory
     import reward_model
@@ -191,6 +216,7 @@ elif mode == "phases":
         def call(*args, **kwargs):
             print(f"phase {name}: {sorted(type(m).__name__ for m in kwargs.get('models', []))}", flush=True)
             return fn(*args, **kwargs)
+
         return call
 
     memory.wake_up, memory.sleep = watched("wake_up", memory.wake_up), watched("sleep", memory.sleep)

@@ -17,13 +17,21 @@ from reward_model import check_reward_model, load_reward_model, score_conversati
 
 rank, world, device = init_distributed()
 texts = ["1 + 1 = 2", "What is 12 + 30? #### 42 and some more words", "no", "3 + 4 is 7, so #### 7"]
-conversations = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": t}]
-                 for i, t in enumerate(texts)]
+conversations = [
+    [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": t}] for i, t in enumerate(texts)
+]
 mine = [0, 1, 2] if rank == 0 else [3]
 tokenizer, template, _ = check_reward_model(sys.argv[1])
 rm = load_reward_model(sys.argv[1], device, torch.float32)
-scores, _ = score_conversations(rm, [conversations[i] for i in mine], tokenizer=tokenizer, template=template,
-                                max_len=64, micro_batch_size=1, device=device)
+scores, _ = score_conversations(
+    rm,
+    [conversations[i] for i in mine],
+    tokenizer=tokenizer,
+    template=template,
+    max_len=64,
+    micro_batch_size=1,
+    device=device,
+)
 gathered = [None] * world
 dist.all_gather_object(gathered, (mine, scores.tolist()))
 if rank == 0:

@@ -52,8 +52,14 @@ class StandInSandbox:
         if self.mode == "huge":
             run["stdout"] = "x" * (sandbox.SERVICE_MAX_BYTES + 10)
         run["execution_time"] = time.time() - t0
-        return {"status": "Success" if run["status"] == "Finished" else "Failed", "message": "", "compile_result": None,
-                "run_result": run, "executor_pod_name": None, "files": {}}
+        return {
+            "status": "Success" if run["status"] == "Finished" else "Failed",
+            "message": "",
+            "compile_result": None,
+            "run_result": run,
+            "executor_pod_name": None,
+            "files": {},
+        }
 
     def _handler(self):
         service = self

@@ -41,8 +41,18 @@ GENERATE = threading.Lock()  # one generation at a time in this process: torch's
 
 
 class StandInServer:
-    def __init__(self, model_dir: str, *, starting: int = 0, delay_s: float = 0.0, seed: int = 0, port: int = 0,
-                 sync_fail_at: int = 0, sync_hang_at: int = 0, health_check_s: float = 20.0):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        starting: int = 0,
+        delay_s: float = 0.0,
+        seed: int = 0,
+        port: int = 0,
+        sync_fail_at: int = 0,
+        sync_hang_at: int = 0,
+        health_check_s: float = 20.0,
+    ):
         self.engine, self.starting, self.delay_s = HFEngine(model_dir, seed=seed), starting, delay_s
         self.sync_fail_at, self.sync_hang_at, self.health_check_s = sync_fail_at, sync_hang_at, health_check_s
         self.buckets, self.stuck = 0, threading.Event()
@@ -84,9 +94,15 @@ class StandInServer:
             def do_POST(self):
                 payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path == "/init_weights_update_group":  # blocks until every member joined, as SGLang's
-                    stand_in.group = join_group(address=payload["master_address"], port=payload["master_port"],
-                                                world_size=payload["world_size"], rank=payload["rank_offset"],
-                                                group_name=payload["group_name"], backend=payload["backend"], timeout_s=60)
+                    stand_in.group = join_group(
+                        address=payload["master_address"],
+                        port=payload["master_port"],
+                        world_size=payload["world_size"],
+                        rank=payload["rank_offset"],
+                        group_name=payload["group_name"],
+                        backend=payload["backend"],
+                        timeout_s=60,
+                    )
                     return self.answer(200, {"success": True, "message": "joined"})
                 if self.path == "/update_weights_from_distributed":
                     return self.answer(*stand_in.receive(payload))
@@ -96,14 +112,18 @@ class StandInServer:
                 if self.path != "/generate":
                     return self.answer(404, {"error": self.path})
                 stand_in.requests.append(payload)
-                stand_in.events.append(["generate", len(payload["input_ids"]), sum(e[0] == "flush" for e in stand_in.events)])
+                stand_in.events.append(
+                    ["generate", len(payload["input_ids"]), sum(e[0] == "flush" for e in stand_in.events)]
+                )
                 time.sleep(stand_in.delay_s)
                 batch = isinstance(payload["input_ids"][0], list)
                 ids = payload["input_ids"] if batch else [payload["input_ids"]]
                 params = payload["sampling_params"] if batch else [payload["sampling_params"]]
                 with GENERATE:  # each request alone, with its own seed, as SGLang samples it
-                    outs = [stand_in.engine.generate([p], [sp], payload.get("return_logprob", False))[0]
-                            for p, sp in zip(ids, params)]
+                    outs = [
+                        stand_in.engine.generate([p], [sp], payload.get("return_logprob", False))[0]
+                        for p, sp in zip(ids, params)
+                    ]
                 self.answer(200, outs if batch else outs[0])
 
         self.http = ThreadingHTTPServer(("127.0.0.1", port), Handler)
@@ -115,19 +135,25 @@ class StandInServer:
         assert payload["load_format"] == "flattened_bucket", payload["load_format"]
         self.buckets += 1
         if self.buckets == self.sync_fail_at:
-            return 400, {"success": False, "message": "Failed to update parameter online: NCCL error in: broadcast, "
-                                                      "unhandled cuda error (stand-in). The full weights of the ModelRunner "
-                                                      "are partially updated. Please discard the whole weights."}
+            return 400, {
+                "success": False,
+                "message": "Failed to update parameter online: NCCL error in: broadcast, "
+                "unhandled cuda error (stand-in). The full weights of the ModelRunner "
+                "are partially updated. Please discard the whole weights.",
+            }
         if self.buckets == self.sync_hang_at:
             self.stuck.set()
             time.sleep(10**6)
-        shaped = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in zip(payload["dtypes"], payload["shapes"])]
+        shaped = [
+            torch.empty(shape, dtype=getattr(torch, dtype))
+            for dtype, shape in zip(payload["dtypes"], payload["shapes"])
+        ]
         flat = torch.empty(sum(t.numel() * t.element_size() for t in shaped), dtype=torch.uint8)
         dist.broadcast(flat, src=0, group=self.group)
         offset, named = 0, []
         for name, t in zip(payload["names"], shaped):
             n = t.numel() * t.element_size()
-            named.append((name, flat[offset:offset + n].view(t.dtype).view(t.shape)))
+            named.append((name, flat[offset : offset + n].view(t.dtype).view(t.shape)))
             offset += n
         try:
             with GENERATE:
@@ -148,6 +174,7 @@ class StandInServer:
 
 if __name__ == "__main__":  # python tests/stand_in_server.py MODEL_DIR [--port P], or with sglang.launch_server's flags
     import argparse
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-path")
     parser.add_argument("--port", type=int, default=0)
@@ -155,7 +182,12 @@ if __name__ == "__main__":  # python tests/stand_in_server.py MODEL_DIR [--port 
     parser.add_argument("--sync-hang-at", type=int, default=0)
     parser.add_argument("--health-check-s", type=float, default=20.0)
     cli, rest = parser.parse_known_args()  # the rest of launch_servers' flags mean nothing on a CPU
-    server = StandInServer(cli.model_path or rest[0], port=cli.port, sync_fail_at=cli.sync_fail_at,
-                           sync_hang_at=cli.sync_hang_at, health_check_s=cli.health_check_s)
+    server = StandInServer(
+        cli.model_path or rest[0],
+        port=cli.port,
+        sync_fail_at=cli.sync_fail_at,
+        sync_hang_at=cli.sync_hang_at,
+        health_check_s=cli.health_check_s,
+    )
     print(f"ready {server.url}", flush=True)
     server.http.serve_forever()

@@ -27,8 +27,15 @@ class LocalSerializedTensor:  # SGLang's: values[i] is what TP worker i opens
     values: list
 
 
-stand_ins = {"sglang": {}, "sglang.srt": {}, "sglang.srt.model_executor": {}, "sglang.srt.model_executor.model_runner_components": {},
-             "sglang.srt.model_executor.model_runner_components.weight_updater": {"LocalSerializedTensor": LocalSerializedTensor}}
+stand_ins = {
+    "sglang": {},
+    "sglang.srt": {},
+    "sglang.srt.model_executor": {},
+    "sglang.srt.model_executor.model_runner_components": {},
+    "sglang.srt.model_executor.model_runner_components.weight_updater": {
+        "LocalSerializedTensor": LocalSerializedTensor
+    },
+}
 for name, attrs in stand_ins.items():
     sys.modules[name] = types.SimpleNamespace(**attrs)
 # on a GPU, a handle is torch's pickling of a CUDA tensor; here a copy that says which rank made it

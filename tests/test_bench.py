@@ -12,19 +12,36 @@ def fake_run(folder, world_size, tokens_per_s):
     os.makedirs(folder)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         for step, tps in enumerate(tokens_per_s, 1):
-            f.write(json.dumps({"step": step, "train/loss": 0.0, "perf/rollout_tokens_per_s": tps, "perf/step_s": 10.0,
-                                "time/generate": 4.0, "time/sync_weights": 0.1}) + "\n")
-    json.dump({"world_size": world_size, "gpu": "H", "date": "d", "command": "c", "torch": "t"},
-              open(os.path.join(folder, "run_info.json"), "w"))
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "train/loss": 0.0,
+                        "perf/rollout_tokens_per_s": tps,
+                        "perf/step_s": 10.0,
+                        "time/generate": 4.0,
+                        "time/sync_weights": 0.1,
+                    }
+                )
+                + "\n"
+            )
+    json.dump(
+        {"world_size": world_size, "gpu": "H", "date": "d", "command": "c", "torch": "t"},
+        open(os.path.join(folder, "run_info.json"), "w"),
+    )
     json.dump({"prompts_per_step": 16 * world_size}, open(os.path.join(folder, "args.json"), "w"))
 
 
 def test_scaling_efficiency_is_tokens_per_gpu_relative_to_one_gpu(tmp_path):
     fake_run(tmp_path / "runs" / "scale_1gpu", 1, [999.0, 1000.0, 1000.0])  # step 1 (warm-up) is left out
-    fake_run(tmp_path / "runs" / "scale_4gpu", 4, [1.0, 3000.0, 3400.0])     # 3200 tok/s on 4 GPUs
+    fake_run(tmp_path / "runs" / "scale_4gpu", 4, [1.0, 3000.0, 3400.0])  # 3200 tok/s on 4 GPUs
     out = tmp_path / "scaling.json"
-    subprocess.run([sys.executable, "bench/report.py", "scaling", str(tmp_path / "runs"), "--out", str(out)],
-                   cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "bench/report.py", "scaling", str(tmp_path / "runs"), "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     runs = json.loads(out.read_text())["runs"]
     assert [r["gpus"] for r in runs] == [1, 4]
     assert runs[0]["rollout_scaling_efficiency"] == 1.0
@@ -36,14 +53,38 @@ def fake_tool_run(folder, tools, evals, used, tokens_per_s, gap):
     os.makedirs(folder)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         for step, tps in enumerate(tokens_per_s, 1):
-            f.write(json.dumps({"step": step, "train/loss": 0.0, "perf/rollout_tokens_per_s": tps, "perf/step_s": 5.0,
-                                "rollout/strict_acc": 0.5, "rollout/logprob_abs_diff": gap * step / len(tokens_per_s),
-                                **({"tools/used_frac": used, "tools/calls_per_sample": used, "tools/errors": 2.0,
-                                    "tools/timeouts": 0.0, "tools/seconds": 0.01} if tools else {})}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "train/loss": 0.0,
+                        "perf/rollout_tokens_per_s": tps,
+                        "perf/step_s": 5.0,
+                        "rollout/strict_acc": 0.5,
+                        "rollout/logprob_abs_diff": gap * step / len(tokens_per_s),
+                        **(
+                            {
+                                "tools/used_frac": used,
+                                "tools/calls_per_sample": used,
+                                "tools/errors": 2.0,
+                                "tools/timeouts": 0.0,
+                                "tools/seconds": 0.01,
+                            }
+                            if tools
+                            else {}
+                        ),
+                    }
+                )
+                + "\n"
+            )
         for step, acc in evals.items():
-            f.write(json.dumps({"step": step, "eval/strict_acc": acc, "eval/tool_used_frac": used if tools else 0.0}) + "\n")
-    json.dump({"world_size": 1, "gpu": "H", "date": "d", "command": "c", "torch": "t"},
-              open(os.path.join(folder, "run_info.json"), "w"))
+            f.write(
+                json.dumps({"step": step, "eval/strict_acc": acc, "eval/tool_used_frac": used if tools else 0.0}) + "\n"
+            )
+    json.dump(
+        {"world_size": 1, "gpu": "H", "date": "d", "command": "c", "torch": "t"},
+        open(os.path.join(folder, "run_info.json"), "w"),
+    )
     json.dump({"num_eval_prompts": 8, "tools": tools}, open(os.path.join(folder, "args.json"), "w"))
 
 
@@ -51,8 +92,12 @@ def test_tools_report_pairs_the_runs_with_and_without_tools(tmp_path):
     fake_tool_run(tmp_path / "runs" / "tools_calculator", "calculator", {0: 0.25, 2: 0.75}, 1.0, [1.0, 600.0], 0.03)
     fake_tool_run(tmp_path / "runs" / "tools_none", "", {0: 0.0, 2: 0.125}, 0.0, [1.0, 1000.0], 0.02)
     out = tmp_path / "tools.json"
-    subprocess.run([sys.executable, "bench/report.py", "tools", str(tmp_path / "runs"), "--out", str(out)],
-                   cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "bench/report.py", "tools", str(tmp_path / "runs"), "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     r = json.loads(out.read_text())
     assert (r["with_tools_final_strict_acc"], r["without_tools_final_strict_acc"]) == (0.75, 0.125)
     assert r["multiturn_logprob_gap_max"] == 0.03
@@ -66,13 +111,28 @@ def fake_server_run(folder, evals, step_s, gap, staleness=0.0):
     os.makedirs(folder)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         for step in (1, 2, 3):
-            f.write(json.dumps({"step": step, "train/loss": 0.0, "perf/step_s": 99.0 if step == 1 else step_s,
-                                "rollout/logprob_abs_diff": gap / step, "rollout/staleness": staleness * (step > 1),
-                                "time/generate": 1.0, "time/sync_weights": 0.1, "time/logprob": 1.0, "time/update": 2.0}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "train/loss": 0.0,
+                        "perf/step_s": 99.0 if step == 1 else step_s,
+                        "rollout/logprob_abs_diff": gap / step,
+                        "rollout/staleness": staleness * (step > 1),
+                        "time/generate": 1.0,
+                        "time/sync_weights": 0.1,
+                        "time/logprob": 1.0,
+                        "time/update": 2.0,
+                    }
+                )
+                + "\n"
+            )
         for step, (strict, flexible) in evals.items():
             f.write(json.dumps({"step": step, "eval/strict_acc": strict, "eval/flexible_acc": flexible}) + "\n")
-    json.dump({"world_size": 1, "gpu": "H", "date": "d", "command": "c", "torch": "t"},
-              open(os.path.join(folder, "run_info.json"), "w"))
+    json.dump(
+        {"world_size": 1, "gpu": "H", "date": "d", "command": "c", "torch": "t"},
+        open(os.path.join(folder, "run_info.json"), "w"),
+    )
     json.dump({"num_eval_prompts": 8}, open(os.path.join(folder, "args.json"), "w"))
 
 
@@ -81,12 +141,20 @@ def test_server_report_compares_after_the_same_updates(tmp_path):
     fake_server_run(tmp_path / "runs" / "server_sync", {0: (0.0, 0.1), 2: (0.625, 0.7)}, 4.0, 0.05)  # stopped before 3
     fake_server_run(tmp_path / "runs" / "server_async", {0: (0.0, 0.1), 3: (0.5, 0.5)}, 2.5, 0.3, staleness=1.0)
     out = tmp_path / "server.json"
-    subprocess.run([sys.executable, "bench/report.py", "server", str(tmp_path / "runs"), "--out", str(out)],
-                   cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "bench/report.py", "server", str(tmp_path / "runs"), "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     r = json.loads(out.read_text())
     assert (r["acc_gap_after_updates"], r["server_acc_gap"], r["server_flexible_acc_gap"]) == (2, -0.125, -0.1)
     assert r["server_logprob_gap_max"] == 0.05 and r["async_speedup"] == 4.0 / 2.5  # step 1 (warm-up) left out
-    assert r["runs"]["server_async"]["staleness_mean"] == 2 / 3 and set(r["runs"]) == {"colocate", "server_sync", "server_async"}
+    assert r["runs"]["server_async"]["staleness_mean"] == 2 / 3 and set(r["runs"]) == {
+        "colocate",
+        "server_sync",
+        "server_async",
+    }
 
 
 def test_arith_report_draws_its_curves_with_plot_py(tmp_path):
@@ -99,12 +167,30 @@ def test_arith_report_draws_its_curves_with_plot_py(tmp_path):
     with open(run / "metrics.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps({**r, **(sampled if "train/loss" in r else {"eval/format_rate": 0.8})}) + "\n")
-    json.dump({"num_eval_prompts": 8, "prompts_per_step": 4, "group_size": 4, "run_name": "grpo_arith", "model": "m"},
-              open(run / "args.json", "w"))
+    json.dump(
+        {"num_eval_prompts": 8, "prompts_per_step": 4, "group_size": 4, "run_name": "grpo_arith", "model": "m"},
+        open(run / "args.json", "w"),
+    )
     out, png, compare_png = tmp_path / "arith.json", tmp_path / "arith.png", tmp_path / "compare.png"
-    subprocess.run([sys.executable, "bench/report.py", "arith", str(run), "--out", str(out), "--png", str(png),
-                    "--compare", str(run / "metrics.jsonl"), "--compare-png", str(compare_png)],
-                   cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "bench/report.py",
+            "arith",
+            str(run),
+            "--out",
+            str(out),
+            "--png",
+            str(png),
+            "--compare",
+            str(run / "metrics.jsonl"),
+            "--compare-png",
+            str(compare_png),
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     r = json.loads(out.read_text())
     assert (r["baseline_strict_acc"], r["final_strict_acc"]) == (0.0, 0.5)
     assert r["eval_curve"] == [[0, 0.0, 0.8], [3, 0.5, 0.8]]
@@ -118,33 +204,78 @@ def fake_variant_run(folder, policy_loss, evals, step_s, mismatch_kl, corrected,
     os.makedirs(folder)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         for step in (1, 2, 3):
-            f.write(json.dumps({"step": step, "train/loss": 0.0, "perf/step_s": 99.0 if step == 1 else step_s,
-                                "rollout/mismatch_kl": mismatch_kl * step, "rollout/mismatch_ratio_max": 1.0 + step,
-                                "rollout/logprob_abs_diff": 0.04, "rollout/correction_frac": corrected,
-                                "train/clip_frac": 0.1, "rollout/reward_mean": 0.5}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "train/loss": 0.0,
+                        "perf/step_s": 99.0 if step == 1 else step_s,
+                        "rollout/mismatch_kl": mismatch_kl * step,
+                        "rollout/mismatch_ratio_max": 1.0 + step,
+                        "rollout/logprob_abs_diff": 0.04,
+                        "rollout/correction_frac": corrected,
+                        "train/clip_frac": 0.1,
+                        "rollout/reward_mean": 0.5,
+                    }
+                )
+                + "\n"
+            )
         for step, acc in evals.items():
             f.write(json.dumps({"step": step, "eval/strict_acc": acc, "eval/flexible_acc": acc + 0.1}) + "\n")
-    json.dump({"world_size": 1, "gpu": gpu, "date": "d", "command": "c", "torch": "t"},
-              open(os.path.join(folder, "run_info.json"), "w"))
-    json.dump({"policy_loss": policy_loss, "advantage": "grpo", "rollout_correction": "none", "clip_low": 0.2,
-               "clip_high": 0.2, "steps": of_steps}, open(os.path.join(folder, "args.json"), "w"))
+    json.dump(
+        {"world_size": 1, "gpu": gpu, "date": "d", "command": "c", "torch": "t"},
+        open(os.path.join(folder, "run_info.json"), "w"),
+    )
+    json.dump(
+        {
+            "policy_loss": policy_loss,
+            "advantage": "grpo",
+            "rollout_correction": "none",
+            "clip_low": 0.2,
+            "clip_high": 0.2,
+            "steps": of_steps,
+        },
+        open(os.path.join(folder, "args.json"), "w"),
+    )
 
 
 def test_variants_report_one_row_per_run_and_the_summary_key(tmp_path):
     fake_variant_run(tmp_path / "runs" / "add_grpo", "ppo-clip", {0: 0.0, 3: 0.5}, 4.0, 0.001, 0.0)
-    fake_variant_run(tmp_path / "runs" / "add_cispo", "cispo", {0: 0.0, 2: 0.25}, 5.0, 0.002, 0.125, of_steps=4,
-                     gpu="H2")  # stopped early, on another machine
+    fake_variant_run(
+        tmp_path / "runs" / "add_cispo", "cispo", {0: 0.0, 2: 0.25}, 5.0, 0.002, 0.125, of_steps=4, gpu="H2"
+    )  # stopped early, on another machine
     summary = tmp_path / "summary.json"
     summary.write_text(json.dumps({"other": {"value": 1}}))
     out, png = tmp_path / "variants.json", tmp_path / "variants.png"
-    subprocess.run([sys.executable, "bench/report.py", "variants", str(tmp_path / "runs"), "--task", "addition", "--out",
-                    str(out), "--png", str(png), "--summary", str(summary)], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "bench/report.py",
+            "variants",
+            str(tmp_path / "runs"),
+            "--task",
+            "addition",
+            "--out",
+            str(out),
+            "--png",
+            str(png),
+            "--summary",
+            str(summary),
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     r = json.loads(out.read_text())
     assert r["variants"] == {"add_grpo": 0.5} and list(r["runs"]) == ["add_grpo", "add_cispo"]  # finished runs only
     assert r["unfinished"] == {"add_cispo": "3 of 4 steps"} and r["runs"]["add_grpo"]["final_flexible_acc"] == 0.6
     assert r["gpu"] == "H (add_grpo); H2 (add_cispo)"  # each GPU with its runs
     cispo = r["runs"]["add_cispo"]
-    assert (cispo["policy_loss"], cispo["final_eval_after"], cispo["seconds_per_step"]) == ("cispo", 2, 5.0)  # step 1 left out
+    assert (cispo["policy_loss"], cispo["final_eval_after"], cispo["seconds_per_step"]) == (
+        "cispo",
+        2,
+        5.0,
+    )  # step 1 left out
     assert abs(cispo["mismatch_kl_mean"] - 0.004) < 1e-12 and cispo["mismatch_ratio_max"] == 4.0
     assert cispo["correction_frac_mean"] == 0.125
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

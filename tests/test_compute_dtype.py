@@ -12,18 +12,21 @@ from rollout import Sampling, generate, mismatch_stats, start_engine, stop_token
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("flags, max_isa, want", [
-    ({"avx", "avx2", "fma"}, "", torch.float32),                                  # AVX2 only: bf16 matmuls 6.6x slower
-    ({"avx2", "avx512f", "avx512bw", "avx512_vnni"}, "", torch.float32),          # AVX-512 without bf16 (Cascade Lake)
-    ({"avx2", "avx512f", "avx512_bf16"}, "", torch.bfloat16),                     # Zen 4, Cooper Lake
-    ({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "", torch.bfloat16),     # Sapphire Rapids
-    ({"avx512f", "avx512_bf16"}, "AVX2", torch.float32),                          # oneDNN capped below bf16
-    ({"avx512f", "avx512_bf16"}, "avx512_core", torch.float32),                   # lower case: oneDNN reads it too
-    ({"avx512f", "avx512_bf16"}, "AVX512_CORE_BF16", torch.bfloat16),             # capped at bf16: still has it
-    ({"avx512f", "avx512_bf16"}, "ALL", torch.bfloat16),
-    ({"fp", "asimd", "bf16"}, "", torch.float32),                                 # Arm's bf16: not measured, fp32
-    (set(), "", torch.float32),                                                   # no /proc/cpuinfo (macOS)
-])
+@pytest.mark.parametrize(
+    "flags, max_isa, want",
+    [
+        ({"avx", "avx2", "fma"}, "", torch.float32),  # AVX2 only: bf16 matmuls 6.6x slower
+        ({"avx2", "avx512f", "avx512bw", "avx512_vnni"}, "", torch.float32),  # AVX-512 without bf16 (Cascade Lake)
+        ({"avx2", "avx512f", "avx512_bf16"}, "", torch.bfloat16),  # Zen 4, Cooper Lake
+        ({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "", torch.bfloat16),  # Sapphire Rapids
+        ({"avx512f", "avx512_bf16"}, "AVX2", torch.float32),  # oneDNN capped below bf16
+        ({"avx512f", "avx512_bf16"}, "avx512_core", torch.float32),  # lower case: oneDNN reads it too
+        ({"avx512f", "avx512_bf16"}, "AVX512_CORE_BF16", torch.bfloat16),  # capped at bf16: still has it
+        ({"avx512f", "avx512_bf16"}, "ALL", torch.bfloat16),
+        ({"fp", "asimd", "bf16"}, "", torch.float32),  # Arm's bf16: not measured, fp32
+        (set(), "", torch.float32),  # no /proc/cpuinfo (macOS)
+    ],
+)
 def test_cpu_compute_dtype_from_flags(flags, max_isa, want):
     assert compute_dtype(CPU, flags=flags, max_isa=max_isa) == want
 
@@ -34,8 +37,10 @@ def test_gpus_compute_in_bf16_whatever_the_host_cpu():
 
 def test_cpu_flags_read_from_cpuinfo(tmp_path):
     x86 = tmp_path / "x86"
-    x86.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_bf16\nbugs\t\t: sysret_ss_attrs\n"
-                   "processor\t: 1\nflags\t\t: fpu avx2 avx512_bf16\n")
+    x86.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_bf16\nbugs\t\t: sysret_ss_attrs\n"
+        "processor\t: 1\nflags\t\t: fpu avx2 avx512_bf16\n"
+    )
     arm = tmp_path / "arm"  # Arm lists "Features", which names other things: no x86 flags
     arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
     assert cpu_flags(str(x86)) == {"fpu", "avx2", "avx512_bf16"}

@@ -9,8 +9,22 @@ import sys
 import pytest
 import torch
 
-from data import (GSM8K_PROMPT, MATH_PROMPT, Example, PromptSampler, Sample, addition_task, ask, collate, load_examples,
-                  load_task, read_rows, seed_for, shard, tokenize_prompts)
+from data import (
+    GSM8K_PROMPT,
+    MATH_PROMPT,
+    Example,
+    PromptSampler,
+    Sample,
+    addition_task,
+    ask,
+    collate,
+    load_examples,
+    load_task,
+    read_rows,
+    seed_for,
+    shard,
+    tokenize_prompts,
+)
 from preflight import InputError
 
 # The GSM8K copy in ../shared beside the checkout (CI has it there), or wherever GSM8K_DIR points.
@@ -71,8 +85,10 @@ def test_load_examples_file_parses_gsm8k_rows(tmp_path):
     """The final answer is what follows '####', commas removed; the prompt is GSM8K_PROMPT; the source the file's name."""
     path = write_jsonl(tmp_path / "mine.jsonl", [row(" How much? ", "1000 + 234\n#### 1,234"), "", row()])
     examples = load_examples(path, "train")
-    assert examples == [Example(GSM8K_PROMPT.format(question="How much?"), "1234", "gsm8k", "mine"),
-                        Example(GSM8K_PROMPT.format(question="How many?"), "4", "gsm8k", "mine")]
+    assert examples == [
+        Example(GSM8K_PROMPT.format(question="How much?"), "1234", "gsm8k", "mine"),
+        Example(GSM8K_PROMPT.format(question="How many?"), "4", "gsm8k", "mine"),
+    ]
 
 
 def test_missing_field_names_file_line_and_field(tmp_path):
@@ -184,12 +200,19 @@ def test_a_file_without_repeated_rows_splits_as_it_did_by_row(tmp_path):
 def test_a_built_in_task_with_an_eval_file_is_evaluated_on_the_file(tmp_path):
     """--dataset addition --eval-dataset capitals.jsonl: the file was ignored without a word (addition's own pairs were
     evaluated). Now its rows are the held-out prompts, judged as text; addition trains on its 7600 train pairs as ever."""
-    caps = write_jsonl(tmp_path / "capitals.jsonl", [json.dumps({"prompt": f"Name the capital of {c}.", "answer": a})
-                                                     for c, a in (("Australia", "Canberra"), ("Canada", "Ottawa"))])
+    caps = write_jsonl(
+        tmp_path / "capitals.jsonl",
+        [
+            json.dumps({"prompt": f"Name the capital of {c}.", "answer": a})
+            for c, a in (("Australia", "Canberra"), ("Canada", "Ottawa"))
+        ],
+    )
     train, held, note = load_task("addition", caps, seed=0, num_eval=256)
     assert train == load_task("addition", None, seed=0, num_eval=256)[0] and note == f"eval prompts from {caps}"
-    assert [(e.answer, e.kind, e.source) for e in held] == [("Canberra", "text", "capitals"),
-                                                           ("Ottawa", "text", "capitals")]
+    assert [(e.answer, e.kind, e.source) for e in held] == [
+        ("Canberra", "text", "capitals"),
+        ("Ottawa", "text", "capitals"),
+    ]
 
 
 def test_a_hub_dataset_without_the_hub_is_read_from_the_cache_at_once(monkeypatch):
@@ -208,7 +231,12 @@ def test_a_hub_dataset_without_the_hub_is_read_from_the_cache_at_once(monkeypatc
     fake = types.SimpleNamespace(config=types.SimpleNamespace(HF_HUB_OFFLINE=False), load_dataset=load_dataset)
     monkeypatch.setitem(sys.modules, "datasets", fake)
     monkeypatch.setattr(data, "hub_unreachable", lambda name, flag, repo_type: None)
-    assert load_examples("openai/gsm8k", "train")[0].answer == "4" and seen[-1] == ("openai/gsm8k", "main", "train", False)
+    assert load_examples("openai/gsm8k", "train")[0].answer == "4" and seen[-1] == (
+        "openai/gsm8k",
+        "main",
+        "train",
+        False,
+    )
     monkeypatch.setattr(data, "hub_unreachable", lambda name, flag, repo_type: "ConnectError: no route")
     assert load_examples("openai/gsm8k", "test")[0].answer == "4" and seen[-1][-1] is True
 
@@ -234,15 +262,19 @@ def test_tokenize_prompts_drops_long_prompts(tiny_model_dir):
     short, long = Example("What is 1 + 2?", "3"), Example("What is 1 + 2? " * 40, "3")
     ids, kept, dropped = tokenize_prompts(tokenizer, [short, long, short], max_prompt_len=64)
     assert kept == [short, short] and dropped == 1
-    text = tokenizer.apply_chat_template([{"role": "user", "content": short.prompt}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": short.prompt}], add_generation_prompt=True, tokenize=False
+    )
     assert text.endswith("<|im_start|>assistant\n")
     assert ids[0] == ids[1] == tokenizer.encode(text, add_special_tokens=False)
     n = len(ids[0])
     # the limit is inclusive: exactly n tokens is kept, n - 1 drops it
     assert tokenize_prompts(tokenizer, [short], max_prompt_len=n)[2] == 0
-    with pytest.raises(InputError, match=rf"all 1 prompts of my.jsonl are longer than --max-prompt-len {n - 1} tokens "
-                                         rf"\(the shortest: {n}\): raise it"):
+    with pytest.raises(
+        InputError,
+        match=rf"all 1 prompts of my.jsonl are longer than --max-prompt-len {n - 1} tokens "
+        rf"\(the shortest: {n}\): raise it",
+    ):
         tokenize_prompts(tokenizer, [short], max_prompt_len=n - 1, source="my.jsonl")
 
 
@@ -320,16 +352,10 @@ SAMPLES = [
 def test_collate_by_hand():
     """Right padding to T = 6; response_mask[i, p-1 : p-1+r] = 1 lines up with targets input_ids[:, 1:]."""
     batch = collate(SAMPLES, pad_id=0)
-    assert batch.input_ids.tolist() == [[11, 12, 13, 21, 22, 0],
-                                        [14, 15, 23, 24, 25, 26],
-                                        [16, 27, 0, 0, 0, 0]]
-    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0],
-                                             [1, 1, 1, 1, 1, 1],
-                                             [1, 1, 0, 0, 0, 0]]
+    assert batch.input_ids.tolist() == [[11, 12, 13, 21, 22, 0], [14, 15, 23, 24, 25, 26], [16, 27, 0, 0, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]]
     # [B, T-1]: row 0 p=3 r=2 -> positions 2, 3; row 1 p=2 r=4 -> 1..4; row 2 p=1 r=1 -> 0
-    assert batch.response_mask.tolist() == [[0, 0, 1, 1, 0],
-                                            [0, 1, 1, 1, 1],
-                                            [1, 0, 0, 0, 0]]
+    assert batch.response_mask.tolist() == [[0, 0, 1, 1, 0], [0, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
     # position t predicts input_ids[:, t+1]: the masked targets are exactly the response tokens
     targets = batch.input_ids[:, 1:]
     for i, s in enumerate(SAMPLES):
@@ -356,9 +382,9 @@ def test_select_trims_to_longest_selected_row():
 
 def test_collate_keeps_the_samplers_logprobs_where_the_response_mask_is():
     batch = collate(SAMPLES, pad_id=0)
-    assert torch.equal(batch.rollout_logprobs, torch.tensor([[0, 0, -0.1, -0.2, 0],
-                                                            [0, -0.3, -0.3, -0.3, -0.3],
-                                                            [-0.4, 0, 0, 0, 0]]))
+    assert torch.equal(
+        batch.rollout_logprobs, torch.tensor([[0, 0, -0.1, -0.2, 0], [0, -0.3, -0.3, -0.3, -0.3], [-0.4, 0, 0, 0, 0]])
+    )
 
 
 def test_select_carries_a_field_the_script_adds():
@@ -366,7 +392,7 @@ def test_select_carries_a_field_the_script_adds():
     [B] fields follow their rows."""
     batch = collate(SAMPLES, pad_id=0)
     batch.token_weights = torch.arange(15, dtype=torch.float).view(3, 5)  # [B, T-1]
-    batch.seq_bonus = torch.tensor([1.0, 2.0, 3.0])                       # [B]
+    batch.seq_bonus = torch.tensor([1.0, 2.0, 3.0])  # [B]
     mb = batch.select(torch.tensor([0, 2]))
     assert mb.token_weights.tolist() == [[0, 1, 2, 3], [10, 11, 12, 13]] and mb.seq_bonus.tolist() == [1.0, 3.0]
     assert batch.token_weights.shape == (3, 5)  # the batch itself is untouched
@@ -393,23 +419,51 @@ def write_rows(path, rows: list[dict]) -> str:
 def test_own_rows_text_and_numeric_answers(tmp_path):
     """{"prompt", "answer"} rows: text answers are kind 'text', all-number answers 'gsm8k'; the text after a
     '####' is the answer; the default template is GSM8K_PROMPT, {prompt} filled."""
-    text = load_examples(write_rows(tmp_path / "capitals.jsonl", [{"prompt": " Capital of France? ", "answer": "Paris"},
-                                                                  {"prompt": "Of Peru?", "answer": "Think.\n#### Lima"}]), "train")
-    assert text == [Example(GSM8K_PROMPT.format(question="Capital of France?"), "Paris", "text", "capitals"),
-                    Example(GSM8K_PROMPT.format(question="Of Peru?"), "Lima", "text", "capitals")]
-    numbers = load_examples(write_rows(tmp_path / "n.jsonl", [{"prompt": "a?", "answer": "1,500"}, {"prompt": "b?", "answer": 2}]),
-                            "train", "{prompt} Answer after ####.")
-    assert [(e.prompt, e.answer, e.kind) for e in numbers] == [("a? Answer after ####.", "1500", "gsm8k"),
-                                                              ("b? Answer after ####.", "2", "gsm8k")]
+    text = load_examples(
+        write_rows(
+            tmp_path / "capitals.jsonl",
+            [
+                {"prompt": " Capital of France? ", "answer": "Paris"},
+                {"prompt": "Of Peru?", "answer": "Think.\n#### Lima"},
+            ],
+        ),
+        "train",
+    )
+    assert text == [
+        Example(GSM8K_PROMPT.format(question="Capital of France?"), "Paris", "text", "capitals"),
+        Example(GSM8K_PROMPT.format(question="Of Peru?"), "Lima", "text", "capitals"),
+    ]
+    numbers = load_examples(
+        write_rows(tmp_path / "n.jsonl", [{"prompt": "a?", "answer": "1,500"}, {"prompt": "b?", "answer": 2}]),
+        "train",
+        "{prompt} Answer after ####.",
+    )
+    assert [(e.prompt, e.answer, e.kind) for e in numbers] == [
+        ("a? Answer after ####.", "1500", "gsm8k"),
+        ("b? Answer after ####.", "2", "gsm8k"),
+    ]
 
 
 def test_own_columns_kind_and_system_prompt(tmp_path):
     path = write_rows(tmp_path / "own.jsonl", [{"instruction": "Say 1/2.", "output": "\\frac{1}{2}"}])
-    [ex] = load_examples(path, "train", "{question}!", prompt_field="instruction", answer_field="output", kind="math",
-                         system_prompt="Be brief.")
-    assert ex == Example([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say 1/2.!"}],
-                         "\\frac{1}{2}", "math", "own")
-    with pytest.raises(InputError, match=r"line 1: needs a 'prompt' string and an 'output' .*'instruction': 'str'.*--prompt-field"):
+    [ex] = load_examples(
+        path,
+        "train",
+        "{question}!",
+        prompt_field="instruction",
+        answer_field="output",
+        kind="math",
+        system_prompt="Be brief.",
+    )
+    assert ex == Example(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say 1/2.!"}],
+        "\\frac{1}{2}",
+        "math",
+        "own",
+    )
+    with pytest.raises(
+        InputError, match=r"line 1: needs a 'prompt' string and an 'output' .*'instruction': 'str'.*--prompt-field"
+    ):
         load_examples(path, "train", answer_field="output")
     with pytest.raises(InputError, match="kind 'latex' .* is unknown"):
         load_examples(path, "train", prompt_field="instruction", answer_field="output", kind="latex")
@@ -418,26 +472,44 @@ def test_own_columns_kind_and_system_prompt(tmp_path):
 def test_chat_message_prompts(tmp_path):
     """A prompt given as chat messages: the template fills the last user message; a system prompt goes first,
     unless the row has its own (an error); a list that is not chat messages is an error naming the line."""
-    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2+2?"}]
+    chat = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "2+2?"},
+    ]
     path = write_rows(tmp_path / "chat.jsonl", [{"prompt": chat, "answer": "4"}])
     [ex] = load_examples(path, "train", "{prompt} Answer after ####.")
-    assert ex.prompt == chat[:2] + [{"role": "user", "content": "2+2? Answer after ####."}] and chat[2]["content"] == "2+2?"
+    assert (
+        ex.prompt == chat[:2] + [{"role": "user", "content": "2+2? Answer after ####."}]
+        and chat[2]["content"] == "2+2?"
+    )
     system = [{"role": "system", "content": "Mine."}] + chat
     with pytest.raises(InputError, match="line 1: has a system message, and --system-prompt adds another"):
-        load_examples(write_rows(tmp_path / "sys.jsonl", [{"prompt": system, "answer": "4"}]), "train", system_prompt="Yours.")
+        load_examples(
+            write_rows(tmp_path / "sys.jsonl", [{"prompt": system, "answer": "4"}]), "train", system_prompt="Yours."
+        )
     with pytest.raises(InputError, match="line 2: needs a 'prompt' string .* list of chat messages"):
-        load_examples(write_rows(tmp_path / "bad.jsonl", [{"prompt": chat, "answer": "4"},
-                                                          {"prompt": [{"role": "assistant", "content": "x"}], "answer": "4"}]), "train")
+        load_examples(
+            write_rows(
+                tmp_path / "bad.jsonl",
+                [{"prompt": chat, "answer": "4"}, {"prompt": [{"role": "assistant", "content": "x"}], "answer": "4"}],
+            ),
+            "train",
+        )
 
 
 def test_math_rows(tmp_path, monkeypatch):
     """MATH: the answer is the last \\boxed{} of the solution (nested braces); MATH-500's 'answer' is taken as is and
     wins over its 'solution'; the default template is MATH_PROMPT, and a literal \\boxed{} in a template stays."""
-    rows = [{"problem": "Half?", "solution": "First \\boxed{1}, no: $\\boxed{\\frac{1}{2}}$."},
-            {"problem": "Interval?", "solution": "\\fbox{(0,1]}"}]
+    rows = [
+        {"problem": "Half?", "solution": "First \\boxed{1}, no: $\\boxed{\\frac{1}{2}}$."},
+        {"problem": "Interval?", "solution": "\\fbox{(0,1]}"},
+    ]
     examples = load_examples(write_rows(tmp_path / "math.jsonl", rows), "train")
-    assert [(e.prompt, e.answer, e.kind) for e in examples] == [(ask("Half?", MATH_PROMPT), "\\frac{1}{2}", "math"),
-                                                               (ask("Interval?", MATH_PROMPT), "(0,1]", "math")]
+    assert [(e.prompt, e.answer, e.kind) for e in examples] == [
+        (ask("Half?", MATH_PROMPT), "\\frac{1}{2}", "math"),
+        (ask("Interval?", MATH_PROMPT), "(0,1]", "math"),
+    ]
     assert MATH_PROMPT.endswith("\\boxed{}.")
     m500 = write_rows(tmp_path / "m500.jsonl", [{"problem": "P?", "solution": "\\boxed{2}", "answer": "\\sqrt{4}"}])
     [ex] = load_examples(m500, "test", "{prompt} Box it: \\boxed{}.")
@@ -457,13 +529,18 @@ def test_template_without_a_slot_is_an_error(tmp_path):
     assert addition_task(0, template="Q: {prompt}")[1][0].prompt.startswith("Q: What is ")
 
 
-@pytest.mark.parametrize("template, refused", [
-    ("{prompt} (hint: {answer})", "{answer}"),  # issue 40: it reached the model as written
-    ("{prompt} {0} {x:.2f}", "{0}, {x:.2f}"),  # str.format's fields, none filled in
-    ("Answer after ####.", None),  # no {prompt}: refused as ask() refuses it
-    (None, ""), ("{question}", ""), (MATH_PROMPT, ""),  # the defaults; MATH's \boxed{} is no placeholder
-    ("{prompt} as \\boxed{answer}, x^{n}, \\frac{a}{b}, {{ok}}, or JSON {\"answer\": 1}", ""),  # LaTeX, escapes, JSON
-])
+@pytest.mark.parametrize(
+    "template, refused",
+    [
+        ("{prompt} (hint: {answer})", "{answer}"),  # issue 40: it reached the model as written
+        ("{prompt} {0} {x:.2f}", "{0}, {x:.2f}"),  # str.format's fields, none filled in
+        ("Answer after ####.", None),  # no {prompt}: refused as ask() refuses it
+        (None, ""),
+        ("{question}", ""),
+        (MATH_PROMPT, ""),  # the defaults; MATH's \boxed{} is no placeholder
+        ('{prompt} as \\boxed{answer}, x^{n}, \\frac{a}{b}, {{ok}}, or JSON {"answer": 1}', ""),  # LaTeX, escapes, JSON
+    ],
+)
 def test_a_template_placeholder_other_than_prompt_is_refused(template, refused):
     from data import template_rule
 
@@ -481,7 +558,8 @@ def test_several_sources(tmp_path):
     mth = write_rows(tmp_path / "math.jsonl", [{"problem": f"P{i}?", "answer": f"{i}"} for i in range(30)])
     train, held, note = load_task([gsm, mth, "addition"], None, seed=0, num_eval=4)
     assert len(train) == 46 + 27 + 7600 and [(e.source, e.kind) for e in held] == (
-        [("gsm", "gsm8k")] * 4 + [("math", "math")] * 3 + [("addition", "int")] * 4)
+        [("gsm", "gsm8k")] * 4 + [("math", "math")] * 3 + [("addition", "int")] * 4
+    )
     assert note.startswith(f"held out 4 of 50 rows of {gsm}") and "addition: 500 held-out pairs" in note
     assert load_task([gsm], None, seed=0, num_eval=4) == load_task(gsm, None, seed=0, num_eval=4)
     with pytest.raises(InputError, match=r"share a short name \(\['gsm', 'gsm'\]\)"):
@@ -497,14 +575,17 @@ def test_task_prompts_of_several_sources_and_chat_prompts(tiny_model_dir, tmp_pa
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     mth = write_rows(tmp_path / "math.jsonl", [{"problem": f"P{i}?", "answer": f"{i}"} for i in range(30)])
-    train, held, line = task_prompts(tokenizer, ["addition", mth], None, seed=0, num_eval=5, max_prompt_len=256,
-                                     system_prompt="Be brief.")
+    train, held, line = task_prompts(
+        tokenizer, ["addition", mth], None, seed=0, num_eval=5, max_prompt_len=256, system_prompt="Be brief."
+    )
     assert (len(train.ids), len(held.ids), held.sources) == (7600 + 27, 8, ["addition", "math"])
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ask("P0?", MATH_PROMPT)}]
-    assert prompt_tokens(tokenizer, messages) == tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                                               tokenize=True, return_dict=False)
+    assert prompt_tokens(tokenizer, messages) == tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert held.examples[5].prompt[1]["content"].endswith("\\boxed{}.") and held.ids[5] == prompt_tokens(
-        tokenizer, held.examples[5].prompt)
+        tokenizer, held.examples[5].prompt
+    )
 
 
 def test_a_parquet_file_pyarrow_cannot_read_is_one_line(tmp_path, monkeypatch):
@@ -514,7 +595,9 @@ def test_a_parquet_file_pyarrow_cannot_read_is_one_line(tmp_path, monkeypatch):
     from data import read_rows
 
     def read_table(path):
-        raise ValueError("Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file.")
+        raise ValueError(
+            "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file."
+        )
 
     fake = types.ModuleType("pyarrow.parquet")
     fake.read_table = read_table

@@ -59,13 +59,22 @@ def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(trained_tiny_mo
     disk.mkdir(), out.mkdir()
     cmd = command(trained_tiny_model_dir, disk, "--save-every", "1", *QUIET, launcher=[sys.executable], script=script)
     env = {**os.environ, "DISK": str(disk), "OUT": str(out), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(["unshare", "-rm", "bash", "-c", DISK_FULL, "disk_full", *cmd], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["unshare", "-rm", "bash", "-c", DISK_FULL, "disk_full", *cmd],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr + (out / "first.txt").read_text()[-3000:]
     err = (out / "full.err").read_text().strip().splitlines()
     assert (out / "full.rc").read_text().strip() == "1" and len(err) == 1, err
     assert err[0].startswith(f"{script}: no space left at {disk}/r/checkpoints while saving step 2 (")
-    assert "MiB free, a checkpoint takes " in err[0] and "the earlier checkpoints are intact (newest: step_000001)" in err[0]
+    assert (
+        "MiB free, a checkpoint takes " in err[0]
+        and "the earlier checkpoints are intact (newest: step_000001)" in err[0]
+    )
     assert err[0].endswith("then add --resume") and "Traceback" not in (out / "full.out").read_text()
     assert (out / "after.sum").read_text() == (out / "before.sum").read_text()  # step 1's files untouched
     assert (out / "after.ls").read_text().split() == ["step_000001"]  # no step_000002.tmp left
@@ -93,7 +102,9 @@ sums > "$OUT/after.sum"; ls "$DISK/r" > "$OUT/after.ls"
 
 
 @pytest.mark.skipif(not can_mount_a_tmpfs(), reason="needs unshare -rm (a user namespace) to mount a small tmpfs")
-def test_a_run_folder_in_use_is_refused_and_a_disk_that_fills_while_logging_is_one_line(trained_tiny_model_dir, tmp_path):
+def test_a_run_folder_in_use_is_refused_and_a_disk_that_fills_while_logging_is_one_line(
+    trained_tiny_model_dir, tmp_path
+):
     """Two runs of one command 0.5 s apart both ran to the end, every step twice in metrics.jsonl: now the second is
     refused in one line naming the first's pid and host. A disk that filled while a row was written was a 19-line
     traceback: now one line naming the file, exit 1, each step's row once. --resume after it is not blocked by the
@@ -102,24 +113,43 @@ def test_a_run_folder_in_use_is_refused_and_a_disk_that_fills_while_logging_is_o
 
     disk, out = tmp_path / "disk", tmp_path / "out"
     disk.mkdir(), out.mkdir()
-    cmd = command(trained_tiny_model_dir, disk, "--steps", "100", "--save-every", "-1", "--eval-every", "0",
-                  launcher=[sys.executable])
+    cmd = command(
+        trained_tiny_model_dir,
+        disk,
+        "--steps",
+        "100",
+        "--save-every",
+        "-1",
+        "--eval-every",
+        "0",
+        launcher=[sys.executable],
+    )
     env = {**os.environ, "DISK": str(disk), "OUT": str(out), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(["unshare", "-rm", "bash", "-c", TWO_RUNS_ONE_DISK, "two_runs", *cmd], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["unshare", "-rm", "bash", "-c", TWO_RUNS_ONE_DISK, "two_runs", *cmd],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     pids, run_dir = dict(zip("ab", (out / "pids").read_text().split())), disk / "r"
     codes = {k: int((out / f"{k}.rc").read_text()) for k in "ab"}
     refused = next(k for k in "ab" if codes[k] == 2)  # either may take the folder first
     held = "b" if refused == "a" else "a"
     err = (out / f"{refused}.err").read_text().strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"grpo.py: {run_dir} is in use by grpo.py, pid {pids[held]} on "
-                                               f"{socket.gethostname()}, since "), err
+    assert len(err) == 1 and err[0].startswith(
+        f"grpo.py: {run_dir} is in use by grpo.py, pid {pids[held]} on {socket.gethostname()}, since "
+    ), err
     assert err[0].endswith(f" ({run_dir}/run.lock): wait for it to end or stop it, or pass another --run-name")
     err = (out / f"{held}.err").read_text().strip().splitlines()
     assert codes[held] == 1 and len(err) == 1 and "Traceback" not in (out / f"{held}.out").read_text(), err
-    assert re.fullmatch(rf"grpo\.py: no space left at {run_dir} while writing (metrics|samples)\.jsonl \(0\.0 MiB free\); "
-                        r"what the run wrote before is intact: free some space, then add --resume", err[0]), err
+    assert re.fullmatch(
+        rf"grpo\.py: no space left at {run_dir} while writing (metrics|samples)\.jsonl \(0\.0 MiB free\); "
+        r"what the run wrote before is intact: free some space, then add --resume",
+        err[0],
+    ), err
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if x.endswith("}")]
     assert len(steps) >= 3 and steps == list(range(1, len(steps) + 1))  # each step once; a row cut short at most
     err = (out / "c.err").read_text().strip().splitlines()
@@ -145,7 +175,9 @@ def test_out_of_space_sees_the_errno_through_wrappers_or_a_full_disk(tmp_path):
     except RuntimeError as e:
         wrapped = e
     assert out_of_space(full, str(tmp_path)) and out_of_space(wrapped, str(tmp_path))
-    assert out_of_space(CheckpointException("", {0: (OSError(errno.EDQUOT, "Disk quota exceeded"), None)}), str(tmp_path))
+    assert out_of_space(
+        CheckpointException("", {0: (OSError(errno.EDQUOT, "Disk quota exceeded"), None)}), str(tmp_path)
+    )
     assert not out_of_space(RuntimeError("unexpected pos 704 vs 598"), str(tmp_path))  # this disk has room
     assert not out_of_space(OSError(errno.EACCES, "Permission denied"), str(tmp_path))
 
@@ -154,13 +186,17 @@ def test_no_space_line_says_where_what_is_free_what_a_checkpoint_takes(tmp_path)
     from checkpoint import gib, no_space_line
 
     line = no_space_line(str(tmp_path), 3)
-    assert line.startswith(f"no space left at {tmp_path}/checkpoints while saving step 3 (") and " free); no earlier" in line
+    assert (
+        line.startswith(f"no space left at {tmp_path}/checkpoints while saving step 3 (")
+        and " free); no earlier" in line
+    )
     step = tmp_path / "checkpoints" / "step_000002"
     step.mkdir(parents=True)
     (step / "trainer.pt").write_bytes(b"x" * 3 * 2**20)
     assert no_space_line(str(tmp_path), 3).endswith(
         " free, a checkpoint takes 3.0 MiB); the earlier checkpoints are intact (newest: step_000002): free some space "
-        "or lower --keep-checkpoints, then add --resume")
+        "or lower --keep-checkpoints, then add --resume"
+    )
     assert (gib(3 * 2**30), gib(2**19)) == ("3.0 GiB", "0.5 MiB")
 
 
@@ -169,8 +205,10 @@ def test_no_space_line_says_where_what_is_free_what_a_checkpoint_takes(tmp_path)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-@pytest.mark.parametrize("output_dir, near, why", [("README.md/runs", "README.md", "is a file"),
-                                                   ("/proc/runs", "/proc", "refuses a new folder")])
+@pytest.mark.parametrize(
+    "output_dir, near, why",
+    [("README.md/runs", "README.md", "is a file"), ("/proc/runs", "/proc", "refuses a new folder")],
+)
 def test_an_output_dir_that_cant_be_written_stops_before_anything_loads(tiny_model_dir, output_dir, near, why, script):
     readme = open(os.path.join(ROOT, "README.md")).read()
     proc = run_grpo(tiny_model_dir, output_dir, "--steps", "1", script=script, expect_ok=False)
@@ -202,8 +240,9 @@ def file_bytes(folder) -> dict:
 
 
 @pytest.mark.parametrize("script, nproc", [("ppo.py", 1), ("grpo.py", 2)])  # one process and two: the same check
-def test_a_shard_overwritten_in_place_is_named_moved_aside_and_the_older_checkpoint_taken(trained_tiny_model_dir,
-                                                                                         tmp_path, script, nproc):
+def test_a_shard_overwritten_in_place_is_named_moved_aside_and_the_older_checkpoint_taken(
+    trained_tiny_model_dir, tmp_path, script, nproc
+):
     """200 kB of random bytes in the middle of step 2's shard (of the last rank, which checks it), its
     size unchanged: --resume names the file, moves the checkpoint aside as it is and goes on from
     step 1, with no traceback."""
@@ -216,9 +255,11 @@ def test_a_shard_overwritten_in_place_is_named_moved_aside_and_the_older_checkpo
     step1, step2 = file_bytes(ckpts / "step_000001"), file_bytes(ckpts / "step_000002")
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--resume", *args, script=script, nproc=nproc)
     lines = [x for x in proc.stdout.splitlines() if "damaged" in x]
-    assert lines == [f"checkpoint {ckpts / 'step_000002'} is damaged ({shard} changed since the save: bytes "
-                     f"0-{len(step2[shard])} fail their checksum in manifest.json): moved aside to "
-                     f"{ckpts / 'step_000002'}.damaged"], proc.stdout
+    assert lines == [
+        f"checkpoint {ckpts / 'step_000002'} is damaged ({shard} changed since the save: bytes "
+        f"0-{len(step2[shard])} fail their checksum in manifest.json): moved aside to "
+        f"{ckpts / 'step_000002'}.damaged"
+    ], proc.stdout
     assert f"resumed from {ckpts / 'step_000001'}: step 1" in proc.stdout and "Traceback" not in proc.stderr
     assert sorted(os.listdir(ckpts)) == ["step_000001", "step_000002", "step_000002.damaged", "step_000003"]
     assert file_bytes(ckpts / "step_000002.damaged") == step2 and file_bytes(ckpts / "step_000001") == step1
@@ -234,7 +275,9 @@ def run_printed(line: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = shlex.split(line.split(" with: ", 1)[1])
     assert cmd[0] == "python"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, *cmd[1:], *extra], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(
+        [sys.executable, *cmd[1:], *extra], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env
+    )
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -270,11 +313,14 @@ def test_a_run_stopped_before_its_first_checkpoint_has_one_way_on(trained_tiny_m
     logged = (run_dir / "metrics.jsonl").read_text()
     plain = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", *QUIET, script=script, expect_ok=False)
     err = plain.stderr.strip().splitlines()
-    assert plain.returncode == 2 and err == [f"{script}: {run_dir} holds an earlier run: pass --resume to start it again "
-                                             f"from step 0 in this folder (it has no checkpoint), or a new --run-name"]
+    assert plain.returncode == 2 and err == [
+        f"{script}: {run_dir} holds an earlier run: pass --resume to start it again "
+        f"from step 0 in this folder (it has no checkpoint), or a new --run-name"
+    ]
     assert (run_dir / "metrics.jsonl").read_text() == logged
     resumed = run_printed(last, "--steps", "2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert (f"--resume: {run_dir} has no checkpoint (its run stopped before the first save): starting it again from "
-            f"step 0") in resumed.stdout
+    assert (
+        f"--resume: {run_dir} has no checkpoint (its run stopped before the first save): starting it again from step 0"
+    ) in resumed.stdout
     assert steps_logged(run_dir) == [1, 2]

@@ -40,8 +40,14 @@ def test_a_folder_with_metrics_is_never_wiped(trained_tiny_model_dir, tmp_path):
     run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", "--save-every", "-1", *QUIET)
     before = (tmp_path / "r" / "metrics.jsonl").read_text()
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", *QUIET, expect_ok=False)
-    assert proc.returncode == 2 and ("holds an earlier run: pass --resume to start it again from step 0 in this folder "
-                                     "(it has no checkpoint), or a new --run-name") in proc.stderr
+    assert (
+        proc.returncode == 2
+        and (
+            "holds an earlier run: pass --resume to start it again from step 0 in this folder "
+            "(it has no checkpoint), or a new --run-name"
+        )
+        in proc.stderr
+    )
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
 
 
@@ -70,15 +76,21 @@ def test_damage_names_what_is_wrong(trained_tiny_model_dir, tmp_path):
     assert damage(str(good)) is None
     shard = next(p.name for p in (good / "state").iterdir() if p.suffix == ".distcp")
     cases = {
-        "shard_truncated": (lambda d: (d / "state" / shard).write_bytes((d / "state" / shard).read_bytes()[:100]),
-                            f"state/{shard} is 100 bytes, expected"),
+        "shard_truncated": (
+            lambda d: (d / "state" / shard).write_bytes((d / "state" / shard).read_bytes()[:100]),
+            f"state/{shard} is 100 bytes, expected",
+        ),
         "shard_missing": (lambda d: (d / "state" / shard).unlink(), f"state/{shard} is missing"),
         "metadata_missing": (lambda d: (d / "state" / ".metadata").unlink(), "FileNotFoundError"),
         "rng_truncated": (lambda d: (d / "rng_rank0.pt").write_bytes(b"\x80\x02"), "Error"),
-        "shard_overwritten": (lambda d: overwrite(d / "state" / shard, 200_000),
-                              f"state/{shard} changed since the save: bytes 0-"),
-        "model_overwritten": (lambda d: overwrite(d / "model" / "model.safetensors", 1000),
-                              "model/model.safetensors changed since the save: bytes 0-"),
+        "shard_overwritten": (
+            lambda d: overwrite(d / "state" / shard, 200_000),
+            f"state/{shard} changed since the save: bytes 0-",
+        ),
+        "model_overwritten": (
+            lambda d: overwrite(d / "model" / "model.safetensors", 1000),
+            "model/model.safetensors changed since the save: bytes 0-",
+        ),
         "manifest_missing": (lambda d: (d / "manifest.json").unlink(), "FileNotFoundError"),
         "manifest_garbled": (lambda d: (d / "manifest.json").write_text("{"), "JSONDecodeError"),
     }
@@ -114,9 +126,13 @@ def test_checksums_by_hand(tmp_path):
     (tmp_path / "empty").write_bytes(b"")
     crc = [f"{zlib.crc32(b):08x}" for b in (b"0123", b"4567", b"89", b"")]
     assert checksums(str(tmp_path), {"f": 10, "empty": 0}, piece=4) == {"f": crc[:3], "empty": [crc[3]]}
-    assert crc[3] == "00000000" and checksums(str(tmp_path), {"f": 10}, piece=16) == {"f": [f"{zlib.crc32(b'0123456789'):08x}"]}
-    assert [owner(n) for n in ("state/__3_0.distcp", "rng_rank2.pt", "state/.metadata", "model/model.safetensors",
-                               "trainer.pt")] == [3, 2, 0, 0, 0]
+    assert crc[3] == "00000000" and checksums(str(tmp_path), {"f": 10}, piece=16) == {
+        "f": [f"{zlib.crc32(b'0123456789'):08x}"]
+    }
+    assert [
+        owner(n)
+        for n in ("state/__3_0.distcp", "rng_rank2.pt", "state/.metadata", "model/model.safetensors", "trainer.pt")
+    ] == [3, 2, 0, 0, 0]
 
 
 def test_damaged_newest_checkpoint_falls_back_to_the_older_one(trained_tiny_model_dir, tmp_path):
@@ -146,16 +162,33 @@ def test_every_checkpoint_damaged_refuses_naming_them(trained_tiny_model_dir, tm
 
 def patched(mode, model, out_dir, *extra, script="grpo.py", env=None, expect_ok=True):
     """run_grpo through tests/patched_run.py MODE."""
-    return run_grpo(model, out_dir, *extra, script=script, expect_ok=expect_ok,
-                    launch=[os.path.join("tests", "patched_run.py"), mode], env=env)
+    return run_grpo(
+        model,
+        out_dir,
+        *extra,
+        script=script,
+        expect_ok=expect_ok,
+        launch=[os.path.join("tests", "patched_run.py"), mode],
+        env=env,
+    )
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
 def test_a_nan_reward_costs_only_its_own_sample(trained_tiny_model_dir, tmp_path, script):
     """One reward in 16 is NaN, step after step (normal at GPU batch sizes): it scores 0 and is counted and said,
     every update is taken, the run ends as usual (exit 0, a checkpoint of finite weights)."""
-    proc = patched("nan_reward", trained_tiny_model_dir, tmp_path, "--steps", "3", "--max-nonfinite-steps", "1", *QUIET,
-                   script=script, env={"PATCH_ONE_IN": "16"})
+    proc = patched(
+        "nan_reward",
+        trained_tiny_model_dir,
+        tmp_path,
+        "--steps",
+        "3",
+        "--max-nonfinite-steps",
+        "1",
+        *QUIET,
+        script=script,
+        env={"PATCH_ONE_IN": "16"},
+    )
     train = [r for r in rows(tmp_path) if "train/nonfinite_skips" in r]
     assert [(r["rollout/reward_nonfinite"], r["train/nonfinite_skips"]) for r in train] == [(1, 0)] * 3
     assert all(math.isfinite(r["rollout/reward_mean"]) and math.isfinite(r["train/grad_norm"]) for r in train)
@@ -172,7 +205,9 @@ def test_nan_rewards_step_after_step_never_stop_the_run(trained_tiny_model_dir, 
     """Every reward NaN for 3 steps, with --max-nonfinite-steps 2: only a NaN loss or gradient skips an update."""
     proc = patched("nan_reward", trained_tiny_model_dir, tmp_path, "--steps", "3", "--max-nonfinite-steps", "2", *QUIET)
     train = metrics(tmp_path)[0]
-    assert [(r["rollout/reward_nonfinite"], r["train/nonfinite_skips"], r["rollout/reward_mean"]) for r in train] == [(16, 0, 0.0)] * 3
+    assert [(r["rollout/reward_nonfinite"], r["train/nonfinite_skips"], r["rollout/reward_mean"]) for r in train] == [
+        (16, 0, 0.0)
+    ] * 3
     assert "warning: 16 NaN/inf of 16 rewards, scored 0" in proc.stdout and "Traceback" not in proc.stderr
 
 
@@ -185,7 +220,10 @@ def test_a_nan_loss_skips_one_update(trained_tiny_model_dir, tmp_path):
 def test_a_reward_that_always_raises_is_on_the_console(trained_tiny_model_dir, tmp_path):
     proc = patched("raising_reward", trained_tiny_model_dir, tmp_path, "--steps", "1", *QUIET)
     assert "reward errors 16" in proc.stdout
-    assert "warning: the reward function raised on 16 of 16 samples (scored 0), e.g. RuntimeError: a buggy reward" in proc.stdout
+    assert (
+        "warning: the reward function raised on 16 of 16 samples (scored 0), e.g. RuntimeError: a buggy reward"
+        in proc.stdout
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,10 +234,24 @@ def start(model, out_dir, *extra, script="grpo.py", launch=(), nproc=1, env=None
     """Start a run in the background, its output going to out_dir/console.txt; `env` added to the environment."""
     from test_smoke import COMMON, PER_SCRIPT, ROOT
 
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    f"--nproc_per_node={nproc}"]
-    cmd = launcher + [*launch, script, "--model", model, "--output-dir", str(out_dir), "--run-name", "r", *COMMON,
-                      *PER_SCRIPT[script], *extra]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    )
+    cmd = launcher + [
+        *launch,
+        script,
+        "--model",
+        model,
+        "--output-dir",
+        str(out_dir),
+        "--run-name",
+        "r",
+        *COMMON,
+        *PER_SCRIPT[script],
+        *extra,
+    ]
     os.makedirs(out_dir, exist_ok=True)
     console = open(os.path.join(out_dir, "console.txt"), "w")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
@@ -241,25 +293,39 @@ def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp
     assert proc.returncode == 130 and seconds < 30, lines[-5:]
     assert not any("Traceback" in x for x in lines)
     if when == "start-up":
-        assert lines[-1] in (f"{script}: stopped by SIGINT during start-up",) or lines[-1].startswith("stopped by SIGINT after step 0")
+        assert lines[-1] in (f"{script}: stopped by SIGINT during start-up",) or lines[-1].startswith(
+            "stopped by SIGINT after step 0"
+        )
         assert not (tmp_path / "r" / "checkpoints").exists()
     else:
         done = int(lines[-1].split("after step ")[1].split(";")[0])
         assert lines[-1].startswith(f"stopped by SIGINT after step {done}; continue from step {done} with: ")
         assert os.listdir(tmp_path / "r" / "checkpoints") == [f"step_{done:06d}"]
         # the closing summary before it (issue 40, item 16): steps, time, the last evaluation, where things are
-        assert re.match(rf"stopped: {done}/200 steps in \d+:\d\d since launch.* \| (held out after step \d+ \| eval strict "
-                        rf"acc|no held-out evaluation)", lines[-3]), lines[-3]
+        assert re.match(
+            rf"stopped: {done}/200 steps in \d+:\d\d since launch.* \| (held out after step \d+ \| eval strict "
+            rf"acc|no held-out evaluation)",
+            lines[-3],
+        ), lines[-3]
         assert lines[-2].startswith(f"  checkpoint: {tmp_path / 'r' / 'checkpoints' / f'step_{done:06d}'} | curves: ")
 
 
 OTHER_FLAGS = {  # resumed with other algorithm flags: the refusal names them as saved and as given
-    "grpo.py": (["--beta", "0.02", "--policy-loss", "cispo"], "was trained with --policy-loss ppo-clip --clip-low 0.2 "
-                "--clip-high 0.2 --beta 0.01, this command gives --policy-loss cispo --clip-low 1.0 --clip-high 4.0 --beta 0.02"),
-    "ppo.py": (["--kl-coef", "0.1", "--adaptive-kl"], "was trained with --kl-coef 0.05, this command gives --kl-coef 0.1")}
+    "grpo.py": (
+        ["--beta", "0.02", "--policy-loss", "cispo"],
+        "was trained with --policy-loss ppo-clip --clip-low 0.2 "
+        "--clip-high 0.2 --beta 0.01, this command gives --policy-loss cispo --clip-low 1.0 --clip-high 4.0 --beta 0.02",
+    ),
+    "ppo.py": (
+        ["--kl-coef", "0.1", "--adaptive-kl"],
+        "was trained with --kl-coef 0.05, this command gives --kl-coef 0.1",
+    ),
+}
 
 
-@pytest.mark.parametrize("script, algo", [("grpo.py", ["--beta", "0.01"]), ("ppo.py", ["--kl-coef", "0.05", "--adaptive-kl"])])
+@pytest.mark.parametrize(
+    "script, algo", [("grpo.py", ["--beta", "0.01"]), ("ppo.py", ["--kl-coef", "0.05", "--adaptive-kl"])]
+)
 def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(trained_tiny_model_dir, tmp_path, script, algo):
     """Preemption: SIGTERM mid-run saves the finished steps, exit code 143. --resume with other algorithm flags is
     refused in one line before anything loads; with the run's own, its next step has the numbers of a run that never
@@ -277,12 +343,23 @@ def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(trained_tiny_mode
     assert f"saved {stopped / 'r' / 'checkpoints' / f'step_{done:06d}'}" in "\n".join(lines)
     other, said = OTHER_FLAGS[script]
     saved_args = (stopped / "r" / "args.json").read_text()
-    refused = run_grpo(trained_tiny_model_dir, stopped, "--steps", str(done + 1), "--resume", *args, *other, script=script,
-                       expect_ok=False)
+    refused = run_grpo(
+        trained_tiny_model_dir,
+        stopped,
+        "--steps",
+        str(done + 1),
+        "--resume",
+        *args,
+        *other,
+        script=script,
+        expect_ok=False,
+    )
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-3000:]
     assert f"{said}: resume with the flags it started with" in refused.stderr
     assert (stopped / "r" / "args.json").read_text() == saved_args
-    resumed = run_grpo(trained_tiny_model_dir, stopped, "--steps", str(done + 1), "--resume", *args, *algo, script=script)
+    resumed = run_grpo(
+        trained_tiny_model_dir, stopped, "--steps", str(done + 1), "--resume", *args, *algo, script=script
+    )
     assert f"\ndone: {done + 1}/{done + 1} steps (1 in this launch) in " in resumed.stdout  # the closing summary
     run_grpo(trained_tiny_model_dir, straight, "--steps", str(done + 1), *args, *algo, script=script)
     keep = ("rollout/", "train/", "critic/")
@@ -301,8 +378,17 @@ def test_a_reward_past_its_time_limit_scores_zero_and_the_run_goes_on(trained_ti
     """Every reward call sleeps 10 s, --reward-timeout-s 1: each step waits about 2 s for its rewards, not 16 x 10 s;
     the timeouts are counted and said; the sleeping calls hold up neither the next step nor the exit."""
     t0 = time.time()
-    proc = patched("slow_reward", trained_tiny_model_dir, tmp_path, "--steps", "2", "--reward-timeout-s", "1", *QUIET,
-                   script=script)
+    proc = patched(
+        "slow_reward",
+        trained_tiny_model_dir,
+        tmp_path,
+        "--steps",
+        "2",
+        "--reward-timeout-s",
+        "1",
+        *QUIET,
+        script=script,
+    )
     seconds = time.time() - t0
     train = metrics(tmp_path)[0]
     assert [r["rollout/reward_timeouts"] for r in train] == [16, 16] and all(r["time/generate"] < 5 for r in train)
@@ -316,20 +402,33 @@ def test_a_reward_past_its_time_limit_scores_zero_and_the_run_goes_on(trained_ti
 def test_a_signal_while_a_slow_reward_runs_stops_the_run_in_seconds(trained_tiny_model_dir, tmp_path, script, signum):
     """Step 2's rewards sleep 10 s each (under the 30 s limit): Ctrl-C or SIGTERM ends the run within seconds, as a
     signal between phases does: 130 / 143, step 1 saved (both save the finished steps)."""
-    proc = start(trained_tiny_model_dir, tmp_path, "--steps", "5", "--save-every", "100", *QUIET, script=script,
-                 launch=[os.path.join("tests", "patched_run.py"), "slow_reward"], env={"PATCH_FROM": "2"})
+    proc = start(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--steps",
+        "5",
+        "--save-every",
+        "100",
+        *QUIET,
+        script=script,
+        launch=[os.path.join("tests", "patched_run.py"), "slow_reward"],
+        env={"PATCH_FROM": "2"},
+    )
     wait_for(tmp_path, "slow reward: step 2", proc)
     seconds = stop_with(proc, signum)
     lines = console_lines(tmp_path)
     assert proc.returncode == 128 + signum and seconds < 10, lines[-5:]  # 161 s before reward.score_all
-    assert lines[-1].startswith(f"stopped by {signal.Signals(signum).name} after step 1") and "Traceback" not in "\n".join(lines)
+    assert lines[-1].startswith(
+        f"stopped by {signal.Signals(signum).name} after step 1"
+    ) and "Traceback" not in "\n".join(lines)
     saved = os.listdir(tmp_path / "r" / "checkpoints") if (tmp_path / "r" / "checkpoints").exists() else []
     assert saved == ["step_000001"]
 
 
 def test_sigterm_under_torchrun_stops_every_rank_and_saves(trained_tiny_model_dir, tmp_path):
-    proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "0", "--save-every", "100",
-                 nproc=2)
+    proc = start(
+        trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "0", "--save-every", "100", nproc=2
+    )
     wait_for(tmp_path, "step 2/", proc, timeout=240)
     seconds = stop_with(proc, signal.SIGTERM, timeout=60)
     console = "\n".join(console_lines(tmp_path))
@@ -350,8 +449,15 @@ def test_a_killed_save_is_never_resumed(trained_tiny_model_dir, tmp_path):
 def test_a_dead_engine_process_ends_the_run_naming_it(trained_tiny_model_dir, tmp_path):
     """The engine's child process (SGLang's scheduler on a GPU) is killed: the run exits within
     60 s, naming the process, its exit code and the phase, instead of waiting forever."""
-    proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "0",
-                 launch=[os.path.join("tests", "patched_run.py"), "engine_child"])
+    proc = start(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--steps",
+        "200",
+        "--eval-every",
+        "0",
+        launch=[os.path.join("tests", "patched_run.py"), "engine_child"],
+    )
     console = wait_for(tmp_path, "step 2/", proc)
     pid = int(console.split("engine child pid ")[1].split()[0])
     t0 = time.time()
@@ -368,23 +474,34 @@ def test_an_engine_that_fails_to_start_ends_with_our_line(tiny_model_dir, tmp_pa
     traceback and sends the trainer SIGQUIT, and SGLang's own handler SIGKILLs the whole process tree (exit 137,
     its traceback last, no word of ours). With ours: our line last, naming the phase and our flag, exit 1, nothing
     written. A scheduler killed before it could say anything (the OOM killer) is named too."""
-    env = {"sglang's handler": {"PATCH_SGLANG_HANDLER": "sglang"}, "killed": {"PATCH_SGLANG_FAIL": "killed"}, "ours": {}}[how]
+    env = {
+        "sglang's handler": {"PATCH_SGLANG_HANDLER": "sglang"},
+        "killed": {"PATCH_SGLANG_FAIL": "killed"},
+        "ours": {},
+    }[how]
     t0 = time.time()
-    proc = patched("sglang_start_fails", tiny_model_dir, tmp_path, "--sglang-mem-fraction", "0.9", env=env,
-                   expect_ok=False)
+    proc = patched(
+        "sglang_start_fails", tiny_model_dir, tmp_path, "--sglang-mem-fraction", "0.9", env=env, expect_ok=False
+    )
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert time.time() - t0 < 60
     if how == "sglang's handler":  # what a failed start did before
-        assert proc.returncode == -signal.SIGKILL and not any(x.startswith("grpo.py: the rollout engine") for x in lines)  # 137
+        assert proc.returncode == -signal.SIGKILL and not any(
+            x.startswith("grpo.py: the rollout engine") for x in lines
+        )  # 137
         # SIGKILLed, the run could not take back its claim: the folder holds the lock file alone, which binds no one
         assert os.listdir(tmp_path / "r") == ["run.lock"]
         return
     assert not (tmp_path / "r").exists()
     assert proc.returncode == 1, lines[-10:]
-    assert lines[-2].startswith("grpo.py: the rollout engine (SGLang) failed while starting, on GPU 0 with mem_fraction 0.9 (")
+    assert lines[-2].startswith(
+        "grpo.py: the rollout engine (SGLang) failed while starting, on GPU 0 with mem_fraction 0.9 ("
+    )
     assert lines[-2].endswith("); nothing was trained or written")
-    assert lines[-1] == ("  SGLang's --mem-fraction-static is --sglang-mem-fraction here: change it as that error says, "
-                         "or free the GPU of other processes (nvidia-smi)")
+    assert lines[-1] == (
+        "  SGLang's --mem-fraction-static is --sglang-mem-fraction here: change it as that error says, "
+        "or free the GPU of other processes (nvidia-smi)"
+    )
     if how == "ours":
         assert "(its error is above)" in lines[-2] and "Not enough memory" in lines[-4]  # SGLang's traceback, then ours
         assert not any("Using custom SIGQUIT handler" in x for x in lines)  # SGLang's log line of the handler it got
@@ -492,10 +609,14 @@ def test_the_engine_watch_takes_over_from_sglang(how):
     from test_smoke import ROOT
 
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", FAKE_SGLANG, how], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", FAKE_SGLANG, how], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 1 and time.time() - t0 < 10 and "still running" not in proc.stdout, proc.stderr
-    expected = {"sigquit": "the rollout engine reported an error (its traceback is above) during generate: stopping",
-                "killed": "the rollout engine's process scheduler_0 (pid "}[how]
+    expected = {
+        "sigquit": "the rollout engine reported an error (its traceback is above) during generate: stopping",
+        "killed": "the rollout engine's process scheduler_0 (pid ",
+    }[how]
     assert expected in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert "SGLang" not in proc.stdout  # neither of SGLang's handlers ran
 
@@ -514,7 +635,10 @@ def test_an_error_or_a_start_cut_short_leaves_the_process_group(monkeypatch, cap
             with friendly_errors("grpo.py"):
                 raise error
         assert exit_info.value.code == code and not dist.is_initialized()
-    assert capsys.readouterr().err.splitlines() == ["grpo.py: stopped by SIGINT during start-up", "grpo.py: --lr 0 must be > 0"]
+    assert capsys.readouterr().err.splitlines() == [
+        "grpo.py: stopped by SIGINT during start-up",
+        "grpo.py: --lr 0 must be > 0",
+    ]
 
 
 def test_torchrun_reads_our_message_as_the_ranks_error(tmp_path, monkeypatch, capsys):

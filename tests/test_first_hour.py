@@ -25,12 +25,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(script: str, *args, cwd=ROOT, tmp=None, timeout=300, env=None, launcher=()):
     """Run `python <script> args` like a person would; returns (exit code, stdout + stderr, seconds)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
-           "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": str(tmp / "hf-cache") if tmp else "/nonexistent", **(env or {})}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "CUDA_VISIBLE_DEVICES": "",
+        "HF_ENDPOINT": "http://127.0.0.1:9",
+        "HF_HUB_CACHE": str(tmp / "hf-cache") if tmp else "/nonexistent",
+        **(env or {}),
+    }
     env.pop("RL_DEBUG", None)
     t0 = time.time()
-    proc = subprocess.run([sys.executable, *launcher, os.path.join(ROOT, script), *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, *launcher, os.path.join(ROOT, script), *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc.returncode, proc.stdout + proc.stderr, time.time() - t0
 
 
@@ -71,30 +84,54 @@ def write_rows(path, rows: list[dict]) -> str:
 
 def test_no_hub_fails_fast_naming_the_model_and_a_way_out(tmp_path):
     """A hub id that is not cached, with no hub: one request, then the way out (a local folder, the tiny model)."""
-    code, out, seconds = run("grpo.py", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--output-dir", tmp_path / "runs",
-                             tmp=tmp_path)
-    assert_clean_failure(code, out, "'HuggingFaceTB/SmolLM2-135M-Instruct' is not a local folder",
-                         "the hub can't be reached", "tests/tiny_model.py ./tiny-model")
+    code, out, seconds = run(
+        "grpo.py", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--output-dir", tmp_path / "runs", tmp=tmp_path
+    )
+    assert_clean_failure(
+        code,
+        out,
+        "'HuggingFaceTB/SmolLM2-135M-Instruct' is not a local folder",
+        "the hub can't be reached",
+        "tests/tiny_model.py ./tiny-model",
+    )
     assert seconds < 30 and not (tmp_path / "runs").exists()
 
 
 def test_readme_cpu_line_relative_folder(tiny_model_dir, tmp_path):
     """`--model ./tiny-model` is a folder relative to where you stand: missing, it says where it looked
     and how to build one; present, the run starts (it was taken for a hub id before)."""
-    code, out, _ = run("grpo.py", "--model", "./tiny-model", "--output-dir", tmp_path / "runs", cwd=tmp_path, tmp=tmp_path)
+    code, out, _ = run(
+        "grpo.py", "--model", "./tiny-model", "--output-dir", tmp_path / "runs", cwd=tmp_path, tmp=tmp_path
+    )
     assert_clean_failure(code, out, f"'./tiny-model' does not exist ({tmp_path / 'tiny-model'})", "tests/tiny_model.py")
     assert not (tmp_path / "runs").exists()
     shutil.copytree(tiny_model_dir, tmp_path / "tiny-model")
-    code, out, _ = run("grpo.py", "--model", "./tiny-model", "--steps", "1", "--eval-every", "0", "--save-every", "-1",
-                       "--output-dir", tmp_path / "runs", cwd=tmp_path, tmp=tmp_path)
+    code, out, _ = run(
+        "grpo.py",
+        "--model",
+        "./tiny-model",
+        "--steps",
+        "1",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "-1",
+        "--output-dir",
+        tmp_path / "runs",
+        cwd=tmp_path,
+        tmp=tmp_path,
+    )
     assert code == 0 and "step 1/" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("remove, missing", [
-    (["tokenizer.json", "tokenizer_config.json"], "has no tokenizer files"),
-    (["config.json"], "has no config.json"),
-    (["model.safetensors"], "has no weights"),
-])
+@pytest.mark.parametrize(
+    "remove, missing",
+    [
+        (["tokenizer.json", "tokenizer_config.json"], "has no tokenizer files"),
+        (["config.json"], "has no config.json"),
+        (["model.safetensors"], "has no weights"),
+    ],
+)
 def test_model_folder_missing_files(tiny_model_dir, tmp_path, remove, missing):
     """grpo.py, and evaluate.py for the first (the same check_model: once is enough)."""
     folder = tmp_path / "model"
@@ -102,7 +139,7 @@ def test_model_folder_missing_files(tiny_model_dir, tmp_path, remove, missing):
     for name in remove:
         (folder / name).unlink()
     scripts = (("grpo.py", ["--output-dir", tmp_path / "runs"]), ("evaluate.py", ["--out", tmp_path / "e.json"]))
-    for script, out_flag in scripts[:1 + ("tokenizer_config.json" in remove)]:
+    for script, out_flag in scripts[: 1 + ("tokenizer_config.json" in remove)]:
         code, out, _ = run(script, "--model", folder, *out_flag, tmp=tmp_path)
         assert_clean_failure(code, out, f"--model '{folder}' {missing}")
     assert not (tmp_path / "runs").exists() and not (tmp_path / "e.json").exists()
@@ -111,30 +148,70 @@ def test_model_folder_missing_files(tiny_model_dir, tmp_path, remove, missing):
 def test_prompt_plus_new_tokens_longer_than_the_context(tiny_model_dir, tmp_path):
     """The tiny model's context is 512: 256 + 300 tokens is refused with the numbers, before loading."""
     code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--max-new-tokens", 300, "--output-dir", tmp_path / "runs")
-    assert_clean_failure(code, out, "--max-prompt-len 256 + --max-new-tokens 300 = 556 tokens",
-                         "the model's context of 512", "lower --max-new-tokens to 256 or --max-prompt-len to 212")
+    assert_clean_failure(
+        code,
+        out,
+        "--max-prompt-len 256 + --max-new-tokens 300 = 556 tokens",
+        "the model's context of 512",
+        "lower --max-new-tokens to 256 or --max-prompt-len to 212",
+    )
     assert not (tmp_path / "runs").exists()
 
 
 def test_tools_prompt_longer_than_the_context_names_a_model_that_fits(tiny_model_dir, tmp_path):
     """The README's tools example on the tiny model (context 512): no flag can make room for the tools' prompt, so the
     error names a longer context only, and tiny_model.py's option that builds one."""
-    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--dataset", "multiplication", "--tools", "calculator",
-                       "--output-dir", tmp_path / "runs")
-    assert_clean_failure(code, out, "more than the model's context of 512", "the tools' prompt alone leaves no room",
-                         "tests/tiny_model.py ./tiny-model --context 2048")
+    code, out, _ = run(
+        "grpo.py",
+        "--model",
+        tiny_model_dir,
+        "--dataset",
+        "multiplication",
+        "--tools",
+        "calculator",
+        "--output-dir",
+        tmp_path / "runs",
+    )
+    assert_clean_failure(
+        code,
+        out,
+        "more than the model's context of 512",
+        "the tools' prompt alone leaves no room",
+        "tests/tiny_model.py ./tiny-model --context 2048",
+    )
     assert "lower" not in out
     code, out, _ = run("tests/tiny_model.py", "--help")
     assert code == 0 and "--context" in out
 
 
-@pytest.mark.parametrize("context, prompt, tools, new, fixes", [
-    (512, 256, 0, 300, ["--max-new-tokens to 256", "--max-prompt-len to 212", "context of 556 or more", "--context 1024"]),
-    (512, 256, 400, 64, ["--max-prompt-len to 48", "context of 720 or more", "--context 1024"]),  # new tokens can't fit
-    (512, 256, 776, 64, ["the tools' prompt alone leaves no room", "context of 1096 or more", "--context 2048"]),
-    (512, 256, 256, 1, ["--max-prompt-len to 255", "context of 513 or more", "--context 1024"]),
-    (512, 500, 100, 500, ["so that they add up to 412 or less", "context of 1100 or more", "--context 2048"]),  # both
-])
+@pytest.mark.parametrize(
+    "context, prompt, tools, new, fixes",
+    [
+        (
+            512,
+            256,
+            0,
+            300,
+            ["--max-new-tokens to 256", "--max-prompt-len to 212", "context of 556 or more", "--context 1024"],
+        ),
+        (
+            512,
+            256,
+            400,
+            64,
+            ["--max-prompt-len to 48", "context of 720 or more", "--context 1024"],
+        ),  # new tokens can't fit
+        (512, 256, 776, 64, ["the tools' prompt alone leaves no room", "context of 1096 or more", "--context 2048"]),
+        (512, 256, 256, 1, ["--max-prompt-len to 255", "context of 513 or more", "--context 1024"]),
+        (
+            512,
+            500,
+            100,
+            500,
+            ["so that they add up to 412 or less", "context of 1100 or more", "--context 2048"],
+        ),  # both
+    ],
+)
 def test_context_error_offers_only_fixes_that_fit(context, prompt, tools, new, fixes):
     """Hand-computed: tokens that fit = context - tools' prompt - the other flag; each fix offered, applied, fits."""
     from preflight import InputError, check_context
@@ -148,8 +225,12 @@ def test_context_error_offers_only_fixes_that_fit(context, prompt, tools, new, f
     lowered = {f: int(v) for f, v in re.findall(r"(--max-new-tokens|--max-prompt-len) to (\d+)", message)}
     assert len(lowered) == sum(f.startswith("--max") for f in fixes) and all(v >= 1 for v in lowered.values())
     for flag, value in lowered.items():  # each lowering alone makes it fit
-        check_context(context, value if flag == "--max-prompt-len" else prompt, value if flag == "--max-new-tokens" else new,
-                      tools_prompt=tools)
+        check_context(
+            context,
+            value if flag == "--max-prompt-len" else prompt,
+            value if flag == "--max-new-tokens" else new,
+            tools_prompt=tools,
+        )
     if together := re.search(r"add up to (\d+)", message):
         total = int(together.group(1))
         check_context(context, total // 2, total - total // 2, tools_prompt=tools)
@@ -167,30 +248,50 @@ def test_cpu_machine_says_so_and_sizes_the_run_for_it(tiny_model_dir, tmp_path):
 
     from fsdp import compute_dtype
 
-    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--steps", "1", "--eval-every", "0", "--group-size", "2",
-                       "--output-dir", tmp_path / "runs", "--run-name", "r")
+    code, out, _ = run(
+        "grpo.py",
+        "--model",
+        tiny_model_dir,
+        "--steps",
+        "1",
+        "--eval-every",
+        "0",
+        "--group-size",
+        "2",
+        "--output-dir",
+        tmp_path / "runs",
+        "--run-name",
+        "r",
+    )
     assert code == 0, out[-3000:]
     line = next(x for x in out.splitlines() if "no GPU found" in x)
     assert "--rollout-engine hf" in line and "--prompts-per-step 4" in line and "--max-new-tokens 64" in line
     assert "--group-size" not in line  # given on the command line
-    assert f"computing in {str(compute_dtype(torch.device('cpu'))).removeprefix('torch.')}" in line  # fsdp.compute_dtype's
+    assert (
+        f"computing in {str(compute_dtype(torch.device('cpu'))).removeprefix('torch.')}" in line
+    )  # fsdp.compute_dtype's
     args = json.loads((tmp_path / "runs" / "r" / "args.json").read_text())
     assert (args["prompts_per_step"], args["group_size"], args["max_new_tokens"]) == (4, 2, 64)
     assert "step 1/" in out
 
 
 def test_sglang_asked_for_without_a_gpu(tiny_model_dir, tmp_path):
-    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--rollout-engine", "sglang", "--output-dir", tmp_path / "runs")
+    code, out, _ = run(
+        "grpo.py", "--model", tiny_model_dir, "--rollout-engine", "sglang", "--output-dir", tmp_path / "runs"
+    )
     assert_clean_failure(code, out, "--rollout-engine sglang needs a CUDA GPU", "use --rollout-engine hf")
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("kind, dont_write, compiled, noted", [
-    ("sglang", True, False, True),    # a container image's PYTHONDONTWRITEBYTECODE, nothing compiled in it
-    ("sglang", True, True, False),    # the image compiled its bytecode: the flag costs nothing
-    ("sglang", False, False, False),  # the first run writes the cache
-    ("hf", True, False, False),       # one process: no SGLang processes compiling it all again
-])
+@pytest.mark.parametrize(
+    "kind, dont_write, compiled, noted",
+    [
+        ("sglang", True, False, True),  # a container image's PYTHONDONTWRITEBYTECODE, nothing compiled in it
+        ("sglang", True, True, False),  # the image compiled its bytecode: the flag costs nothing
+        ("sglang", False, False, False),  # the first run writes the cache
+        ("hf", True, False, False),  # one process: no SGLang processes compiling it all again
+    ],
+)
 def test_uncached_bytecode_is_named_with_its_cost(monkeypatch, capsys, tmp_path, kind, dont_write, compiled, noted):
     """With SGLang, bytecode compiled on every launch took the start-up from 44-46 s to 82-89 s on an H100
     (bench/results, start-up): the run says so before it starts, and how to stop it."""
@@ -205,7 +306,9 @@ def test_uncached_bytecode_is_named_with_its_cost(monkeypatch, capsys, tmp_path,
         pyc.write_bytes(b"")
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else find_spec(name, *a)
+    )
     monkeypatch.setattr(importlib.util, "cache_from_source", lambda path: str(pyc))
     monkeypatch.setattr(sys, "dont_write_bytecode", dont_write)
     assert preflight.check_engine(kind) == kind
@@ -251,11 +354,19 @@ def test_bad_flags_fail_before_anything_loads(tmp_path, script):
     flag, value, message = BAD_FLAGS[0]
     code, out, _ = run(script, "--model", tmp_path / "no-model", flag, value, "--output-dir", tmp_path / "runs")
     assert_clean_failure(code, out, f"{script}: {message}")
-    code, out, _ = run(script, "--model", tmp_path / "no-model", *[x for f, v, _ in BAD_FLAGS for x in (f, v)],
-                       "--output-dir", tmp_path / "runs")
+    code, out, _ = run(
+        script,
+        "--model",
+        tmp_path / "no-model",
+        *[x for f, v, _ in BAD_FLAGS for x in (f, v)],
+        "--output-dir",
+        tmp_path / "runs",
+    )
     assert code == 2 and "Traceback" not in out, out[-3000:]
-    lines = out.strip().splitlines()[-len(BAD_FLAGS) - 1:]
-    assert lines[0] == f"{script}: bad arguments:" and all(any(m in x for x in lines[1:]) for _, _, m in BAD_FLAGS), lines
+    lines = out.strip().splitlines()[-len(BAD_FLAGS) - 1 :]
+    assert lines[0] == f"{script}: bad arguments:" and all(any(m in x for x in lines[1:]) for _, _, m in BAD_FLAGS), (
+        lines
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -263,10 +374,20 @@ def test_bad_input_under_torchrun_is_the_root_cause_in_its_summary(tiny_model_di
     """torchrun prints its own traceback and a summary of the failed ranks after ours: our line is the summary's root
     cause (its 'traceback' entry, the last line before the closing rule) instead of a link to torchrun's docs. The rank
     that waits for the first to print stops as soon as torchrun stops it (it slept 5 s before)."""
-    message = ("grpo.py: --rollout-tp 3 must be a divisor of the 2 ranks of each node (one engine's GPUs are on one node: "
-               "torchrun --nproc_per_node a multiple of it)")
-    code, out, seconds = run("grpo.py", "--model", tiny_model_dir, "--rollout-tp", "3", "--output-dir", tmp_path / "runs",
-                             launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
+    message = (
+        "grpo.py: --rollout-tp 3 must be a divisor of the 2 ranks of each node (one engine's GPUs are on one node: "
+        "torchrun --nproc_per_node a multiple of it)"
+    )
+    code, out, seconds = run(
+        "grpo.py",
+        "--model",
+        tiny_model_dir,
+        "--rollout-tp",
+        "3",
+        "--output-dir",
+        tmp_path / "runs",
+        launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+    )
     lines = out.strip().splitlines()
     print(f"{len(lines)} lines, {seconds:.1f} s")
     assert code == 1 and lines.count(message) == 1, out  # torchrun's own exit code; ours printed once, by local rank 0
@@ -279,15 +400,25 @@ def test_bad_input_under_torchrun_is_the_root_cause_in_its_summary(tiny_model_di
 def test_several_bad_flags_are_listed_together(tmp_path):
     code, out, _ = run("grpo.py", "--lr", "-1", "--micro-batch-size", "0", "--output-dir", tmp_path / "runs")
     assert code == 2 and "Traceback" not in out
-    assert out.strip().splitlines()[-3:] == ["grpo.py: bad arguments:", "  --lr -1.0 must be > 0",
-                                             "  --micro-batch-size 0 must be >= 1"]
+    assert out.strip().splitlines()[-3:] == [
+        "grpo.py: bad arguments:",
+        "  --lr -1.0 must be > 0",
+        "  --micro-batch-size 0 must be >= 1",
+    ]
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--num-prompts", "8", "--num-prompts is now --num-eval-prompts, its name in every script: pass --num-eval-prompts"),
-    ("--max-new-tokens", "0", "--max-new-tokens 0 must be >= 1"),
-    ("--out", "no/such/dir/eval.json", "--out 'no/such/dir/eval.json': its folder does not exist"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        (
+            "--num-prompts",
+            "8",
+            "--num-prompts is now --num-eval-prompts, its name in every script: pass --num-eval-prompts",
+        ),
+        ("--max-new-tokens", "0", "--max-new-tokens 0 must be >= 1"),
+        ("--out", "no/such/dir/eval.json", "--out 'no/such/dir/eval.json': its folder does not exist"),
+    ],
+)
 def test_evaluate_bad_flags(tmp_path, flag, value, message):
     code, out, _ = run("evaluate.py", "--model", tmp_path / "no-model", flag, value, cwd=tmp_path)
     assert_clean_failure(code, out, message)
@@ -310,7 +441,7 @@ def test_help_groups_the_flags_with_their_cpu_defaults(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")  # one column (a wide terminal gets two)
     for script in (grpo, ppo, train_rm, evaluate):
         out = {}
-        for asked in ("--help", "-H")[:1 + (script is grpo)]:  # -H's groups are -h's, each flag with its docstring
+        for asked in ("--help", "-H")[: 1 + (script is grpo)]:  # -H's groups are -h's, each flag with its docstring
             with pytest.raises(SystemExit) as e:
                 parse_args(script.Args, getattr(script, "CPU_SIZES", None), argv=["--lr", "1", asked])
             out[asked] = capsys.readouterr().out
@@ -321,13 +452,22 @@ def test_help_groups_the_flags_with_their_cpu_defaults(capsys, monkeypatch):
         flags = re.findall(r"^\W*--([a-z][\w-]*)[ ,]", out["--help"], re.M)  # a line each, in Args' order
         assert flags == [f.name.replace("_", "-") for f in dataclasses.fields(script.Args)], flags
         if script is grpo:  # -H's lines wrap: compared with the spaces collapsed
-            assert "--group-size INT (default: 16; CPU: 4) " in out["--help"] and "normalized within" not in out["--help"]
-            assert "per prompt; advantages are normalized within each group (default: 16; CPU: 4)" in " ".join(out["-H"].split())
+            assert (
+                "--group-size INT (default: 16; CPU: 4) " in out["--help"] and "normalized within" not in out["--help"]
+            )
+            assert "per prompt; advantages are normalized within each group (default: 16; CPU: 4)" in " ".join(
+                out["-H"].split()
+            )
 
 
-@pytest.mark.parametrize("script, old, new", [("ppo.py", "--samples-per-prompt", "--group-size"),
-                                              ("evaluate.py", "--engine=hf", "--rollout-engine"),
-                                              ("evaluate.py", "--mem-fraction", "--sglang-mem-fraction")])
+@pytest.mark.parametrize(
+    "script, old, new",
+    [
+        ("ppo.py", "--samples-per-prompt", "--group-size"),
+        ("evaluate.py", "--engine=hf", "--rollout-engine"),
+        ("evaluate.py", "--mem-fraction", "--sglang-mem-fraction"),
+    ],
+)
 def test_a_flag_by_its_old_name_names_the_new_one(capsys, script, old, new):
     """One name for a thing in every script (issue 40, item 18: --samples-per-prompt was ppo.py's --group-size,
     evaluate.py had --num-prompts, --engine, --mem-fraction): the old name is bad input, one line naming the new one,
@@ -340,7 +480,10 @@ def test_a_flag_by_its_old_name_names_the_new_one(capsys, script, old, new):
     with pytest.raises(SystemExit) as e, friendly_errors(script):
         parse_args(importlib.import_module(script.removesuffix(".py")).Args, argv=[old, "4"])
     flag = old.split("=")[0]
-    assert e.value.code == 2 and capsys.readouterr().err == f"{script}: {flag} is now {new}, its name in every script: pass {new}\n"
+    assert (
+        e.value.code == 2
+        and capsys.readouterr().err == f"{script}: {flag} is now {new}, its name in every script: pass {new}\n"
+    )
 
 
 def test_a_template_with_another_placeholder_is_refused_before_anything_loads(tmp_path):
@@ -351,14 +494,25 @@ def test_a_template_with_another_placeholder_is_refused_before_anything_loads(tm
     import ppo
     from preflight import InputError
 
-    template, refused = "{prompt} (hint: {answer})", "must be text whose only placeholder is {prompt} (the row's question)"
-    code, out, _ = run("grpo.py", "--model", tmp_path / "no-model", "--prompt-template", template,
-                       "--output-dir", tmp_path / "runs")
-    message = ours_last(code, out, "grpo.py", f"--prompt-template '{template}' {refused}: {{answer}} would reach the model "
-                        "as written, not filled in; write its words into the template")
+    template, refused = (
+        "{prompt} (hint: {answer})",
+        "must be text whose only placeholder is {prompt} (the row's question)",
+    )
+    code, out, _ = run(
+        "grpo.py", "--model", tmp_path / "no-model", "--prompt-template", template, "--output-dir", tmp_path / "runs"
+    )
+    message = ours_last(
+        code,
+        out,
+        "grpo.py",
+        f"--prompt-template '{template}' {refused}: {{answer}} would reach the model "
+        "as written, not filled in; write its words into the template",
+    )
     assert len(message) == 1 and os.listdir(tmp_path) == []
-    for check in (lambda: ppo.check_args(ppo.Args(prompt_template=template), world_size=1),
-                  lambda: evaluate.main(evaluate.Args(model=str(tmp_path / "no-model"), prompt_template=template))):
+    for check in (
+        lambda: ppo.check_args(ppo.Args(prompt_template=template), world_size=1),
+        lambda: evaluate.main(evaluate.Args(model=str(tmp_path / "no-model"), prompt_template=template)),
+    ):
         with pytest.raises(InputError, match=re.escape(refused)):
             check()
 
@@ -414,8 +568,19 @@ def test_evaluate_a_runs_checkpoint_says_which_rows_it_scored(tiny_model_dir, tm
     data = write_rows(tmp_path / "my.jsonl", [{"prompt": f"Q{i}?", "answer": str(i)} for i in range(40)])
     model, _ = a_run(tmp_path, dataset=(data,), seed=3, num_eval_prompts=16)
     shutil.copytree(tiny_model_dir, model)
-    code, out, _ = run("evaluate.py", "--model", model, "--max-new-tokens", 2, "--out", tmp_path / "e.json",
-                       "--eval-samples", 4, "--eval-temperature", 0.7)
+    code, out, _ = run(
+        "evaluate.py",
+        "--model",
+        model,
+        "--max-new-tokens",
+        2,
+        "--out",
+        tmp_path / "e.json",
+        "--eval-samples",
+        4,
+        "--eval-temperature",
+        0.7,
+    )
     assert code == 0, out[-3000:]
     assert f"evaluating 4 prompts, the prompts {tmp_path / 'runs' / 'r'} held out of {data} (seed 3) (0 dropped" in out
     summary = json.loads((tmp_path / "e.json").read_text())
@@ -425,13 +590,24 @@ def test_evaluate_a_runs_checkpoint_says_which_rows_it_scored(tiny_model_dir, tm
     # --eval-samples 4: what a paper reports, with the settings that made it (issue 43)
     assert {"avg@4", "pass@1", "pass@2", "pass@4", "maj@4"} <= summary.keys() and summary["avg@4"] == summary["pass@1"]
     assert summary["pass@1"] <= summary["pass@2"] <= summary["pass@4"]
-    assert (summary["eval_samples"], summary["eval_temperature"], summary["eval_top_p"], summary["max_new_tokens"],
-            summary["seed"]) == (4, 0.7, 1.0, 2, 3) and summary["commit"]
+    assert (
+        summary["eval_samples"],
+        summary["eval_temperature"],
+        summary["eval_top_p"],
+        summary["max_new_tokens"],
+        summary["seed"],
+    ) == (4, 0.7, 1.0, 2, 3) and summary["commit"]
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    env_run = subprocess.run([sys.executable, "grpo.py", "--steps", "0"], cwd=ROOT, capture_output=True, text=True,
-                             env={**os.environ, "RL_DEBUG": "1"}, timeout=120)
+    env_run = subprocess.run(
+        [sys.executable, "grpo.py", "--steps", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RL_DEBUG": "1"},
+        timeout=120,
+    )
     assert env_run.returncode != 0 and "Traceback" in env_run.stderr and "InputError" in env_run.stderr
 
 
@@ -442,8 +618,23 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_one_dataset_file_holds_out_an_eval_part_and_says_so(tiny_model_dir, tmp_path):
     """One file, no --eval-dataset: a seeded held-out part, printed, never trained on; answers may be numbers."""
     data = write_rows(tmp_path / "my.jsonl", [{"question": f"What is {i} + 1?", "answer": i + 1} for i in range(40)])
-    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--dataset", data, "--steps", "1", "--eval-every", "1",
-                       "--num-eval-prompts", "8", "--save-every", "-1", "--output-dir", tmp_path / "runs")
+    code, out, _ = run(
+        "grpo.py",
+        "--model",
+        tiny_model_dir,
+        "--dataset",
+        data,
+        "--steps",
+        "1",
+        "--eval-every",
+        "1",
+        "--num-eval-prompts",
+        "8",
+        "--save-every",
+        "-1",
+        "--output-dir",
+        tmp_path / "runs",
+    )
     assert code == 0, out[-3000:]
     assert f"held out 4 of 40 rows of {data} for evaluation" in out
     assert "data: 36 train prompts, 4 eval prompts" in out
@@ -451,36 +642,70 @@ def test_one_dataset_file_holds_out_an_eval_part_and_says_so(tiny_model_dir, tmp
 
 def test_dropped_eval_prompts_are_counted(tiny_model_dir, tmp_path):
     data = write_rows(tmp_path / "train.jsonl", [{"question": f"What is {i} + 1?", "answer": i + 1} for i in range(8)])
-    evals = write_rows(tmp_path / "eval.jsonl", [{"question": "What is 1 + 1?", "answer": 2},
-                                                 {"question": "long " * 300, "answer": 1}])
-    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--dataset", data, "--eval-dataset", evals, "--steps", "1",
-                       "--eval-every", "0", "--save-every", "-1", "--output-dir", tmp_path / "runs")
+    evals = write_rows(
+        tmp_path / "eval.jsonl", [{"question": "What is 1 + 1?", "answer": 2}, {"question": "long " * 300, "answer": 1}]
+    )
+    code, out, _ = run(
+        "grpo.py",
+        "--model",
+        tiny_model_dir,
+        "--dataset",
+        data,
+        "--eval-dataset",
+        evals,
+        "--steps",
+        "1",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "-1",
+        "--output-dir",
+        tmp_path / "runs",
+    )
     assert code == 0, out[-3000:]
     assert "data: 8 train prompts, 1 eval prompts (dropped as longer than 256 tokens: 0 train, 1 eval)" in out
 
 
-@pytest.mark.parametrize("dataset, rows, message", [
-    ("data/train.jsonl", None, "dataset 'data/train.jsonl': no such file or folder"),
-    ("empty.jsonl", [], "empty.jsonl has no rows"),
-    ("bad.jsonl", [{"question": "Q?", "answer": [1]}], "bad.jsonl, line 1: needs a 'question' string and an 'answer'"),
-    ("long.jsonl", [{"question": f"{i} " + "long " * 300, "answer": 1} for i in range(20)], "all 18 prompts of"),
-])
+@pytest.mark.parametrize(
+    "dataset, rows, message",
+    [
+        ("data/train.jsonl", None, "dataset 'data/train.jsonl': no such file or folder"),
+        ("empty.jsonl", [], "empty.jsonl has no rows"),
+        (
+            "bad.jsonl",
+            [{"question": "Q?", "answer": [1]}],
+            "bad.jsonl, line 1: needs a 'question' string and an 'answer'",
+        ),
+        ("long.jsonl", [{"question": f"{i} " + "long " * 300, "answer": 1} for i in range(20)], "all 18 prompts of"),
+    ],
+)
 def test_dataset_errors_name_the_file(tiny_model_dir, tmp_path, dataset, rows, message):
     """A missing relative path is never tried as a hub id; an empty or malformed file is named."""
     if rows is not None:
         write_rows(tmp_path / dataset, rows)
-    code, out, seconds = run("grpo.py", "--model", tiny_model_dir, "--dataset", dataset, "--output-dir", "runs",
-                             cwd=tmp_path)
+    code, out, seconds = run(
+        "grpo.py", "--model", tiny_model_dir, "--dataset", dataset, "--output-dir", "runs", cwd=tmp_path
+    )
     assert_clean_failure(code, out, message)
     assert seconds < 60 and not (tmp_path / "runs").exists()
 
 
 def test_a_data_file_that_is_not_utf8_names_its_line(tiny_model_dir, tmp_path):
     """A Latin-1 file (an export from a spreadsheet, say) was a UnicodeDecodeError traceback."""
-    (tmp_path / "latin.jsonl").write_bytes(b'{"prompt": "2 + 2?", "answer": "4"}\n{"prompt": "Caf\xe9?", "answer": "1"}\n')
-    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--dataset", "latin.jsonl", "--output-dir", "runs", cwd=tmp_path)
-    ours_last(code, out, "grpo.py", "latin.jsonl, line 2: not UTF-8 text (byte 0xe9 at column 16)", "save it as UTF-8",
-              "iconv -f latin1 -t utf-8 latin.jsonl")
+    (tmp_path / "latin.jsonl").write_bytes(
+        b'{"prompt": "2 + 2?", "answer": "4"}\n{"prompt": "Caf\xe9?", "answer": "1"}\n'
+    )
+    code, out, _ = run(
+        "grpo.py", "--model", tiny_model_dir, "--dataset", "latin.jsonl", "--output-dir", "runs", cwd=tmp_path
+    )
+    ours_last(
+        code,
+        out,
+        "grpo.py",
+        "latin.jsonl, line 2: not UTF-8 text (byte 0xe9 at column 16)",
+        "save it as UTF-8",
+        "iconv -f latin1 -t utf-8 latin.jsonl",
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -497,25 +722,53 @@ def test_a_hub_dataset_without_the_hub_fails_at_once(tiny_model_dir, tmp_path):
             "import time, types\nconfig = types.SimpleNamespace(HF_HUB_OFFLINE=False)\n"
             "def load_dataset(path, name=None, split=None):\n"
             "    if not config.HF_HUB_OFFLINE:\n        time.sleep(60)  # its retries\n"
-            "    raise ConnectionError(f\"Couldn't reach the Hugging Face Hub for dataset '{path}'\")\n")
+            "    raise ConnectionError(f\"Couldn't reach the Hugging Face Hub for dataset '{path}'\")\n"
+        )
         env["PYTHONPATH"] = str(tmp_path / "lib")
-    code, out, seconds = run("grpo.py", "--model", tiny_model_dir, "--dataset", "openai/gsm8k", "--output-dir", tmp_path / "runs",
-                             tmp=tmp_path, env=env)
-    ours_last(code, out, "grpo.py", "dataset 'openai/gsm8k' is not in the datasets cache and the hub can't be reached",
-              "pass a local .jsonl file or folder")
+    code, out, seconds = run(
+        "grpo.py",
+        "--model",
+        tiny_model_dir,
+        "--dataset",
+        "openai/gsm8k",
+        "--output-dir",
+        tmp_path / "runs",
+        tmp=tmp_path,
+        env=env,
+    )
+    ours_last(
+        code,
+        out,
+        "grpo.py",
+        "dataset 'openai/gsm8k' is not in the datasets cache and the hub can't be reached",
+        "pass a local .jsonl file or folder",
+    )
     assert seconds < 25 and not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("import sympyx\n", ["an import in r.py fails (No module named 'sympyx')", "pip install it", "drop the import"]),
-    ("TABLE = {}\nSCALE = TABLE['scale']\n", ["r.py, line 2, raised KeyError: 'scale'; fix the file"]),
-    # argparse at its top level read grpo.py's own flags: its usage and 'grpo.py: error: ...' blamed them, exit 2
-    ("import argparse\nargparse.ArgumentParser().parse_args()\n",
-     ["r.py parses the command line (argparse: unrecognized arguments: --model ", "under if __name__ == '__main__'"]),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        (
+            "import sympyx\n",
+            ["an import in r.py fails (No module named 'sympyx')", "pip install it", "drop the import"],
+        ),
+        ("TABLE = {}\nSCALE = TABLE['scale']\n", ["r.py, line 2, raised KeyError: 'scale'; fix the file"]),
+        # argparse at its top level read grpo.py's own flags: its usage and 'grpo.py: error: ...' blamed them, exit 2
+        (
+            "import argparse\nargparse.ArgumentParser().parse_args()\n",
+            [
+                "r.py parses the command line (argparse: unrecognized arguments: --model ",
+                "under if __name__ == '__main__'",
+            ],
+        ),
+    ],
+)
 def test_a_reward_file_that_fails_to_import(tiny_model_dir, tmp_path, source, expected):
     (tmp_path / "r.py").write_text(source + "def reward(completion, answer):\n    return 1.0\n")
-    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--reward", "r.py:reward", "--output-dir", "runs", cwd=tmp_path)
+    code, out, _ = run(
+        "grpo.py", "--model", tiny_model_dir, "--reward", "r.py:reward", "--output-dir", "runs", cwd=tmp_path
+    )
     ours_last(code, out, "grpo.py", "--reward 'r.py:reward'", *expected)
     assert not (tmp_path / "runs").exists() and "usage:" not in out
 
@@ -529,9 +782,13 @@ def test_a_reward_file_that_exits_or_prints_on_import(tmp_path, capsys):
     (tmp_path / "r.py").write_text("import sys\nsys.exit('no table.csv here')\n")
     with pytest.raises(InputError) as e:
         load_reward(f"{tmp_path}/r.py:reward")
-    assert str(e.value) == (f"--reward '{tmp_path}/r.py:reward': {tmp_path}/r.py calls sys.exit('no table.csv here') "
-                            "on import; put it under if __name__ == '__main__'")
-    (tmp_path / "ok.py").write_text("import sys\nprint('loading', file=sys.stderr)\ndef reward(c, a):\n    return 1.0\n")
+    assert str(e.value) == (
+        f"--reward '{tmp_path}/r.py:reward': {tmp_path}/r.py calls sys.exit('no table.csv here') "
+        "on import; put it under if __name__ == '__main__'"
+    )
+    (tmp_path / "ok.py").write_text(
+        "import sys\nprint('loading', file=sys.stderr)\ndef reward(c, a):\n    return 1.0\n"
+    )
     assert load_reward(f"{tmp_path}/ok.py:reward")("c", "a") == 1.0 and capsys.readouterr().err == "loading\n"
 
 
@@ -539,12 +796,30 @@ def test_a_reward_that_returns_no_number_stops_the_first_step(tiny_model_dir, tm
     """A --reward returning "1" was taken for 1.0 (None, a list, ... scored 0 with a warning each step, exit 0): one line
     at the first step now, naming --reward and what it returned, exit 2. The same run shows issue 40's item 4: with
     --dataset addition, --eval-dataset capitals.jsonl is what is evaluated (it was ignored without a word)."""
-    caps = write_rows(tmp_path / "capitals.jsonl", [{"prompt": "Name the capital of Australia.", "answer": "Canberra"},
-                                                    {"prompt": "Name the capital of Canada.", "answer": "Ottawa"}])
+    caps = write_rows(
+        tmp_path / "capitals.jsonl",
+        [
+            {"prompt": "Name the capital of Australia.", "answer": "Canberra"},
+            {"prompt": "Name the capital of Canada.", "answer": "Ottawa"},
+        ],
+    )
     (tmp_path / "r.py").write_text("def reward(completion, answer):\n    return '1'\n")
     inputs = {p: p.read_bytes() for p in tmp_path.iterdir()}
-    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--dataset", "addition", "--eval-dataset", caps,
-                       "--reward", "r.py:reward", "--eval-before-train", "--output-dir", "runs", cwd=tmp_path)
+    code, out, _ = run(
+        "grpo.py",
+        "--model",
+        tiny_model_dir,
+        "--dataset",
+        "addition",
+        "--eval-dataset",
+        caps,
+        "--reward",
+        "r.py:reward",
+        "--eval-before-train",
+        "--output-dir",
+        "runs",
+        cwd=tmp_path,
+    )
     message = ours_last(code, out, "grpo.py", "--reward 'r.py:reward' returned '1' (str), not a number: return a float")
     assert len(message) == 1 and "step 1/" not in out
     assert "data: 7600 train prompts, 2 eval prompts" in out and f"eval prompts from {caps}" in out
@@ -566,9 +841,16 @@ def test_resuming_with_another_number_of_ranks_says_how_many(tiny_model_dir, tmp
     for r in range(2):
         torch.save({}, ckpt / f"rng_rank{r}.pt")
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    code, out, _ = run("grpo.py", "--model", tiny_model_dir, "--resume", "--output-dir", tmp_path / "runs", "--run-name", "r")
-    ours_last(code, out, "grpo.py", f"--resume: {ckpt} was saved by 2 rank(s) and this run has 1",
-              "resume it with torchrun --nproc_per_node 2")
+    code, out, _ = run(
+        "grpo.py", "--model", tiny_model_dir, "--resume", "--output-dir", tmp_path / "runs", "--run-name", "r"
+    )
+    ours_last(
+        code,
+        out,
+        "grpo.py",
+        f"--resume: {ckpt} was saved by 2 rank(s) and this run has 1",
+        "resume it with torchrun --nproc_per_node 2",
+    )
     assert "model " not in out  # before the model, even its tokenizer, loaded
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
@@ -581,15 +863,22 @@ def test_evaluate_a_model_file_cut_short(tiny_model_dir, tmp_path):
     size = weights.stat().st_size
     os.truncate(weights, size // 2)
     code, out, _ = run("evaluate.py", "--model", folder, "--out", tmp_path / "e.json")
-    ours_last(code, out, "evaluate.py", f"--model '{folder}': model.safetensors is {size // 2:,} bytes, less than its "
-              f"header says ({size:,})", "copy the file again")
+    ours_last(
+        code,
+        out,
+        "evaluate.py",
+        f"--model '{folder}': model.safetensors is {size // 2:,} bytes, less than its header says ({size:,})",
+        "copy the file again",
+    )
     assert not (tmp_path / "e.json").exists()
 
 
 def test_plot_without_a_run_folder(tmp_path):
     """`python plot.py` alone was a StopIteration traceback (and a folder without metrics exit code 1)."""
     code, out, _ = run("plot.py", cwd=tmp_path)
-    assert ours_last(code, out, "plot.py", "give one or more run folders: python plot.py runs/A") and out.count("\n") == 1
+    assert (
+        ours_last(code, out, "plot.py", "give one or more run folders: python plot.py runs/A") and out.count("\n") == 1
+    )
     code, out, _ = run("plot.py", tmp_path, cwd=tmp_path)
     ours_last(code, out, "plot.py", f"{tmp_path}: no metrics.jsonl there")
     assert os.listdir(tmp_path) == []
@@ -598,9 +887,16 @@ def test_plot_without_a_run_folder(tmp_path):
 def test_tiny_model_help_builds_nothing(tmp_path):
     """`python tests/tiny_model.py --help` built a model in a folder named '--help'."""
     code, out, seconds = run(os.path.join("tests", "tiny_model.py"), "--help", cwd=tmp_path)
-    assert code == 0 and out.startswith("usage: tiny_model.py [-h] [--sft-steps SFT_STEPS] [--context CONTEXT] FOLDER") and seconds < 10
+    assert (
+        code == 0
+        and out.startswith("usage: tiny_model.py [-h] [--sft-steps SFT_STEPS] [--context CONTEXT] FOLDER")
+        and seconds < 10
+    )
     code, out, _ = run(os.path.join("tests", "tiny_model.py"), cwd=tmp_path)
-    assert code == 2 and out.strip().splitlines()[-1] == "tiny_model.py: error: the following arguments are required: FOLDER"
+    assert (
+        code == 2
+        and out.strip().splitlines()[-1] == "tiny_model.py: error: the following arguments are required: FOLDER"
+    )
     assert os.listdir(tmp_path) == []
 
 
@@ -637,18 +933,43 @@ def test_a_run_folder_refuses_every_other_script_and_stays_inside_output_dir(tin
     runs = tmp_path / "home" / "runs"
     fake_run(runs / "p", "ppo.py"), fake_run(runs / "g", "grpo.py", command_only=True)
     before, home = files_of(tmp_path), {"HOME": str(tmp_path / "home")}
-    cases = [("grpo.py", "p", "--resume", f"{runs / 'p'} holds a ppo.py run (its run_info.json), not a grpo.py one: pass "
-                                         "another --run-name, or resume it with ppo.py"),
-             ("ppo.py", "g", "--resume", f"{runs / 'g'} holds a grpo.py run (its run_info.json), not a ppo.py one: pass "
-                                        "another --run-name, or resume it with grpo.py"),
-             ("train_rm.py", "g", "--eval-every=0", f"{runs / 'g'} holds a grpo.py run (its run_info.json), not a "
-                                                    "train_rm.py one: pass another --run-name"),
-             ("grpo.py", "../../x", "--resume", "--run-name '../../x' is not a plain folder name (the run's folder goes "
-                                                "inside --output-dir ~/runs): pass a name without '/'; to write elsewhere, "
-                                                "change --output-dir")]
+    cases = [
+        (
+            "grpo.py",
+            "p",
+            "--resume",
+            f"{runs / 'p'} holds a ppo.py run (its run_info.json), not a grpo.py one: pass "
+            "another --run-name, or resume it with ppo.py",
+        ),
+        (
+            "ppo.py",
+            "g",
+            "--resume",
+            f"{runs / 'g'} holds a grpo.py run (its run_info.json), not a ppo.py one: pass "
+            "another --run-name, or resume it with grpo.py",
+        ),
+        (
+            "train_rm.py",
+            "g",
+            "--eval-every=0",
+            f"{runs / 'g'} holds a grpo.py run (its run_info.json), not a train_rm.py one: pass another --run-name",
+        ),
+        (
+            "grpo.py",
+            "../../x",
+            "--resume",
+            "--run-name '../../x' is not a plain folder name (the run's folder goes "
+            "inside --output-dir ~/runs): pass a name without '/'; to write elsewhere, "
+            "change --output-dir",
+        ),
+    ]
     with ThreadPoolExecutor(len(cases)) as pool:
-        runs_ = pool.map(lambda c: run(c[0], "--model", tiny_model_dir, "--output-dir=~/runs", "--run-name", c[1], c[2],
-                                       cwd=tmp_path, env=home), cases)
+        runs_ = pool.map(
+            lambda c: run(
+                c[0], "--model", tiny_model_dir, "--output-dir=~/runs", "--run-name", c[1], c[2], cwd=tmp_path, env=home
+            ),
+            cases,
+        )
         for (script, _, _, message), (code, out, _) in zip(cases, list(runs_)):
             ours_last(code, out, script, message)
             assert f"model {tiny_model_dir}" not in out and out.strip().splitlines()[-1].endswith(message), out
@@ -673,8 +994,11 @@ def test_a_live_runs_lock_refuses_another_and_a_dead_runs_does_not(tmp_path):
     fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
     holder.write("grpo.py, pid 4242 on node7, since 2026-11-26 05:58:23")
     holder.flush()
-    with pytest.raises(InputError, match=f"^{run_dir} is in use by grpo.py, pid 4242 on node7, since 2026-11-26 "
-                                         f"05:58:23 \\({run_dir / LOCK}\\): wait for it to end or stop it, or pass"):
+    with pytest.raises(
+        InputError,
+        match=f"^{run_dir} is in use by grpo.py, pid 4242 on node7, since 2026-11-26 "
+        f"05:58:23 \\({run_dir / LOCK}\\): wait for it to end or stop it, or pass",
+    ):
         claim_run_dir(str(tmp_path / "runs"), "r", resume=False)
     holder.close()  # the run died: the lock with it, the file stays
     assert claim_run_dir(str(tmp_path / "runs"), "r", resume=False) == str(run_dir)  # nothing in it but the lock
@@ -686,10 +1010,18 @@ def test_ctrl_c_while_the_imports_run_is_one_line(tmp_path):
     exit 130, in every script. The signal goes while torch is being imported (its library mapped: /proc/PID/maps)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     for script in ("grpo.py", "ppo.py", "train_rm.py", "evaluate.py"):
-        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), "--model", "no-model"], cwd=tmp_path,
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, script), "--model", "no-model"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         deadline = time.time() + 60
-        while proc.poll() is None and time.time() < deadline and "libtorch" not in open(f"/proc/{proc.pid}/maps").read():
+        while (
+            proc.poll() is None and time.time() < deadline and "libtorch" not in open(f"/proc/{proc.pid}/maps").read()
+        ):
             time.sleep(0.005)
         proc.send_signal(signal.SIGINT)
         out = proc.communicate(timeout=60)[0]
@@ -700,7 +1032,9 @@ def test_ctrl_c_while_the_imports_run_is_one_line(tmp_path):
 def test_existing_checkpoints_refuse_before_loading(tmp_path):
     (tmp_path / "runs" / "r" / "checkpoints" / "step_000001").mkdir(parents=True)
     (tmp_path / "runs" / "r" / "checkpoints" / "step_000001" / "trainer.pt").write_bytes(b"")
-    code, out, _ = run("grpo.py", "--model", tmp_path / "no-model", "--output-dir", tmp_path / "runs", "--run-name", "r")
+    code, out, _ = run(
+        "grpo.py", "--model", tmp_path / "no-model", "--output-dir", tmp_path / "runs", "--run-name", "r"
+    )
     assert_clean_failure(code, out, "holds an earlier run: pass --resume to continue it, or a new --run-name")
 
 
@@ -712,6 +1046,7 @@ def test_requirements_do_not_fight():
     """requirements-test.txt only adds to what the main job installs: every package it names with a
     version rule is either absent from requirements.txt's chain or named there with the same rule.
     (.ci/check_requirements.py lets pip resolve both for real.)"""
+
     def pins(name):
         out = {}
         for line in open(os.path.join(ROOT, name)):
@@ -720,7 +1055,7 @@ def test_requirements_do_not_fight():
                 out.update(pins(line[3:].strip()))
             elif line:
                 package = re.match(r"[A-Za-z0-9_.\-\[\]]+", line).group(0).lower()
-                out[package] = line[len(package):].strip()
+                out[package] = line[len(package) :].strip()
         return out
 
     main, test = pins("requirements.txt"), pins("requirements-test.txt")
@@ -730,8 +1065,10 @@ def test_requirements_do_not_fight():
 
 
 def test_report_without_matplotlib_says_what_to_install():
-    code = ("import sys; sys.modules['matplotlib'] = None; sys.path.insert(0, 'bench'); "
-            "import report; report.subplots(1, 2)")
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; sys.path.insert(0, 'bench'); "
+        "import report; report.subplots(1, 2)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "drawing a PNG needs matplotlib: pip install matplotlib (requirements.txt lists it)"
@@ -747,8 +1084,10 @@ def test_every_file_keeps_its_line_budget_in_the_readme():
             assert sum(1 for _ in f) <= int(budget), f"{name} is over its README budget of {budget} lines"
 
 
-@pytest.mark.skipif(bool(importlib.util.find_spec("wandb") or importlib.util.find_spec("flash_attn")),
-                    reason="wandb or flash-attn is installed here")
+@pytest.mark.skipif(
+    bool(importlib.util.find_spec("wandb") or importlib.util.find_spec("flash_attn")),
+    reason="wandb or flash-attn is installed here",
+)
 def test_a_flag_that_needs_a_package_not_installed_says_which(monkeypatch):
     """--track without wandb, --attn-implementation flash_attention_2 without flash-attn (on a GPU machine: without a
     GPU that comes first, below): in each training script's flag checks, before anything loads (they were tracebacks
@@ -765,8 +1104,10 @@ def test_a_flag_that_needs_a_package_not_installed_says_which(monkeypatch):
         with pytest.raises(InputError) as e:
             script.check_args(script.Args(track=True, attn_implementation="flash_attention_2"), world_size=1)
         assert "--track True must be given with wandb installed (pip install wandb; wandb login)" in str(e.value)
-        assert ("--attn-implementation flash_attention_2 must be sdpa or eager: flash_attention_2 needs flash-attn "
-                "(pip install flash-attn)") in str(e.value)
+        assert (
+            "--attn-implementation flash_attention_2 must be sdpa or eager: flash_attention_2 needs flash-attn "
+            "(pip install flash-attn)"
+        ) in str(e.value)
 
 
 def test_an_attention_that_cant_train_on_this_machine_is_refused_before_anything_loads(tiny_model_dir, tmp_path):
@@ -776,22 +1117,39 @@ def test_an_attention_that_cant_train_on_this_machine_is_refused_before_anything
     import train_rm
     from preflight import InputError
 
-    code, out, seconds = run("grpo.py", "--model", tiny_model_dir, "--attn-implementation", "flex_attention",
-                             "--output-dir", tmp_path / "runs")
-    message = ours_last(code, out, "grpo.py", "--attn-implementation flex_attention must be sdpa or eager on a machine "
-                        "without a GPU: flex_attention has no backward on a CPU")
+    code, out, seconds = run(
+        "grpo.py",
+        "--model",
+        tiny_model_dir,
+        "--attn-implementation",
+        "flex_attention",
+        "--output-dir",
+        tmp_path / "runs",
+    )
+    message = ours_last(
+        code,
+        out,
+        "grpo.py",
+        "--attn-implementation flex_attention must be sdpa or eager on a machine "
+        "without a GPU: flex_attention has no backward on a CPU",
+    )
     assert len(message) == 1 and "model " not in out and not (tmp_path / "runs").exists()
     for script in (ppo, train_rm):
         with pytest.raises(InputError, match="flex_attention has no backward on a CPU"):
             script.check_args(script.Args(attn_implementation="flex_attention"), world_size=1)
 
 
-@pytest.mark.parametrize("impl, gpu, must", [
-    ("sdpa", False, None), ("eager", False, None), ("paged|sdpa", False, None),
-    ("flash_attention_2", False, "sdpa or eager on a machine without a GPU: flash_attention_2 runs on a GPU only"),
-    ("flex_attention", True, None),
-    ("sdpa2", True, "one that transformers knows: eager, "),  # a typo was transformers' ValueError after loading
-])
+@pytest.mark.parametrize(
+    "impl, gpu, must",
+    [
+        ("sdpa", False, None),
+        ("eager", False, None),
+        ("paged|sdpa", False, None),
+        ("flash_attention_2", False, "sdpa or eager on a machine without a GPU: flash_attention_2 runs on a GPU only"),
+        ("flex_attention", True, None),
+        ("sdpa2", True, "one that transformers knows: eager, "),  # a typo was transformers' ValueError after loading
+    ],
+)
 def test_attention_implementations_by_machine(monkeypatch, impl, gpu, must):
     import torch
 
@@ -806,8 +1164,11 @@ def scorer_folder(tiny_model_dir, folder, architecture: str) -> str:
     critic export write): enough for every check before loading."""
     shutil.copytree(tiny_model_dir, folder)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "architectures": [architecture], "id2label": {"0": "LABEL_0"},
-                                                    "label2id": {"LABEL_0": 0}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {**config, "architectures": [architecture], "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+        )
+    )
     return str(folder)
 
 
@@ -821,15 +1182,22 @@ def test_a_reward_model_passed_as_the_policy_is_refused_before_loading(tiny_mode
 
     rm = scorer_folder(tiny_model_dir, tmp_path / "rm", "LlamaForSequenceClassification")
     code, out, _ = run("grpo.py", "--model", rm, "--output-dir", tmp_path / "runs")
-    message = ours_last(code, out, "grpo.py", f"--model '{rm}' is a LlamaForSequenceClassification (config.json), a model "
-                        "that scores text and can't generate it: pass it as --reward-model, and a causal LM "
-                        "(*ForCausalLM) as --model")
+    message = ours_last(
+        code,
+        out,
+        "grpo.py",
+        f"--model '{rm}' is a LlamaForSequenceClassification (config.json), a model "
+        "that scores text and can't generate it: pass it as --reward-model, and a causal LM "
+        "(*ForCausalLM) as --model",
+    )
     assert len(message) == 1 and sorted(os.listdir(tmp_path)) == ["rm"]
     assert not any(x.startswith("model ") for x in out.splitlines())  # check_model's line on a model it took
     critic = scorer_folder(tiny_model_dir, tmp_path / "critic", "LlamaForTokenClassification")
     with pytest.raises(InputError, match="is a LlamaForTokenClassification .* pass it as ppo.py's --critic-model"):
         check_model(critic, generates=True)
-    assert check_reward_model(rm)[0] is not None and check_model(critic, "--critic-model", with_tokenizer=False)[1] == 512
+    assert (
+        check_reward_model(rm)[0] is not None and check_model(critic, "--critic-model", with_tokenizer=False)[1] == 512
+    )
 
 
 def test_a_checkpoint_folder_passed_for_a_model_names_its_model_folder(tiny_model_dir, tmp_path):
@@ -839,7 +1207,9 @@ def test_a_checkpoint_folder_passed_for_a_model_names_its_model_folder(tiny_mode
 
     step = tmp_path / "step_000002"
     shutil.copytree(tiny_model_dir, step / "model")
-    with pytest.raises(InputError, match=f"--reward-model '{step}' is a checkpoint: pass its model folder, {step / 'model'}"):
+    with pytest.raises(
+        InputError, match=f"--reward-model '{step}' is a checkpoint: pass its model folder, {step / 'model'}"
+    ):
         check_model(str(step), "--reward-model")
     with pytest.raises(InputError) as e:
         check_model(str(tmp_path / "nothere"), "--reward-model")
@@ -863,7 +1233,10 @@ def test_a_rollout_tp_the_model_cant_split_is_refused_before_loading(tiny_model_
     assert tp_problem(qwen1p5b, 3).startswith("it has 2 key-value heads")
     assert [tp for tp in (2, 4, 7, 8) if tp_problem(qwen7b, tp) is None] == [2, 4]  # 7: 4 KV heads; 8: 28 heads
     assert tp_problem(shape(8, 8, 100), 8) == "its MLP is 100 wide (SGLang needs a --rollout-tp that divides it)"
-    with pytest.raises(InputError, match=rf"--rollout-tp 3 can't split --model {tiny_model_dir} over 3 GPUs: it has 4 "
-                                         r"attention heads \(SGLang needs a --rollout-tp that divides them\)"):
+    with pytest.raises(
+        InputError,
+        match=rf"--rollout-tp 3 can't split --model {tiny_model_dir} over 3 GPUs: it has 4 "
+        r"attention heads \(SGLang needs a --rollout-tp that divides them\)",
+    ):
         check_model(tiny_model_dir, rollout_tp=3)
     check_model(tiny_model_dir, rollout_tp=4)  # 4 heads, 2 KV heads copied twice

@@ -14,8 +14,16 @@ import pytest
 from test_smoke import metrics, run_grpo
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_steps.json")
-KEYS = ("rollout/reward_mean", "rollout/reward_std", "train/loss", "train/grad_norm", "train/entropy", "train/kl",
-        "critic/value_loss", "critic/explained_var")  # the last two: ppo.py
+KEYS = (
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "train/loss",
+    "train/grad_norm",
+    "train/entropy",
+    "train/kl",
+    "critic/value_loss",
+    "critic/explained_var",
+)  # the last two: ppo.py
 RUNS = {  # name: (script, flags)
     "grpo": ("grpo.py", ()),
     "grpo_mb2_beta": ("grpo.py", ("--num-minibatches", "2", "--beta", "0.04")),
@@ -28,8 +36,21 @@ def test_a_fixed_seed_run_computes_what_it_did(name, trained_tiny_model_dir, tmp
     """fp32 on every CPU (ONEDNN_MAX_CPU_ISA=AVX2: fsdp.compute_dtype's bf16 depends on the CPU); rewards are counts of
     right answers, so equal; losses and norms within 1e-4 relative (summation order between CPU kernels)."""
     script, flags = RUNS[name]
-    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "5", "--eval-every", "0", "--save-every", "-1", "--seed", "3",
-             *flags, script=script, env={"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    run_grpo(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--steps",
+        "5",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "-1",
+        "--seed",
+        "3",
+        *flags,
+        script=script,
+        env={"ONEDNN_MAX_CPU_ISA": "AVX2"},
+    )
     train, _ = metrics(tmp_path)
     got = [{k: r[k] for k in KEYS if k in r} for r in train]
     assert len(got) == 5

@@ -40,18 +40,33 @@ def test_sglang_logprobs_match_fsdp_after_sync(tmp_path):
     print("mean |logprob diff|:", {k: result[k] for k in ("synced", "stale", "synced_twice", "garbage")})
     assert result["synced"] < LOGPROB_TOLERANCE
     assert result["synced_twice"] < LOGPROB_TOLERANCE  # step 2: after release, resume and a second sync
-    assert result["stale"] > 2 * LOGPROB_TOLERANCE      # the check must catch a missed sync ...
-    assert result["garbage"] > 2 * LOGPROB_TOLERANCE    # ... and a corrupted tensor
+    assert result["stale"] > 2 * LOGPROB_TOLERANCE  # the check must catch a missed sync ...
+    assert result["garbage"] > 2 * LOGPROB_TOLERANCE  # ... and a corrupted tensor
 
 
 def test_a_launched_server_takes_the_weights(tmp_path):
     """server.launch_servers (what --rollout-gpus runs): SGLang's launcher on GPU 1 with NCCL, or on a
     one-GPU machine beside the trainer with gloo; the same four measurements as the in-process engine."""
     out = tmp_path / "logprob_check.json"
-    run([sys.executable, "tests/gpu_logprob_check.py", "--model", MODEL, "--out", str(out), "--rollout-engine", "launched",
-         "--sglang-mem-fraction", "0.3"])
+    run(
+        [
+            sys.executable,
+            "tests/gpu_logprob_check.py",
+            "--model",
+            MODEL,
+            "--out",
+            str(out),
+            "--rollout-engine",
+            "launched",
+            "--sglang-mem-fraction",
+            "0.3",
+        ]
+    )
     result = json.loads(out.read_text())
-    print("launched server, mean |logprob diff|:", {k: result[k] for k in ("synced", "stale", "synced_twice", "garbage", "sync_s")})
+    print(
+        "launched server, mean |logprob diff|:",
+        {k: result[k] for k in ("synced", "stale", "synced_twice", "garbage", "sync_s")},
+    )
     assert result["synced"] < LOGPROB_TOLERANCE and result["synced_twice"] < LOGPROB_TOLERANCE
     assert result["stale"] > 2 * LOGPROB_TOLERANCE and result["garbage"] > 2 * LOGPROB_TOLERANCE
     assert (tmp_path / f"rollout_server_{1 if torch.cuda.device_count() >= 2 else 0}.log").exists()
@@ -66,10 +81,43 @@ def test_the_weight_sync_group_has_a_communicator_of_its_own():
 def test_grpo_rollout_gpus_async(tmp_path):
     """torchrun --nproc_per_node 1 on a two-GPU machine: the job starts its server on GPU 1, trains on
     GPU 0, one step off-policy; the server ends with the run."""
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "grpo.py", "--model", MODEL,
-         "--rollout-mode", "server", "--rollout-gpus", "1", "--async-rollout", "--steps", "3", "--prompts-per-step", "16",
-         "--group-size", "4", "--max-new-tokens", "64", "--eval-every", "3", "--num-eval-prompts", "32", "--save-every", "0",
-         "--lr", "1e-5", "--output-dir", str(tmp_path), "--run-name", "t"])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            "grpo.py",
+            "--model",
+            MODEL,
+            "--rollout-mode",
+            "server",
+            "--rollout-gpus",
+            "1",
+            "--async-rollout",
+            "--steps",
+            "3",
+            "--prompts-per-step",
+            "16",
+            "--group-size",
+            "4",
+            "--max-new-tokens",
+            "64",
+            "--eval-every",
+            "3",
+            "--num-eval-prompts",
+            "32",
+            "--save-every",
+            "0",
+            "--lr",
+            "1e-5",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "t",
+        ]
+    )
     steps = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     train_steps = [m for m in steps if "train/loss" in m]
     assert [m["rollout/staleness"] for m in train_steps] == [0, 1, 1]
@@ -91,13 +139,42 @@ def writers_of(path: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("extra", [[], ["--offload", "--beta", "0.01", "--gradient-checkpointing"]],
-                         ids=["resident", "offload+ref"])
+@pytest.mark.parametrize(
+    "extra", [[], ["--offload", "--beta", "0.01", "--gradient-checkpointing"]], ids=["resident", "offload+ref"]
+)
 def test_grpo_three_full_steps(tmp_path, extra):
-    run([sys.executable, "grpo.py", "--model", MODEL, "--steps", "3", "--prompts-per-step", "16", "--group-size", "4",
-         "--max-new-tokens", "64", "--eval-every", "2", "--num-eval-prompts", "32", "--save-every", "0",
-         "--sglang-disable-cuda-graph", "--sglang-mem-fraction", "0.5", "--lr", "1e-5",
-         "--output-dir", str(tmp_path), "--run-name", "t", *extra])
+    run(
+        [
+            sys.executable,
+            "grpo.py",
+            "--model",
+            MODEL,
+            "--steps",
+            "3",
+            "--prompts-per-step",
+            "16",
+            "--group-size",
+            "4",
+            "--max-new-tokens",
+            "64",
+            "--eval-every",
+            "2",
+            "--num-eval-prompts",
+            "32",
+            "--save-every",
+            "0",
+            "--sglang-disable-cuda-graph",
+            "--sglang-mem-fraction",
+            "0.5",
+            "--lr",
+            "1e-5",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "t",
+            *extra,
+        ]
+    )
     steps = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     train_steps = [m for m in steps if "train/loss" in m]
     assert [m["step"] for m in train_steps] == [1, 2, 3]
@@ -111,10 +188,41 @@ def test_grpo_with_the_calculator_three_steps(tmp_path):
     """Multi-turn episodes on SGLang's event loop: tool metrics logged, and the engine's per-turn
     log-probs of the model's tokens match the trainer's (the masks line up). As a user runs it: the
     default prompt length with tools, CUDA graphs, a clean end (no warning on stderr)."""
-    proc = run([sys.executable, "grpo.py", "--model", MODEL, "--dataset", "multiplication", "--tools", "calculator",
-                "--steps", "3", "--prompts-per-step", "16", "--group-size", "4", "--max-new-tokens", "192", "--eval-every", "3",
-                "--num-eval-prompts", "64", "--save-every", "0", "--sglang-mem-fraction", "0.5", "--lr", "1e-5",
-                "--output-dir", str(tmp_path), "--run-name", "t"], output=True)
+    proc = run(
+        [
+            sys.executable,
+            "grpo.py",
+            "--model",
+            MODEL,
+            "--dataset",
+            "multiplication",
+            "--tools",
+            "calculator",
+            "--steps",
+            "3",
+            "--prompts-per-step",
+            "16",
+            "--group-size",
+            "4",
+            "--max-new-tokens",
+            "192",
+            "--eval-every",
+            "3",
+            "--num-eval-prompts",
+            "64",
+            "--save-every",
+            "0",
+            "--sglang-mem-fraction",
+            "0.5",
+            "--lr",
+            "1e-5",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "t",
+        ],
+        output=True,
+    )
     assert "Warning" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "used a tool" in proc.stdout
     steps = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
@@ -132,12 +240,38 @@ def sglang_server(tmp_path):
     two = torch.cuda.device_count() >= 2
     log = open(tmp_path / "server.log", "w")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1" if two else "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", MODEL, "--port", "30555",
-                             "--skip-tokenizer-init", "--mem-fraction-static", "0.6" if two else "0.3",
-                             "--attention-backend", "triton", "--sampling-backend", "pytorch", "--cuda-graph-backend-prefill",
-                             "disabled"], stdout=log, stderr=log, env=env)
-    yield ["--rollout-mode", "server", "--rollout-url", "http://127.0.0.1:30555", "--rollout-timeout", "300",
-           *([] if two else ["--rollout-sync-backend", "gloo"])]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            MODEL,
+            "--port",
+            "30555",
+            "--skip-tokenizer-init",
+            "--mem-fraction-static",
+            "0.6" if two else "0.3",
+            "--attention-backend",
+            "triton",
+            "--sampling-backend",
+            "pytorch",
+            "--cuda-graph-backend-prefill",
+            "disabled",
+        ],
+        stdout=log,
+        stderr=log,
+        env=env,
+    )
+    yield [
+        "--rollout-mode",
+        "server",
+        "--rollout-url",
+        "http://127.0.0.1:30555",
+        "--rollout-timeout",
+        "300",
+        *([] if two else ["--rollout-sync-backend", "gloo"]),
+    ]
     proc.kill()
     proc.wait()
     print((tmp_path / "server.log").read_text()[-3000:])
@@ -146,16 +280,49 @@ def sglang_server(tmp_path):
 def test_grpo_against_an_sglang_server_sync_then_async_with_tools(tmp_path, sglang_server):
     """The weights reach a real server (the log-prob gap of every synced step), then a run with
     --async-rollout and the calculator (multi-turn turns over HTTP, one step off-policy)."""
-    common = ["--model", MODEL, "--steps", "3", "--prompts-per-step", "16", "--group-size", "4", "--eval-every", "0",
-              "--save-every", "0", "--lr", "1e-5", "--output-dir", str(tmp_path), *sglang_server]
+    common = [
+        "--model",
+        MODEL,
+        "--steps",
+        "3",
+        "--prompts-per-step",
+        "16",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "0",
+        "--lr",
+        "1e-5",
+        "--output-dir",
+        str(tmp_path),
+        *sglang_server,
+    ]
     run([sys.executable, "grpo.py", *common, "--max-new-tokens", "64", "--run-name", "sync"])
     sync = [json.loads(line) for line in (tmp_path / "sync" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in sync] == [1, 2, 3]
     for m in sync:
         assert m["rollout/logprob_abs_diff"] < LOGPROB_TOLERANCE and m["rollout/staleness"] == 0, m
-    run([sys.executable, "grpo.py", *common, "--dataset", "multiplication", "--tools", "calculator", "--max-new-tokens", "192",
-         "--async-rollout", "--run-name", "async"])
+    run(
+        [
+            sys.executable,
+            "grpo.py",
+            *common,
+            "--dataset",
+            "multiplication",
+            "--tools",
+            "calculator",
+            "--max-new-tokens",
+            "192",
+            "--async-rollout",
+            "--run-name",
+            "async",
+        ]
+    )
     steps = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout/staleness"] for m in steps] == [0, 1, 1]
     assert steps[0]["rollout/logprob_abs_diff"] < LOGPROB_TOLERANCE  # step 1 is sampled by the synced weights
-    assert any(m["tools/calls_per_sample"] > 0 for m in steps) and all(0 <= m["rollout/correction_frac"] <= 1 for m in steps)
+    assert any(m["tools/calls_per_sample"] > 0 for m in steps) and all(
+        0 <= m["rollout/correction_frac"] <= 1 for m in steps
+    )

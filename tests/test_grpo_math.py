@@ -7,9 +7,24 @@ import torch
 from torch.testing import assert_close
 
 from fsdp import lr_lambda
-from grpo import (Args, advantages, aggregate, check_args, cispo_policy_loss, clipped_policy_loss, group_advantages, grpo_loss,
-                  gspo_policy_loss, kl_penalty, reinforce_pp_advantages, rloo_advantages, rollout_correction, sapo_policy_loss,
-                  variant_defaults, variant_line)
+from grpo import (
+    Args,
+    advantages,
+    aggregate,
+    check_args,
+    cispo_policy_loss,
+    clipped_policy_loss,
+    group_advantages,
+    grpo_loss,
+    gspo_policy_loss,
+    kl_penalty,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    rollout_correction,
+    sapo_policy_loss,
+    variant_defaults,
+    variant_line,
+)
 from preflight import InputError
 
 # ----------------------------------------------------------------------------------------------
@@ -18,15 +33,13 @@ from preflight import InputError
 
 def test_group_advantages_scaled_uses_unbiased_std():
     """Centred by the group mean, divided by the unbiased (n-1) std + eps; equal rewards give 0, not NaN."""
-    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0],
-                            [2.0, 2.0, 2.0, 2.0]])
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
     # group 0: mean 0.5 -> centred [0.5, -0.5, -0.5, 0.5]
     #          unbiased var = (4 * 0.25) / (4 - 1) = 1/3 -> std = 0.57735
     #          0.5 / (0.57735 + 1e-6) = 0.866024
     # group 1: mean 2 -> centred all 0; std 0 -> 0 / (0 + 1e-6) = 0
     a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
-    expected = torch.tensor([[a, -a, -a, a],
-                             [0.0, 0.0, 0.0, 0.0]])
+    expected = torch.tensor([[a, -a, -a, a], [0.0, 0.0, 0.0, 0.0]])
     adv = group_advantages(rewards, scale=True)
     assert_close(adv, expected)
     assert not adv.isnan().any()
@@ -34,12 +47,10 @@ def test_group_advantages_scaled_uses_unbiased_std():
 
 def test_group_advantages_unscaled_is_only_centred():
     """scale=False (Dr.GRPO): rewards minus the group mean, nothing else."""
-    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0],
-                            [3.0, 1.0, 2.0, 2.0]])
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 2.0]])
     # group 0: mean 0.5 -> [0.5, -0.5, -0.5, 0.5]
     # group 1: mean 8/4 = 2 -> [1, -1, 0, 0]
-    expected = torch.tensor([[0.5, -0.5, -0.5, 0.5],
-                             [1.0, -1.0, 0.0, 0.0]])
+    expected = torch.tensor([[0.5, -0.5, -0.5, 0.5], [1.0, -1.0, 0.0, 0.0]])
     assert_close(group_advantages(rewards, scale=False), expected)
 
 
@@ -183,12 +194,14 @@ def test_clipped_flag_is_strictly_larger():
 # ----------------------------------------------------------------------------------------------
 # aggregate
 
-VALUES = torch.tensor([[1.0, 2.0, 3.0, 4.0],
-                       [5.0, 6.0, 7.0, 8.0],
-                       [9.0, 9.0, 9.0, 9.0]])
-MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0],   # 3 tokens, masked sum 1 + 2 + 3 = 6
-                     [1.0, 1.0, 0.0, 0.0],   # 2 tokens (then padding), masked sum 5 + 6 = 11
-                     [0.0, 0.0, 0.0, 0.0]])  # fully masked (e.g. an overlong-filtered response): 0
+VALUES = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0], [9.0, 9.0, 9.0, 9.0]])
+MASK = torch.tensor(
+    [
+        [1.0, 1.0, 1.0, 0.0],  # 3 tokens, masked sum 1 + 2 + 3 = 6
+        [1.0, 1.0, 0.0, 0.0],  # 2 tokens (then padding), masked sum 5 + 6 = 11
+        [0.0, 0.0, 0.0, 0.0],
+    ]
+)  # fully masked (e.g. an overlong-filtered response): 0
 # whole mini-batch: num_seqs = 3, num_tokens = 5, max_len = 4
 
 
@@ -249,8 +262,8 @@ def test_lr_warmup_then_constant():
 def test_lr_cosine_decays_to_min_lr_ratio():
     """Cosine from 1 after warm-up down to min_lr_ratio at total_optimizer_steps, and flat beyond."""
     f = lr_lambda(2, "cosine", 0.1, 12)
-    assert f(0) == pytest.approx(0.5)   # warm-up: 1/2
-    assert f(2) == pytest.approx(1.0)   # progress 0: 0.1 + 0.9 * 0.5 * (1 + cos 0) = 1
+    assert f(0) == pytest.approx(0.5)  # warm-up: 1/2
+    assert f(2) == pytest.approx(1.0)  # progress 0: 0.1 + 0.9 * 0.5 * (1 + cos 0) = 1
     assert f(7) == pytest.approx(0.55)  # progress (7-2)/(12-2) = 0.5: 0.1 + 0.9 * 0.5 * (1 + cos pi/2) = 0.55
     assert f(12) == pytest.approx(0.1)  # progress 1: 0.1 + 0.9 * 0.5 * (1 + cos pi) = 0.1
     assert f(50) == pytest.approx(0.1)  # progress clamped at 1
@@ -262,7 +275,7 @@ def test_lr_linear_halfway():
     """Linear decay: halfway between 1 and min_lr_ratio at the midpoint."""
     f = lr_lambda(0, "linear", 0.2, 10)
     assert f(0) == pytest.approx(1.0)
-    assert f(5) == pytest.approx(0.6)   # 0.2 + 0.8 * (1 - 5/10) = 0.6
+    assert f(5) == pytest.approx(0.6)  # 0.2 + 0.8 * (1 - 5/10) = 0.6
     assert f(10) == pytest.approx(0.2)  # 0.2 + 0.8 * 0 = 0.2
 
 
@@ -301,7 +314,10 @@ def test_decoupled_rollout_flags_are_checked_together(monkeypatch):
         check_args(Args(async_rollout=True, rollout_url=("localhost:30000",), tis_cap=-1.0), world_size=1)
     message = str(e.value)
     assert "--async-rollout True must be with --rollout-mode server" in message
-    assert "--rollout-url ('localhost:30000',) must be http://HOST:PORT of each server, with --rollout-mode server;" in message
+    assert (
+        "--rollout-url ('localhost:30000',) must be http://HOST:PORT of each server, with --rollout-mode server;"
+        in message
+    )
     assert "--tis-cap -1.0 must be > 0" in message
     with pytest.raises(InputError, match=r"--rollout-url \(\) must be .* takes these or --rollout-gpus k"):
         check_args(Args(rollout_mode="server"), world_size=1)
@@ -311,13 +327,19 @@ def test_decoupled_rollout_flags_are_checked_together(monkeypatch):
         check_args(Args(rollout_mode="server", rollout_url=("http://h:1",), rollout_tp=2), world_size=2)
     check_args(Args(rollout_mode="server", rollout_url=("http://h:1", "http://h:2"), async_rollout=True), world_size=1)
     # servers of the job's own: the GPUs must be there beside the training ranks (this machine has none)
-    with pytest.raises(InputError, match=r"--rollout-gpus 1 must be with --rollout-mode server, .* 0 GPUs of this node"):
+    with pytest.raises(
+        InputError, match=r"--rollout-gpus 1 must be with --rollout-mode server, .* 0 GPUs of this node"
+    ):
         check_args(Args(rollout_mode="server", rollout_gpus=1), world_size=1)
     with pytest.raises(InputError, match=r"--rollout-gpus 1 must be with --rollout-mode server"):
         check_args(Args(rollout_gpus=1), world_size=1)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    check_args(Args(rollout_mode="server", rollout_gpus=2, rollout_tp=2, async_rollout=True, prompts_per_step=36), world_size=6)
-    with pytest.raises(InputError, match=r"--rollout-gpus 2 must be .* the 8 GPUs of this node less its 7 .*nproc_per_node 6"):
+    check_args(
+        Args(rollout_mode="server", rollout_gpus=2, rollout_tp=2, async_rollout=True, prompts_per_step=36), world_size=6
+    )
+    with pytest.raises(
+        InputError, match=r"--rollout-gpus 2 must be .* the 8 GPUs of this node less its 7 .*nproc_per_node 6"
+    ):
         check_args(Args(rollout_mode="server", rollout_gpus=2, prompts_per_step=35), world_size=7)
 
 
@@ -326,7 +348,9 @@ def test_rollout_tp_stays_within_a_node(monkeypatch):
     from preflight import InputError
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    with pytest.raises(InputError, match=r"--rollout-tp 2 must be a divisor of the 1 ranks of each node .*--nproc_per_node"):
+    with pytest.raises(
+        InputError, match=r"--rollout-tp 2 must be a divisor of the 1 ranks of each node .*--nproc_per_node"
+    ):
         check_args(Args(rollout_tp=2), world_size=2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 2 nodes of 4: two engines per node
     check_args(Args(rollout_tp=2), world_size=8)
@@ -344,9 +368,13 @@ def test_grpo_loss_by_hand():
     from types import SimpleNamespace
 
     logp = torch.log(torch.tensor([[0.5, 0.25, 0.5], [0.5, 0.5, 0.5]]))
-    mb = SimpleNamespace(loss_mask=torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]),
-                         old_logprobs=logp.clone(), ref_logprobs=logp - 0.2,
-                         advantages=torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]]), is_weight=None)
+    mb = SimpleNamespace(
+        loss_mask=torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]),
+        old_logprobs=logp.clone(),
+        ref_logprobs=logp - 0.2,
+        advantages=torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]]),
+        is_weight=None,
+    )
     entropy = torch.ones(2, 3)
     common = dict(clip_low=0.2, clip_high=0.2, loss_agg="token-mean", num_seqs=2.0, num_tokens=4.0, max_len=3)
     loss, stats = grpo_loss(logp, entropy, mb, kl_coef=0.0, kl_estimator="k1", **common)
@@ -373,8 +401,16 @@ def test_truncated_importance_sampling_by_hand():
     weight, keep, touched = rollout_correction(old, rollout, torch.ones(1, 2), "tis", tis_cap=1.5, bounds=None)
     mb = SimpleNamespace(loss_mask=keep, old_logprobs=old, is_weight=weight, advantages=torch.ones(1, 2))
     logp = old.clone().requires_grad_()
-    common = dict(clip_low=0.2, clip_high=0.2, kl_coef=0.0, kl_estimator="k1", loss_agg="token-mean", num_seqs=1.0,
-                  num_tokens=2.0, max_len=2)
+    common = dict(
+        clip_low=0.2,
+        clip_high=0.2,
+        kl_coef=0.0,
+        kl_estimator="k1",
+        loss_agg="token-mean",
+        num_seqs=1.0,
+        num_tokens=2.0,
+        max_len=2,
+    )
     loss, stats = grpo_loss(logp, torch.ones(1, 2), mb, **common)
     # token losses -1 * min(2, 1.5) and -1 * 1 -> mean -1.25; one token capped
     assert_close(loss, torch.tensor(-1.25))
@@ -390,8 +426,7 @@ def test_truncated_importance_sampling_by_hand():
 # --advantage: rloo and reinforce++ (grpo: group_advantages above)
 
 # two groups of G = 3: group 0 one right of three, group 1 all equal (no signal)
-REWARDS = torch.tensor([[1.0, 0.0, 0.0],
-                        [1.0, 1.0, 1.0]])
+REWARDS = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
 
 
 def test_rloo_leaves_each_sample_out_of_its_baseline():
@@ -492,8 +527,9 @@ def test_cispo_clipped_tokens_keep_their_gradient():
     gets -1.2, where PPO-clip gives it 0; sequence 1's r = 0.5 is not clipped at all (no lower bound)."""
     logp = P_NOW.log().requires_grad_()
     loss, clipped = cispo_policy_loss(logp, P_OLD.log(), ADV, 1.0, 0.2)
-    expected = torch.tensor([[-1.2 * math.log(0.6), -math.log(0.5), -0.8 * math.log(0.4)],
-                             [0.5 * math.log(0.25), 1.2 * math.log(0.5), 0.0]])
+    expected = torch.tensor(
+        [[-1.2 * math.log(0.6), -math.log(0.5), -0.8 * math.log(0.4)], [0.5 * math.log(0.25), 1.2 * math.log(0.5), 0.0]]
+    )
     assert_close(loss * SEQ_MASK, expected)
     assert (clipped & (SEQ_MASK > 0)).tolist() == [[True, False, False], [False, True, False]]
     (loss * SEQ_MASK).sum().backward()
@@ -521,7 +557,9 @@ def test_sapo_gates_the_ratio_softly():
     At r = 1 the gradient is -A, PPO-clip's; at r = 1.5 PPO-clip gives none (clipped), SAPO -1.41. Nothing is clipped."""
     logp = P_NOW.log().requires_grad_()
     loss, clipped = sapo_policy_loss(logp, P_OLD.log(), ADV, 1.0, 1.05)
-    assert_close(loss * SEQ_MASK, torch.tensor([[-2.489837, -2.0, -1.800664], [1.415938, 2.153336, 0.0]]), atol=1e-6, rtol=0)
+    assert_close(
+        loss * SEQ_MASK, torch.tensor([[-2.489837, -2.0, -1.800664], [1.415938, 2.153336, 0.0]]), atol=1e-6, rtol=0
+    )
     (loss * SEQ_MASK).sum().backward()
     assert_close(logp.grad, torch.tensor([[-1.410022, -1.0, -0.792053], [0.467070, 1.228712, 0.0]]), atol=1e-6, rtol=0)
     assert not clipped.any()
@@ -533,17 +571,43 @@ def test_grpo_loss_picks_the_policy_loss(policy_loss):
     from types import SimpleNamespace
 
     mb = SimpleNamespace(loss_mask=SEQ_MASK, old_logprobs=P_OLD.log(), advantages=ADV, is_weight=None)
-    loss, stats = grpo_loss(P_NOW.log(), torch.ones(2, 3), mb, clip_low=0.2, clip_high=0.2, kl_coef=0.0, kl_estimator="k3",
-                            loss_agg="token-mean", num_seqs=2.0, num_tokens=5.0, max_len=3, policy_loss=policy_loss)
-    token_loss, clipped = {"ppo-clip": lambda: clipped_policy_loss(P_NOW.log(), P_OLD.log(), ADV, 0.2, 0.2),
-                           "gspo": lambda: gspo_policy_loss(P_NOW.log(), P_OLD.log(), ADV, SEQ_MASK, 0.2, 0.2),
-                           "cispo": lambda: cispo_policy_loss(P_NOW.log(), P_OLD.log(), ADV, 0.2, 0.2),
-                           "sapo": lambda: sapo_policy_loss(P_NOW.log(), P_OLD.log(), ADV, 1.0, 1.05)}[policy_loss]()
+    loss, stats = grpo_loss(
+        P_NOW.log(),
+        torch.ones(2, 3),
+        mb,
+        clip_low=0.2,
+        clip_high=0.2,
+        kl_coef=0.0,
+        kl_estimator="k3",
+        loss_agg="token-mean",
+        num_seqs=2.0,
+        num_tokens=5.0,
+        max_len=3,
+        policy_loss=policy_loss,
+    )
+    token_loss, clipped = {
+        "ppo-clip": lambda: clipped_policy_loss(P_NOW.log(), P_OLD.log(), ADV, 0.2, 0.2),
+        "gspo": lambda: gspo_policy_loss(P_NOW.log(), P_OLD.log(), ADV, SEQ_MASK, 0.2, 0.2),
+        "cispo": lambda: cispo_policy_loss(P_NOW.log(), P_OLD.log(), ADV, 0.2, 0.2),
+        "sapo": lambda: sapo_policy_loss(P_NOW.log(), P_OLD.log(), ADV, 1.0, 1.05),
+    }[policy_loss]()
     assert_close(loss, (token_loss * SEQ_MASK).sum() / 5)
     assert_close(stats["clip_frac"], (clipped.float() * SEQ_MASK).sum())
     with pytest.raises(ValueError, match="reinforce"):
-        grpo_loss(P_NOW.log(), torch.ones(2, 3), mb, clip_low=0.2, clip_high=0.2, kl_coef=0.0, kl_estimator="k3",
-                  loss_agg="token-mean", num_seqs=2.0, num_tokens=5.0, max_len=3, policy_loss="reinforce")
+        grpo_loss(
+            P_NOW.log(),
+            torch.ones(2, 3),
+            mb,
+            clip_low=0.2,
+            clip_high=0.2,
+            kl_coef=0.0,
+            kl_estimator="k3",
+            loss_agg="token-mean",
+            num_seqs=2.0,
+            num_tokens=5.0,
+            max_len=3,
+            policy_loss="reinforce",
+        )
 
 
 def test_the_default_path_is_todays_grpo_bit_for_bit():
@@ -558,10 +622,22 @@ def test_the_default_path_is_todays_grpo_bit_for_bit():
     assert weight is None and torch.equal(loss_mask * keep, loss_mask) and not touched.any()
     mb = SimpleNamespace(loss_mask=loss_mask * keep, old_logprobs=P_OLD.log(), advantages=ADV, is_weight=weight)
     new_logp, old_logp = P_NOW.log().requires_grad_(), P_NOW.log().requires_grad_()
-    loss, _ = grpo_loss(new_logp, torch.ones(2, 3), mb, clip_low=0.2, clip_high=0.28, kl_coef=0.0, kl_estimator="k3",
-                        loss_agg="seq-mean-token-mean", num_seqs=1.0, num_tokens=3.0, max_len=3)
-    before = aggregate(clipped_policy_loss(old_logp, P_OLD.log(), ADV, 0.2, 0.28)[0], loss_mask, "seq-mean-token-mean",
-                       1.0, 3.0, 3)  # grpo_loss as it was, without KL and TIS
+    loss, _ = grpo_loss(
+        new_logp,
+        torch.ones(2, 3),
+        mb,
+        clip_low=0.2,
+        clip_high=0.28,
+        kl_coef=0.0,
+        kl_estimator="k3",
+        loss_agg="seq-mean-token-mean",
+        num_seqs=1.0,
+        num_tokens=3.0,
+        max_len=3,
+    )
+    before = aggregate(
+        clipped_policy_loss(old_logp, P_OLD.log(), ADV, 0.2, 0.28)[0], loss_mask, "seq-mean-token-mean", 1.0, 3.0, 3
+    )  # grpo_loss as it was, without KL and TIS
     loss.backward(), before.backward()
     assert torch.equal(loss, before) and torch.equal(new_logp.grad, old_logp.grad)
 
@@ -575,7 +651,9 @@ P_TRAINER = torch.tensor([[0.5, 0.3, 0.2], [0.25, 0.6, 0.1]])  # r = [[1, 3, 0.4
 
 
 def correct(kind, **kw):
-    return rollout_correction(P_TRAINER.log(), P_SAMPLER.log(), SEQ_MASK, kind, **{"tis_cap": 2.0, "bounds": None, **kw})
+    return rollout_correction(
+        P_TRAINER.log(), P_SAMPLER.log(), SEQ_MASK, kind, **{"tis_cap": 2.0, "bounds": None, **kw}
+    )
 
 
 def test_gspo_clips_whole_sequences_even_at_the_bound():
@@ -583,8 +661,8 @@ def test_gspo_clips_whole_sequences_even_at_the_bound():
     clipped on all its tokens or on none (s computed once per sequence: the old form, PPO-clip with each token's old
     log-prob moved by log s, rounded per token and split 145 of 2000 such sequences)."""
     gen = torch.Generator().manual_seed(0)
-    logp = -torch.rand(2000, 64, generator=gen) * 30                                             # [N, T]
-    log_s = math.log1p(4e-4) + (torch.rand(2000, 1, generator=gen) - 0.5) * 2e-6                 # [N, 1]
+    logp = -torch.rand(2000, 64, generator=gen) * 30  # [N, T]
+    log_s = math.log1p(4e-4) + (torch.rand(2000, 1, generator=gen) - 0.5) * 2e-6  # [N, 1]
     _, clipped = gspo_policy_loss(logp, logp - log_s, torch.ones(2000, 64), torch.ones(2000, 64), 3e-4, 4e-4)
     assert not (clipped.any(-1) & ~clipped.all(-1)).any() and 0 < clipped.all(-1).sum() < 2000
 
@@ -621,8 +699,9 @@ def test_rollout_correction_seq_mask_drops_whole_sequences():
     weight, keep, touched = correct("seq-mask", bounds=(0.999, 1.001))
     assert weight is None and keep.tolist() == [[0, 0, 0], [1, 1, 0]] and touched.sum() == 3
     empty = torch.zeros(1, 3)
-    w, k, t = rollout_correction(P_TRAINER[:1].log(), P_SAMPLER[:1].log(), empty, "seq-mask", tis_cap=2.0,
-                                 bounds=(0.999, 1.001))
+    w, k, t = rollout_correction(
+        P_TRAINER[:1].log(), P_SAMPLER[:1].log(), empty, "seq-mask", tis_cap=2.0, bounds=(0.999, 1.001)
+    )
     assert w is None and not k.any() and not t.any()
 
 
@@ -646,8 +725,15 @@ def test_mismatch_stats_by_hand():
 
     batch = SimpleNamespace(response_mask=SEQ_MASK, old_logprobs=P_TRAINER.log(), rollout_logprobs=P_SAMPLER.log())
     stats = mismatch_stats(batch, correct("tis")[2])
-    assert stats == pytest.approx({"rollout/logprob_abs_diff": 0.402981, "rollout/mismatch_kl": 0.243536,
-                                   "rollout/mismatch_ratio_max": 3.0, "rollout/correction_frac": 0.2}, rel=1e-5)
+    assert stats == pytest.approx(
+        {
+            "rollout/logprob_abs_diff": 0.402981,
+            "rollout/mismatch_kl": 0.243536,
+            "rollout/mismatch_ratio_max": 3.0,
+            "rollout/correction_frac": 0.2,
+        },
+        rel=1e-5,
+    )
     assert "rollout/correction_frac" not in mismatch_stats(batch)
 
 
@@ -662,7 +748,9 @@ def test_a_non_finite_sampler_log_prob_is_bounded_or_dropped():
     sampler[0, 1] = -math.inf
     batch = SimpleNamespace(response_mask=SEQ_MASK, old_logprobs=P_TRAINER.log(), rollout_logprobs=sampler)
     stats = mismatch_stats(batch)
-    assert all(math.isfinite(v) for v in stats.values()) and stats["rollout/mismatch_ratio_max"] == pytest.approx(math.exp(20))
+    assert all(math.isfinite(v) for v in stats.values()) and stats["rollout/mismatch_ratio_max"] == pytest.approx(
+        math.exp(20)
+    )
     weight, _, touched = rollout_correction(P_TRAINER.log(), sampler, SEQ_MASK, "tis", tis_cap=2.0, bounds=None)
     assert weight[0, 1] == 2.0 and touched[0, 1]
     sampler[0, 1] = math.nan
@@ -685,21 +773,33 @@ def test_variant_defaults_follow_the_papers_unless_given(monkeypatch):
     assert variant_defaults(Args(policy_loss="sapo", sapo_tau=(1.0, 2.0))).sapo_tau == (1.0, 2.0)  # given: kept
     monkeypatch.setattr("sys.argv", ["grpo.py"])
     a = variant_defaults(Args())
-    assert (a.clip_low, a.clip_high, a.rollout_correction, a.correction_bounds, a.sapo_tau) == (0.2, 0.2, "none", None, None)
+    assert (a.clip_low, a.clip_high, a.rollout_correction, a.correction_bounds, a.sapo_tau) == (
+        0.2,
+        0.2,
+        "none",
+        None,
+        None,
+    )
 
 
 def test_variant_line_names_the_settings_in_force(monkeypatch):
     """The start-up line: each axis with the range it uses; one update a batch (ratio 1) said, not with 4."""
     monkeypatch.setattr("sys.argv", ["grpo.py", "--policy-loss", "gspo", "--rollout-correction", "icepop"])
     line = variant_line(variant_defaults(Args(policy_loss="gspo", rollout_correction="icepop")))
-    assert line.startswith("algorithm: advantage grpo | policy loss gspo (clip 0.0003 / 0.0004, seq-mean-token-mean) | "
-                           "rollout correction icepop (bounds 0.5 5) | one update a batch: every ratio 1, nothing clips")
+    assert line.startswith(
+        "algorithm: advantage grpo | policy loss gspo (clip 0.0003 / 0.0004, seq-mean-token-mean) | "
+        "rollout correction icepop (bounds 0.5 5) | one update a batch: every ratio 1, nothing clips"
+    )
     monkeypatch.setattr("sys.argv", ["grpo.py", "--rollout-correction", "tis", "--num-minibatches", "4"])
     line = variant_line(variant_defaults(Args(rollout_correction="tis", num_minibatches=4)))
-    assert line == "algorithm: advantage grpo | policy loss ppo-clip (clip 0.2 / 0.2, token-mean) | rollout correction tis (cap 2)"
+    assert (
+        line
+        == "algorithm: advantage grpo | policy loss ppo-clip (clip 0.2 / 0.2, token-mean) | rollout correction tis (cap 2)"
+    )
     monkeypatch.setattr("sys.argv", ["grpo.py", "--policy-loss", "sapo"])
     assert variant_line(variant_defaults(Args(policy_loss="sapo"))).startswith(
-        "algorithm: advantage grpo | policy loss sapo (tau 1 / 1.05, token-mean) | rollout correction none | one update")
+        "algorithm: advantage grpo | policy loss sapo (tau 1 / 1.05, token-mean) | rollout correction none | one update"
+    )
     monkeypatch.setattr("sys.argv", ["grpo.py", "--advantage", "rloo", "--epochs", "2"])
     assert variant_line(variant_defaults(Args(advantage="rloo", epochs=2))).endswith("rollout correction none")
 
@@ -718,27 +818,40 @@ def test_async_rollout_still_corrects_with_tis_by_default(monkeypatch):
 
 
 def test_check_args_variant_flags():
-    for fine in (Args(policy_loss="cispo", clip_low=1.0), Args(rollout_correction="tis", tis_cap=3.0),
-                 Args(rollout_correction="mis", correction_bounds=(0.8, 1.25)), Args(advantage="rloo")):
+    for fine in (
+        Args(policy_loss="cispo", clip_low=1.0),
+        Args(rollout_correction="tis", tis_cap=3.0),
+        Args(rollout_correction="mis", correction_bounds=(0.8, 1.25)),
+        Args(advantage="rloo"),
+    ):
         check_args(fine, world_size=1)
     with pytest.raises(InputError) as e:
-        check_args(Args(tis_cap=3.0, correction_bounds=(0.5, 2.0), advantage="reinforce++", scale_rewards=False,
-                        clip_low=1.5), world_size=1)
+        check_args(
+            Args(tis_cap=3.0, correction_bounds=(0.5, 2.0), advantage="reinforce++", scale_rewards=False, clip_low=1.5),
+            world_size=1,
+        )
     message = str(e.value)
     assert "--tis-cap 3.0 must be given with --rollout-correction tis or --async-rollout only" in message
     assert "--tis-cap 3.0 must be > 0" not in message  # the value is fine: only where it is given is not
-    assert "--correction-bounds (0.5, 2.0) must be LO HI with 0 <= LO <= 1 <= HI < inf, with --rollout-correction mis" in message
+    assert (
+        "--correction-bounds (0.5, 2.0) must be LO HI with 0 <= LO <= 1 <= HI < inf, with --rollout-correction mis"
+        in message
+    )
     assert "--scale-rewards False must be with --advantage grpo" in message
     assert "--clip-low 1.5 must be in [0, 1] (1: no lower bound)" in message
     with pytest.raises(InputError, match=r"--correction-bounds \(1.2, 2.0\) must be"):
         check_args(Args(rollout_correction="mis", correction_bounds=(1.2, 2.0)), world_size=1)
     with pytest.raises(InputError, match=r"--tis-cap 0.0 must be > 0 \(0: no tis with --async-rollout"):
         check_args(Args(rollout_correction="tis", tis_cap=0.0), world_size=1)
-    with pytest.raises(InputError, match=r"--correction-bounds \(0.0, inf\) must be LO HI with 0 <= LO <= 1 <= HI < inf"):
+    with pytest.raises(
+        InputError, match=r"--correction-bounds \(0.0, inf\) must be LO HI with 0 <= LO <= 1 <= HI < inf"
+    ):
         check_args(Args(rollout_correction="icepop", correction_bounds=(0.0, math.inf)), world_size=1)
     check_args(Args(policy_loss="sapo", sapo_tau=(1.0, 2.0)), world_size=1)
     for bad in (Args(sapo_tau=(1.0, 2.0)), Args(policy_loss="sapo", sapo_tau=(0.0, 1.0))):
-        with pytest.raises(InputError, match=r"--sapo-tau \(.*\) must be POS NEG, finite and > 0, with --policy-loss sapo"):
+        with pytest.raises(
+            InputError, match=r"--sapo-tau \(.*\) must be POS NEG, finite and > 0, with --policy-loss sapo"
+        ):
             check_args(bad, world_size=1)
 
 
@@ -764,8 +877,11 @@ def test_no_dropout_survives_loading_even_from_the_config(tiny_model_dir, tmp_pa
     config = json.loads((folder / "config.json").read_text())
     config.update(attention_dropout=0.3, classifier_dropout=0.3, num_labels=1)
     (folder / "config.json").write_text(json.dumps(config))
-    model_class = {"policy": AutoModelForCausalLM, "critic": AutoModelForTokenClassification,
-                   "reward model": AutoModelForSequenceClassification}[kind]
+    model_class = {
+        "policy": AutoModelForCausalLM,
+        "critic": AutoModelForTokenClassification,
+        "reward model": AutoModelForSequenceClassification,
+    }[kind]
     ids = torch.tensor([[5, 17, 42, 9, 33, 7, 21, 12]])
 
     def outputs(model):
@@ -779,8 +895,14 @@ def test_no_dropout_survives_loading_even_from_the_config(tiny_model_dir, tmp_pa
     plain = model_class.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     first, second, _ = outputs(plain)
     assert not torch.equal(first, second)  # the hazard is real: training mode samples dropout
-    loaded = load_model(str(folder), torch.device("cpu"), torch.float32, attn_implementation="eager",
-                        model_class=model_class, new_head=kind != "policy")
+    loaded = load_model(
+        str(folder),
+        torch.device("cpu"),
+        torch.float32,
+        attn_implementation="eager",
+        model_class=model_class,
+        new_head=kind != "policy",
+    )
     first, second, evaluated = outputs(loaded)
     assert torch.equal(first, second) and torch.equal(first, evaluated)
     assert loaded.config.attention_dropout == 0.0 and loaded.model.layers[0].self_attn.attention_dropout == 0.0
@@ -799,8 +921,10 @@ def test_what_each_kl_estimators_gradient_follows_in_the_loss():
     def expected_grad(estimator):
         return grad_of(lambda logp: (logp.exp().detach() * kl_penalty(logp, ref_logp, estimator)).sum())
 
-    kl_p_ref = grad_of(lambda logp: (logp.exp() * (logp - ref_logp)).sum())   # grad KL(p || ref)
-    kl_ref_p = grad_of(lambda logp: (ref_logp.exp() * (ref_logp - logp)).sum())  # grad KL(ref || p) = -sum ref grad log p
+    kl_p_ref = grad_of(lambda logp: (logp.exp() * (logp - ref_logp)).sum())  # grad KL(p || ref)
+    kl_ref_p = grad_of(
+        lambda logp: (ref_logp.exp() * (ref_logp - logp)).sum()
+    )  # grad KL(ref || p) = -sum ref grad log p
     assert (kl_p_ref - kl_ref_p).abs().max() > 0.02  # the two differ here: the test tells them apart
     assert_close(expected_grad("k1"), torch.zeros(3), atol=1e-7, rtol=0)
     assert_close(expected_grad("k2"), kl_p_ref, atol=1e-6, rtol=0)
@@ -808,8 +932,11 @@ def test_what_each_kl_estimators_gradient_follows_in_the_loss():
 
 
 def test_k1_in_the_loss_is_refused_and_k1_in_the_reward_is_not():
-    with pytest.raises(InputError, match=r"--kl-estimator k1 must be k2 or k3 in the loss \(--beta > 0\): k1's gradient "
-                                         r"there is that of log p, zero in expectation; k1 belongs in the reward \(--kl-in-reward\)"):
+    with pytest.raises(
+        InputError,
+        match=r"--kl-estimator k1 must be k2 or k3 in the loss \(--beta > 0\): k1's gradient "
+        r"there is that of log p, zero in expectation; k1 belongs in the reward \(--kl-in-reward\)",
+    ):
         check_args(Args(beta=0.04, kl_estimator="k1"), world_size=1)
     check_args(Args(beta=0.04, kl_estimator="k1", kl_in_reward=True), world_size=1)
     check_args(Args(beta=0.0, kl_estimator="k1"), world_size=1)  # no KL at all: nothing to refuse
@@ -839,21 +966,26 @@ def test_the_samplers_log_probs_under_top_p_are_the_full_distributions_as_the_tr
     engine = HFEngine(tiny_model_dir)
     stop = stop_token_ids(AutoTokenizer.from_pretrained(tiny_model_dir), tiny_model_dir)
     prompt, T, top_p = [5, 17, 42, 9], 0.7, 0.5
-    out = engine.generate([prompt], [Sampling(max_new_tokens=12, stop_ids=stop, temperature=T, top_p=top_p).params(3)],
-                          return_logprob=True)[0]
+    out = engine.generate(
+        [prompt],
+        [Sampling(max_new_tokens=12, stop_ids=stop, temperature=T, top_p=top_p).params(3)],
+        return_logprob=True,
+    )[0]
     response = out["output_ids"]
-    reported = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])           # [N]
+    reported = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])  # [N]
     with torch.no_grad():
-        logits = engine.model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float()  # [N, V]
-    full = torch.log_softmax(logits / T, -1)                                                          # [N, V]
+        logits = engine.model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()  # [N, V]
+    full = torch.log_softmax(logits / T, -1)  # [N, V]
     tokens = torch.tensor(response)
     assert_close(reported, full.gather(-1, tokens[:, None]).squeeze(-1), atol=1e-4, rtol=0)
     probs, order = full.exp().sort(-1, descending=True)
-    inside = (probs.cumsum(-1) - probs) < top_p                                                       # the nucleus
-    nucleus_mass = (probs * inside).sum(-1)                                                           # [N]
+    inside = (probs.cumsum(-1) - probs) < top_p  # the nucleus
+    nucleus_mass = (probs * inside).sum(-1)  # [N]
     rank = (order == tokens[:, None]).float().argmax(-1)
     assert inside.gather(-1, rank[:, None]).all()  # sampled from the nucleus ...
-    assert (reported < full.gather(-1, tokens[:, None]).squeeze(-1) - nucleus_mass.log() - 1e-3).any()  # ... not its log-prob
+    assert (
+        reported < full.gather(-1, tokens[:, None]).squeeze(-1) - nucleus_mass.log() - 1e-3
+    ).any()  # ... not its log-prob
 
 
 def test_the_lr_schedule_counts_the_optimizer_steps_the_run_plans():

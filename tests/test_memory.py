@@ -54,9 +54,11 @@ def test_release_then_resume_records_the_order():
     assert engine.released == set(ALL_TAGS)
     resume(engine, ["weights"])
     resume(engine, ["kv_cache", "cuda_graph"])
-    assert engine.calls == [("release", ["weights", "kv_cache", "cuda_graph"]),
-                            ("resume", ["weights"]),
-                            ("resume", ["kv_cache", "cuda_graph"])]
+    assert engine.calls == [
+        ("release", ["weights", "kv_cache", "cuda_graph"]),
+        ("resume", ["weights"]),
+        ("resume", ["kv_cache", "cuda_graph"]),
+    ]
     assert engine.released == set()
 
 
@@ -90,25 +92,39 @@ def test_wake_up_then_sleep_call_order(policy):
     engine, log = FakeEngine(), MemoryLog()
     release(engine, ALL_TAGS)  # as grpo.py does after starting the engine
     engine.calls.clear()
-    wake_up(engine, policy=policy, models=[policy], optimizers=[optimizer], offload=False, mem=log, bucket_bytes=16 << 10)
+    wake_up(
+        engine, policy=policy, models=[policy], optimizers=[optimizer], offload=False, mem=log, bucket_bytes=16 << 10
+    )
     assert all(p.grad is None for p in policy.parameters())  # free_grads
     sleep(engine, models=[policy], optimizers=[optimizer], offload=False, mem=log, device=torch.device("cpu"))
 
     kinds = [c[0] for c in engine.calls]
     n_updates = kinds.count("update")
     assert n_updates > 1  # 16 KiB buckets split the ~100 KiB of bf16 weights
-    assert engine.calls == ([("resume", ["weights"])] + [("update", False)] * n_updates
-                            + [("flush",), ("resume", ["kv_cache", "cuda_graph"]), ("release", list(ALL_TAGS))])
+    assert engine.calls == (
+        [("resume", ["weights"])]
+        + [("update", False)] * n_updates
+        + [("flush",), ("resume", ["kv_cache", "cuda_graph"]), ("release", list(ALL_TAGS))]
+    )
     assert engine.released == set(ALL_TAGS)
-    assert list(log.seconds) == ["free_grads", "resume_weights", "sync_weights", "offload_model",
-                                 "resume_kv_cache", "release", "reload"]
+    assert list(log.seconds) == [
+        "free_grads",
+        "resume_weights",
+        "sync_weights",
+        "offload_model",
+        "resume_kv_cache",
+        "release",
+        "reload",
+    ]
 
 
 def test_sync_sends_every_parameter_full_and_bf16(policy, tiny_model_dir):
     """Every parameter name once, as a plain bf16 tensor of the unsharded shape holding the model's values."""
     engine = FakeEngine()
     release(engine, ["weights", "kv_cache", "cuda_graph"])
-    wake_up(engine, policy=policy, models=[policy], optimizers=[], offload=False, mem=MemoryLog(), bucket_bytes=16 << 10)
+    wake_up(
+        engine, policy=policy, models=[policy], optimizers=[], offload=False, mem=MemoryLog(), bucket_bytes=16 << 10
+    )
     full = dict(load_model(tiny_model_dir, torch.device("cpu"), torch.float32).named_parameters())
     sharded = dict(policy.named_parameters())
     sent_names = [name for name, _ in engine.sent]
@@ -173,7 +189,7 @@ def test_offload_moves_every_model_and_optimizer_while_generating():
     assert off == {"policy", "ref", "critic", "actor_adam", "critic_adam"}
     assert events.index(("actor_adam", "cpu")) < events.index(("engine", "resume weights"))  # before SGLang's weights
     assert events.index(("sync", "")) < events.index(("policy", "cpu"))  # the sync reads the params first
-    back = {name for name, dev in events[events.index(("engine", "release")):] if dev == "cuda:0"}
+    back = {name for name, dev in events[events.index(("engine", "release")) :] if dev == "cuda:0"}
     assert back == {"policy", "ref", "critic", "actor_adam", "critic_adam"}
 
 

@@ -32,8 +32,11 @@ def test_notebook_is_stored_without_outputs():
     (Jupyter: Edit > Clear Outputs of All Cells)."""
     with open(NOTEBOOK) as f:
         nb = json.load(f)
-    dirty = [i for i, cell in enumerate(nb["cells"]) if cell["cell_type"] == "code"
-             and (cell.get("outputs") or cell.get("execution_count") is not None)]
+    dirty = [
+        i
+        for i, cell in enumerate(nb["cells"])
+        if cell["cell_type"] == "code" and (cell.get("outputs") or cell.get("execution_count") is not None)
+    ]
     assert not dirty, f"code cells {dirty} of {NOTEBOOK} hold outputs or execution counts: clear them before committing"
 
 

@@ -20,12 +20,19 @@ SHAPES = [(5, 3), (9, 120), (30, 1), (4, 60), (12, 250), (1, 1)]
 
 def tiny_batch(seed=0):
     gen = torch.Generator().manual_seed(seed)
-    samples = [Sample(torch.randint(3, 300, (p,), generator=gen).tolist(), torch.randint(3, 300, (r,), generator=gen).tolist(),
-                      [0.0] * r, False) for p, r in SHAPES]
+    samples = [
+        Sample(
+            torch.randint(3, 300, (p,), generator=gen).tolist(),
+            torch.randint(3, 300, (r,), generator=gen).tolist(),
+            [0.0] * r,
+            False,
+        )
+        for p, r in SHAPES
+    ]
     batch = collate(samples, pad_id=0)
     real = torch.zeros_like(batch.response_mask)  # [B, T-1]: positions whose target is a real token
     for i, (p, r) in enumerate(SHAPES):
-        real[i, :p + r - 1] = 1.0
+        real[i, : p + r - 1] = 1.0
     return batch, real
 
 
@@ -38,7 +45,9 @@ def test_packed_logprobs_and_entropy_equal_padded(policy):
     batch, real = tiny_batch()
     with torch.no_grad():
         logp, entropy = token_logprobs(policy, batch.input_ids, batch.attention_mask, 0.7, with_entropy=True)
-        p_logp, p_entropy = token_logprobs(policy, batch.input_ids, batch.attention_mask, 0.7, with_entropy=True, packed=True)
+        p_logp, p_entropy = token_logprobs(
+            policy, batch.input_ids, batch.attention_mask, 0.7, with_entropy=True, packed=True
+        )
     assert p_logp.shape == logp.shape == real.shape
     torch.testing.assert_close(p_logp * real, logp * real, rtol=0, atol=2e-5)  # fp32: |logp| ~ 6, rounding ~1e-6
     torch.testing.assert_close(p_entropy * real, entropy * real, rtol=0, atol=2e-5)
@@ -58,8 +67,9 @@ def test_packed_gradients_equal_padded(policy):
 
     def grads(packed):
         policy.zero_grad(set_to_none=True)
-        logp, entropy = token_logprobs(policy, batch.input_ids, batch.attention_mask, 1.0, with_entropy=True,
-                                       entropy_grad=True, packed=packed)
+        logp, entropy = token_logprobs(
+            policy, batch.input_ids, batch.attention_mask, 1.0, with_entropy=True, entropy_grad=True, packed=packed
+        )
         ((logp + 0.01 * entropy) * weights).sum().backward()  # an entropy bonus too: its graph goes through the scatter
         return {n: p.grad.clone() for n, p in policy.named_parameters()}
 
@@ -81,16 +91,28 @@ def test_logit_chunks_and_compiled_layers_keep_the_numbers(tiny_model_dir, monke
         monkeypatch.setattr(fsdp, "LOGIT_CHUNK", chunk)
         model.zero_grad(set_to_none=True)
         device = next(model.parameters()).device  # FSDP2 takes the GPU where there is one
-        logp, entropy = token_logprobs(model, batch.input_ids.to(device), batch.attention_mask.to(device), 0.7,
-                                       with_entropy=True, entropy_grad=True, packed=True)
+        logp, entropy = token_logprobs(
+            model,
+            batch.input_ids.to(device),
+            batch.attention_mask.to(device),
+            0.7,
+            with_entropy=True,
+            entropy_grad=True,
+            packed=True,
+        )
         ((logp + 0.01 * entropy) * weights.to(device)).sum().backward()
-        return {"logp": logp.detach(), "entropy": entropy.detach(),
-                **{n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+        return {
+            "logp": logp.detach(),
+            "entropy": entropy.detach(),
+            **{n: p.grad.full_tensor() for n, p in model.named_parameters()},
+        }
 
     torch.manual_seed(0)
     plain = fsdp.shard_model(load_model(tiny_model_dir, torch.device("cpu"), torch.float32), param_dtype=None)
     whole = run(plain, 10_000)  # one chunk: the logits of all 496 tokens at once, as a plain head
-    compiled = fsdp.shard_model(load_model(tiny_model_dir, torch.device("cpu"), torch.float32), param_dtype=None, compile=True)
+    compiled = fsdp.shard_model(
+        load_model(tiny_model_dir, torch.device("cpu"), torch.float32), param_dtype=None, compile=True
+    )
     for name, got in (("chunks of 64", run(plain, 64)), ("compiled, chunks of 64", run(compiled, 64))):
         for k in whole:
             torch.testing.assert_close(got[k], whole[k], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}, {k}: {m}")
@@ -105,8 +127,9 @@ def test_packed_values_equal_padded(tiny_model_dir):
 
     from ppo import token_values
 
-    critic = load_model(tiny_model_dir, torch.device("cpu"), torch.float32, model_class=AutoModelForTokenClassification,
-                        num_labels=1)
+    critic = load_model(
+        tiny_model_dir, torch.device("cpu"), torch.float32, model_class=AutoModelForTokenClassification, num_labels=1
+    )
     batch, real = tiny_batch(seed=3)
     with torch.no_grad():
         padded = token_values(critic, batch.input_ids, batch.attention_mask)
@@ -122,10 +145,10 @@ def test_pack_rows_budget_each_row_once_balanced():
     # 33 -> 902 (the first of two), 20 -> 902
     assert bins == [[4], [0, 8], [3, 6, 9, 10], [1, 2, 5, 7, 11]]
     assert [sum(lengths[i] for i in b) for b in bins] == [1500, 956, 935, 922]  # heaviest first, 1024 at most but one
-    more = pack_rows(lengths, max_tokens=1024, count=8)                           # another rank needs 8
+    more = pack_rows(lengths, max_tokens=1024, count=8)  # another rank needs 8
     assert len(more) == 8 and sorted(i for b in more for i in b) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in b) <= 1024 for b in more if b != [4])
-    assert pack_rows([5, 5], max_tokens=100, count=4) == [[0], [1], [], []]      # empty bins: stand-ins
+    assert pack_rows([5, 5], max_tokens=100, count=4) == [[0], [1], [], []]  # empty bins: stand-ins
     # 200 tokens in two bins of 100: LPT makes 60+30 and 50+40, then 20 fits neither; FFD's 60+40 and 50+30+20 stand
     assert pack_rows([60, 50, 40, 30, 20], max_tokens=100) == [[0, 2], [1, 3, 4]]
 
@@ -143,7 +166,7 @@ def test_select_of_no_rows_is_a_stand_in():
     batch.loss_mask = batch.response_mask.clone()
     stand_in = batch.select(torch.tensor([], dtype=torch.long))
     assert len(stand_in) == 1 and stand_in.input_ids.shape[1] == sum(SHAPES[0])  # row 0, cut to its length
-    assert stand_in.response_mask.sum() == 0 and stand_in.loss_mask.sum() == 0   # no loss token, no metric
+    assert stand_in.response_mask.sum() == 0 and stand_in.loss_mask.sum() == 0  # no loss token, no metric
 
 
 def test_mfu_by_hand(tiny_model_dir):
@@ -162,8 +185,20 @@ def smoke_pair(model, tmp_path, script, *extra):
     """The same seeded run, padded and packed, two gloo ranks; the steps' metrics of each."""
     runs = {}
     for name, flags in (("padded", []), ("packed", ["--max-tokens-per-micro-batch", "80"])):
-        run_grpo(model, tmp_path / name, "--steps", "2", "--eval-every", "0", "--save-every", "-1", *extra, *flags,
-                 nproc=2, script=script)
+        run_grpo(
+            model,
+            tmp_path / name,
+            "--steps",
+            "2",
+            "--eval-every",
+            "0",
+            "--save-every",
+            "-1",
+            *extra,
+            *flags,
+            nproc=2,
+            script=script,
+        )
         runs[name] = metrics(tmp_path / name)[0]
     return runs["padded"], runs["packed"]
 
@@ -186,7 +221,9 @@ def assert_close_runs(padded, packed, keys):
 
 
 def test_grpo_packed_matches_padded_two_ranks(trained_tiny_model_dir, tmp_path):
-    padded, packed = smoke_pair(trained_tiny_model_dir, tmp_path, "grpo.py", "--beta", "0.05", "--gradient-checkpointing")
+    padded, packed = smoke_pair(
+        trained_tiny_model_dir, tmp_path, "grpo.py", "--beta", "0.05", "--gradient-checkpointing"
+    )
     assert_close_runs(padded, packed, ["train/loss", "train/entropy", "train/grad_norm"])
     assert packed[1]["train/kl"] > 0  # step 2: the reference model's packed log-probs are in use
     # the busiest rank's tokens over the mean (the deal itself: tests/packing_check.py); here ~1.002 and ~1.007
@@ -208,11 +245,40 @@ def test_fsdp_packed_equals_padded_two_ranks(tiny_model_dir):
 
 def test_packing_bench_runs_on_cpu(tiny_model_dir, tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "bench/packing_bench.py", "--model", tiny_model_dir, "--device", "cpu",
-                           "--steps", "1", "--samples", "8", "--min-len", "20", "--max-len", "200", "--prompt-len", "10",
-                           "--micro-batch-size", "4", "--max-tokens", "512", "--runs", "padded/sdpa", "packed/sdpa",
-                           "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/packing_bench.py",
+            "--model",
+            tiny_model_dir,
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--samples",
+            "8",
+            "--min-len",
+            "20",
+            "--max-len",
+            "200",
+            "--prompt-len",
+            "10",
+            "--micro-batch-size",
+            "4",
+            "--max-tokens",
+            "512",
+            "--runs",
+            "padded/sdpa",
+            "packed/sdpa",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [r["run"] for r in result["runs"]] == ["padded/sdpa", "packed/sdpa"]
@@ -226,8 +292,15 @@ def test_packed_equals_padded_on_gpu(attn):
     flex_attention: a block mask, compiled on first use) gives padded sdpa's log-probs and gradient."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, use_cache=False)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     padded_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda()
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).cuda()

@@ -18,19 +18,44 @@ def fake_run(folder, gpu: bool, evals: bool, steps: int = 6):
     os.makedirs(folder)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         for step in range(1, steps + 1):
-            row = {"step": step, "rollout/reward_mean": step / steps, "rollout/response_len_mean": 40.0 - step,
-                   "train/loss": 0.1, "train/entropy": 2.0 - step / 10, "perf/step_s": 3.0, "time/generate": 1.0,
-                   "time/update": 1.5, "time/startup_to_first_step_s": 30.0}
+            row = {
+                "step": step,
+                "rollout/reward_mean": step / steps,
+                "rollout/response_len_mean": 40.0 - step,
+                "train/loss": 0.1,
+                "train/entropy": 2.0 - step / 10,
+                "perf/step_s": 3.0,
+                "time/generate": 1.0,
+                "time/update": 1.5,
+                "time/startup_to_first_step_s": 30.0,
+            }
             if gpu:
-                row.update({"train/kl": 0.001 * step, "train/approx_kl": 0.0, "time/sync_weights": 0.1,
-                            "memory/generate_peak_gib": 1.5, "memory/generate_device_peak_gib": 50.0,
-                            "memory/update_peak_gib": 20.0, "memory/update_device_peak_gib": 24.0})
+                row.update(
+                    {
+                        "train/kl": 0.001 * step,
+                        "train/approx_kl": 0.0,
+                        "time/sync_weights": 0.1,
+                        "memory/generate_peak_gib": 1.5,
+                        "memory/generate_device_peak_gib": 50.0,
+                        "memory/update_peak_gib": 20.0,
+                        "memory/update_device_peak_gib": 24.0,
+                    }
+                )
             else:
                 row.update({"train/kl_per_response": 0.05 * step, "critic/value_loss": 0.3})
             f.write(json.dumps(row) + "\n")
             if evals and step % 3 == 0:
-                f.write(json.dumps({"step": step, "eval/strict_acc": step / 10, "eval/flexible_acc": step / 8,
-                                    "eval/gsm8k/strict_acc": step / 12}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "eval/strict_acc": step / 10,
+                            "eval/flexible_acc": step / 8,
+                            "eval/gsm8k/strict_acc": step / 12,
+                        }
+                    )
+                    + "\n"
+                )
         if gpu:
             f.write('{"step": 7, "rollout/rew')  # killed mid-write
     return str(folder)
@@ -52,8 +77,9 @@ def test_a_torn_last_line_is_skipped(tmp_path):
 def test_cli_overlays_runs_with_and_without_memory_and_evals(tmp_path):
     a, b = fake_run(tmp_path / "a", gpu=True, evals=True), fake_run(tmp_path / "b", gpu=False, evals=False)
     out = tmp_path / "x.png"
-    proc = subprocess.run([sys.executable, "plot.py", a, b, "--out", str(out)], cwd=ROOT, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "plot.py", a, b, "--out", str(out)], cwd=ROOT, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out}" in proc.stdout
     assert png_size(out) == (1600, 850) and out.stat().st_size > 20_000  # six panels, not an empty canvas
@@ -124,16 +150,38 @@ def test_only_the_panels_a_run_logs_are_drawn(tmp_path):
     """Issue 40, item 19: a CPU run's GPU-memory panel was empty (and train_rm.py's KL, seconds and memory panels):
     drawn now are the panels some run logs, three a row (a GPU run's six: test_cli_overlays_runs_...)."""
     cpu = fake_run(tmp_path / "cpu", gpu=False, evals=True)
-    titles = ["reward (sampled, mean)", "held-out accuracy (greedy; a reward model's: pairwise)",
-              "response length (tokens, sampled, mean)", "KL and entropy (log scale above 1e-4)",
-              "seconds per phase (mean, step 1 left out)", "GPU memory per phase (peak)"]
+    titles = [
+        "reward (sampled, mean)",
+        "held-out accuracy (greedy; a reward model's: pairwise)",
+        "response length (tokens, sampled, mean)",
+        "KL and entropy (log scale above 1e-4)",
+        "seconds per phase (mean, step 1 left out)",
+        "GPU memory per phase (peak)",
+    ]
     assert draw([cpu], str(tmp_path / "cpu.png")) == titles[:5] and png_size(tmp_path / "cpu.png") == (1600, 850)
     rm = tmp_path / "rm"  # train_rm.py's rows: no rollouts, no phases, no GPU memory on a CPU
     rm.mkdir()
-    (rm / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
-        {"step": 1, "train/loss": 0.69, "train/pair_acc": 0.5, "train/margin": 0.0, "train/grad_norm": 1.0, "perf/step_s": 2.0},
-        {"step": 1, "eval/pair_acc": 0.6, "eval/margin": 0.1, "eval/loss": 0.6, "eval/pair_acc/format": 0.9}]))
-    assert draw([str(rm)], str(rm / "curves.png")) == ["Bradley-Terry loss", titles[1], "margin r(chosen) - r(rejected), mean"]
+    (rm / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [
+                {
+                    "step": 1,
+                    "train/loss": 0.69,
+                    "train/pair_acc": 0.5,
+                    "train/margin": 0.0,
+                    "train/grad_norm": 1.0,
+                    "perf/step_s": 2.0,
+                },
+                {"step": 1, "eval/pair_acc": 0.6, "eval/margin": 0.1, "eval/loss": 0.6, "eval/pair_acc/format": 0.9},
+            ]
+        )
+    )
+    assert draw([str(rm)], str(rm / "curves.png")) == [
+        "Bradley-Terry loss",
+        titles[1],
+        "margin r(chosen) - r(rejected), mean",
+    ]
     assert png_size(rm / "curves.png") == (1600, 425)
 
 

@@ -28,8 +28,13 @@ def test_gae_hand_example():
 def test_gae_ignores_padding_after_the_response():
     """Values at padding positions (5.0) must not leak in: the episode ends at the last response token.
     gamma = lambda = 1: t=1: delta = 2 - 1 = 1, A1 = 1; t=0: delta = 0 + 1 - 1 = 0, A0 = 0 + 1 = 1."""
-    adv, ret = gae(torch.tensor([[0.0, 2.0, 0.0, 0.0]]), torch.tensor([[1.0, 1.0, 5.0, 5.0]]),
-                   torch.tensor([[1.0, 1.0, 0.0, 0.0]]), gamma=1.0, lam=1.0)
+    adv, ret = gae(
+        torch.tensor([[0.0, 2.0, 0.0, 0.0]]),
+        torch.tensor([[1.0, 1.0, 5.0, 5.0]]),
+        torch.tensor([[1.0, 1.0, 0.0, 0.0]]),
+        gamma=1.0,
+        lam=1.0,
+    )
     assert_close(adv, torch.tensor([[1.0, 1.0, 0.0, 0.0]]))
     assert_close(ret, torch.tensor([[2.0, 2.0, 0.0, 0.0]]))
 
@@ -123,9 +128,12 @@ def test_actor_loss_tis_weights_by_hand():
     old = torch.log(torch.tensor([[0.3, 0.2, 0.5]]))
     sampler = torch.log(torch.tensor([[0.1, 0.4, 0.5]]))
     sampler[0, 2] = math.nan
-    mb = SimpleNamespace(loss_mask=torch.ones(1, 3), old_logprobs=old, rollout_logprobs=sampler, advantages=torch.ones(1, 3))
-    loss, stats = actor_loss(old.clone(), torch.zeros(1, 3), mb, clip_low=0.2, clip_high=0.2, entropy_coef=0.0,
-                             num_tokens=3.0, tis_cap=2.0)
+    mb = SimpleNamespace(
+        loss_mask=torch.ones(1, 3), old_logprobs=old, rollout_logprobs=sampler, advantages=torch.ones(1, 3)
+    )
+    loss, stats = actor_loss(
+        old.clone(), torch.zeros(1, 3), mb, clip_low=0.2, clip_high=0.2, entropy_coef=0.0, num_tokens=3.0, tis_cap=2.0
+    )
     assert loss.item() == pytest.approx(-2.5 / 3) and stats["tis_capped"].item() == 1.0
     assert stats["tis_weight"].item() == pytest.approx(2.5)
 

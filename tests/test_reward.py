@@ -8,26 +8,37 @@ import time
 
 import pytest
 
-from reward import (extract_answer, extract_last_number, extract_strict, format_reward, gsm8k_reward,
-                    int_match_reward, normalize_number, score)
+from reward import (
+    extract_answer,
+    extract_last_number,
+    extract_strict,
+    format_reward,
+    gsm8k_reward,
+    int_match_reward,
+    normalize_number,
+    score,
+)
 
 # ----------------------------------------------------------------------------------------------
 # normalize_number
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("1,234", "1234"),      # thousands commas dropped
-    ("5.00", "5"),          # integral floats print as integers
-    ("12.50", "12.5"),
-    ("-0", "0"),
-    ("$12", "12"),
-    ("72.", "72"),          # a sentence-ending dot
-    (" 7 ", "7"),
-    ("nan", None),          # float() parses it, but it is not an answer
-    ("inf", None),
-    ("seven", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("1,234", "1234"),  # thousands commas dropped
+        ("5.00", "5"),  # integral floats print as integers
+        ("12.50", "12.5"),
+        ("-0", "0"),
+        ("$12", "12"),
+        ("72.", "72"),  # a sentence-ending dot
+        (" 7 ", "7"),
+        ("nan", None),  # float() parses it, but it is not an answer
+        ("inf", None),
+        ("seven", None),
+        ("", None),
+    ],
+)
 def test_normalize_number(text, expected):
     assert normalize_number(text) == expected
 
@@ -40,33 +51,39 @@ def test_normalize_number_keeps_large_integers_exact():
 # extraction
 
 
-@pytest.mark.parametrize("completion, expected", [
-    ("so 1000 + 234 = 1234\n#### 1,234", "1234"),
-    ("####-3", "-3"),                      # no space, negative
-    ("#### $12", "12"),                    # currency sign after the marker
-    ("#### 5.00", "5"),
-    ("#### 1\nwait, no\n#### 2", "2"),     # several markers: the last one wins
-    ("#### 72\n", "72"),
-    ("The answer is 12.", None),           # no marker: strict finds nothing
-    ("#### nan", None),
-    ("#### twelve", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("so 1000 + 234 = 1234\n#### 1,234", "1234"),
+        ("####-3", "-3"),  # no space, negative
+        ("#### $12", "12"),  # currency sign after the marker
+        ("#### 5.00", "5"),
+        ("#### 1\nwait, no\n#### 2", "2"),  # several markers: the last one wins
+        ("#### 72\n", "72"),
+        ("The answer is 12.", None),  # no marker: strict finds nothing
+        ("#### nan", None),
+        ("#### twelve", None),
+        ("", None),
+    ],
+)
 def test_extract_strict(completion, expected):
     assert extract_strict(completion) == expected
 
 
-@pytest.mark.parametrize("completion, expected", [
-    ("The answer is 12.", "12"),           # the final period is not a decimal point
-    ("3 apples and 4 pears, so 7", "7"),
-    ("Total: $1,200.50.", "1200.5"),
-    ("It went from 5 to -3", "-3"),
-    ("abc12def", "12"),                    # digits inside a word still count
-    ("x2y3z", "3"),                        # ... and the last of them wins
-    ("no number here", None),
-    ("nan", None),                         # the word 'nan' is not a number
-    ("NaN, so 5", "5"),
-])
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("The answer is 12.", "12"),  # the final period is not a decimal point
+        ("3 apples and 4 pears, so 7", "7"),
+        ("Total: $1,200.50.", "1200.5"),
+        ("It went from 5 to -3", "-3"),
+        ("abc12def", "12"),  # digits inside a word still count
+        ("x2y3z", "3"),  # ... and the last of them wins
+        ("no number here", None),
+        ("nan", None),  # the word 'nan' is not a number
+        ("NaN, so 5", "5"),
+    ],
+)
 def test_extract_last_number(completion, expected):
     assert extract_last_number(completion) == expected
 
@@ -99,32 +116,35 @@ def test_gsm8k_reward_compares_numerically():
     assert gsm8k_reward("#### 72", "72.0") == 1.0
     assert gsm8k_reward("#### 1,234", "1234") == 1.0
     assert gsm8k_reward("#### 73", "72") == 0.0
-    assert gsm8k_reward("The answer is 72.", "72") == 0.0           # default mode is strict
+    assert gsm8k_reward("The answer is 72.", "72") == 0.0  # default mode is strict
     assert gsm8k_reward("The answer is 72.", "72", "flexible") == 1.0
     assert gsm8k_reward("I don't know", "72", "flexible") == 0.0
 
 
 def test_int_match_reward_needs_an_exact_integer():
     assert int_match_reward("#### 122", "122") == 1.0
-    assert int_match_reward("#### 122.5", "122") == 0.0             # normalized to '122.5': not an integer
+    assert int_match_reward("#### 122.5", "122") == 0.0  # normalized to '122.5': not an integer
     assert int_match_reward("#### -3", "-3") == 1.0
     assert int_match_reward("#### 121", "122") == 0.0
-    assert int_match_reward("12 + 110 = 122", "122") == 0.0         # strict: no marker
+    assert int_match_reward("12 + 110 = 122", "122") == 0.0  # strict: no marker
     assert int_match_reward("12 + 110 = 122", "122", "flexible") == 1.0
 
 
-@pytest.mark.parametrize("completion, expected", [
-    ("so 5 + 7 = 12\n#### 12", 1.0),
-    ("#### 72\n", 1.0),                    # trailing newline is fine
-    ("#### 72.", 1.0),                     # so is a final period
-    ("####-3", 1.0),
-    ("#### $1,234.50 ", 1.0),
-    ("#### 72 because 70 + 2", 1.0),       # text after the answer is allowed (lm-eval strict match)
-    ("##### 58\nThe final answer is 58.", 1.0),  # extra '#' and chatter: still parses strictly
-    ("#### oops", 0.0),                    # a marker without a number
-    ("The answer is 72", 0.0),             # no marker
-    ("#### ", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("so 5 + 7 = 12\n#### 12", 1.0),
+        ("#### 72\n", 1.0),  # trailing newline is fine
+        ("#### 72.", 1.0),  # so is a final period
+        ("####-3", 1.0),
+        ("#### $1,234.50 ", 1.0),
+        ("#### 72 because 70 + 2", 1.0),  # text after the answer is allowed (lm-eval strict match)
+        ("##### 58\nThe final answer is 58.", 1.0),  # extra '#' and chatter: still parses strictly
+        ("#### oops", 0.0),  # a marker without a number
+        ("The answer is 72", 0.0),  # no marker
+        ("#### ", 0.0),
+    ],
+)
 def test_format_reward(completion, expected):
     assert format_reward(completion) == expected
 
@@ -177,13 +197,20 @@ def test_score_all_gives_what_score_gives_in_order():
         if completion == "boom":
             raise ValueError("boom")
         return float("nan") if completion == "nan" else gsm8k_reward(completion, answer) + (kind == "text")
+
     calls = [("#### 5", "5", "gsm8k"), ("boom", "5", "gsm8k"), ("#### 4", "5", "text"), ("nan", "5", "gsm8k")] * 3
     assert score_all(reward_fn, calls, workers=3, timeout_s=5) == [score(reward_fn, *c) for c in calls]
     threads = set()  # a few workers serve all the calls: no thread per call (0.5 ms each on a busy CPU)
-    out = score_all(lambda c, a: threads.add(threading.current_thread()) or 1.0, [("", "")] * 100, workers=3, timeout_s=5)
+    out = score_all(
+        lambda c, a: threads.add(threading.current_thread()) or 1.0, [("", "")] * 100, workers=3, timeout_s=5
+    )
     assert out == [(1.0, "")] * 100 and 1 <= len(threads) <= 3
     assert score_all(reward_fn, calls[:4], workers=3, timeout_s=5) == [
-        (1.0, ""), (0.0, "ValueError: boom"), (1.0, ""), (0.0, "not finite: nan")]
+        (1.0, ""),
+        (0.0, "ValueError: boom"),
+        (1.0, ""),
+        (0.0, "not finite: nan"),
+    ]
     assert score_all(reward_fn, [], workers=3, timeout_s=5) == []
 
 
@@ -195,6 +222,7 @@ def test_a_slow_reward_call_costs_its_own_sample_only(release):
         if completion == "hang":
             release.wait()
         return 1.0
+
     t0 = time.time()
     out = reward.score_all(reward_fn, [("a", ""), ("hang", ""), ("b", ""), ("c", "")], workers=2, timeout_s=0.3)
     assert out == [(1.0, ""), (0.0, "timed out: still running after 0.3 s"), (1.0, ""), (1.0, "")]
@@ -208,6 +236,7 @@ def test_a_hanging_reward_never_piles_up_threads(release):
 
     def alive():
         return sum(t.name == "reward" and t.is_alive() for t in threading.enumerate())
+
     t0 = time.time()
     out = score_all(lambda c, a: release.wait(), [(i, "") for i in range(10)], workers=2, timeout_s=0.2)
     assert all(v == 0.0 and e.startswith("timed out: ") for v, e in out) and time.time() - t0 < 2.0
@@ -231,10 +260,20 @@ def test_math_verify_in_score_all_runs_in_the_main_thread():
         value = correct(kind, completion, answer, mode)
         returned_in.append((kind, threading.current_thread() is threading.main_thread()))
         return value
-    calls = [(r"so \boxed{\frac{3}{7}}", "3/7", "math"), ("the answer is $19$", "19", "math"), ("#### 3", "3", "gsm8k"),
-             (r"\boxed{29}", "31", "math")]  # answers no other test asks math-verify about: math_equal caches its verdicts
+
+    calls = [
+        (r"so \boxed{\frac{3}{7}}", "3/7", "math"),
+        ("the answer is $19$", "19", "math"),
+        ("#### 3", "3", "gsm8k"),
+        (r"\boxed{29}", "31", "math"),
+    ]  # answers no other test asks math-verify about: math_equal caches its verdicts
     assert score_all(reward_fn, calls, workers=2, timeout_s=5) == [(1.0, ""), (0.0, ""), (1.0, ""), (0.0, "")]
-    assert sorted(returned_in) == [("gsm8k", False), ("math", False), ("math", True), ("math", True)]  # no box: no math-verify
+    assert sorted(returned_in) == [
+        ("gsm8k", False),
+        ("math", False),
+        ("math", True),
+        ("math", True),
+    ]  # no box: no math-verify
     flexible = [c + ("flexible",) for c in calls[1:2]]
     assert score_all(reward_fn, flexible, workers=2, timeout_s=5) == [(1.0, "")] and returned_in[-1] == ("math", True)
 
@@ -267,11 +306,18 @@ def test_task_metrics_by_hand_without_a_process_group():
 
     assert not dist.is_initialized()
     texts = ["5 + 7 = 12\n#### 12", "the answer is 12", "#### 13"]  # strict right; flexible right; wrong
-    samples = [Sample([1], [2] * n, [0.0] * n, truncated=n == 4, answer="12", text=t, reward=r)
-               for t, n, r in zip(texts, (2, 4, 6), (1.0, 0.25, 0.0))]
+    samples = [
+        Sample([1], [2] * n, [0.0] * n, truncated=n == 4, answer="12", text=t, reward=r)
+        for t, n, r in zip(texts, (2, 4, 6), (1.0, 0.25, 0.0))
+    ]
     samples[0].tool_calls = [("calculator", "ok", 0.01)]
     out = eval_stats(samples, gsm8k_reward)
-    assert out == {"eval/strict_acc": 1 / 3, "eval/flexible_acc": 2 / 3, "eval/format_rate": 2 / 3, "eval/tool_used_frac": 1 / 3}
+    assert out == {
+        "eval/strict_acc": 1 / 3,
+        "eval/flexible_acc": 2 / 3,
+        "eval/format_rate": 2 / 3,
+        "eval/tool_used_frac": 1 / 3,
+    }
     stats = rollout_stats(samples, seconds=2.0, answer_fn=gsm8k_reward)
     assert float(stats["rollout/reward_mean"]) == 1.25 / 3 and float(stats["rollout/response_len_max"]) == 6
     assert float(stats["rollout/truncated_frac"]) == 1 / 3 and float(stats["perf/rollout_tokens_per_s"]) == 6.0
@@ -287,36 +333,42 @@ def test_task_metrics_by_hand_without_a_process_group():
 # MATH: the last \boxed{}, compared by math-verify; own text answers; the check of each kind
 
 
-@pytest.mark.parametrize("text, expected", [
-    (r"so \boxed{\frac{1}{2}}.", r"\frac{1}{2}"),                  # nested braces
-    (r"\boxed{1} then \boxed{\{1, 2\}}", r"\{1, 2\}"),             # the last box; escaped braces balance
-    (r"\fbox{7}", "7"),
-    ("$\\boxed 5$ apples", "5"),                                   # MATH's '\boxed 5': up to the '$'
-    (r"\boxed{}", None),                                          # empty
-    (r"\boxed{\frac{1}{2}", None),                                # never closes (a truncated completion)
-    ("no box", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (r"so \boxed{\frac{1}{2}}.", r"\frac{1}{2}"),  # nested braces
+        (r"\boxed{1} then \boxed{\{1, 2\}}", r"\{1, 2\}"),  # the last box; escaped braces balance
+        (r"\fbox{7}", "7"),
+        ("$\\boxed 5$ apples", "5"),  # MATH's '\boxed 5': up to the '$'
+        (r"\boxed{}", None),  # empty
+        (r"\boxed{\frac{1}{2}", None),  # never closes (a truncated completion)
+        ("no box", None),
+    ],
+)
 def test_last_boxed(text, expected):
     from reward import last_boxed
 
     assert last_boxed(text) == expected
 
 
-@pytest.mark.parametrize("answer, completion, expected", [
-    (r"\frac{1}{2}", r"\boxed{0.5}", 1.0),
-    (r"\frac{1}{2}", r"\boxed{1/2}", 1.0),
-    ("0.5", r"so \boxed{\dfrac12}", 1.0),
-    (r"2\sqrt{2}", r"\boxed{\sqrt{8}}", 1.0),
-    ("(0,1]", r"\boxed{(0, 1]}", 1.0),
-    ("(0,1]", r"\boxed{[0,1]}", 0.0),                              # the closed interval is another answer
-    (r"\text{(C)}", r"\boxed{\text{(C)}}", 1.0),
-    (r"\text{(C)}", r"\boxed{\text{(D)}}", 0.0),
-    (r"5 \text{ cm}", r"\boxed{5}", 1.0),                           # units aside
-    ("5", r"\boxed{5\text{ cm}}", 1.0),
-    ("3", r"\boxed{4}", 0.0),                                       # wrong
-    ("3", r"\boxed{4} ... no wait, \boxed{3}", 1.0),                # the last box counts
-    ("3", "The answer is $3$.", 0.0),                               # strict: no box, no credit
-])
+@pytest.mark.parametrize(
+    "answer, completion, expected",
+    [
+        (r"\frac{1}{2}", r"\boxed{0.5}", 1.0),
+        (r"\frac{1}{2}", r"\boxed{1/2}", 1.0),
+        ("0.5", r"so \boxed{\dfrac12}", 1.0),
+        (r"2\sqrt{2}", r"\boxed{\sqrt{8}}", 1.0),
+        ("(0,1]", r"\boxed{(0, 1]}", 1.0),
+        ("(0,1]", r"\boxed{[0,1]}", 0.0),  # the closed interval is another answer
+        (r"\text{(C)}", r"\boxed{\text{(C)}}", 1.0),
+        (r"\text{(C)}", r"\boxed{\text{(D)}}", 0.0),
+        (r"5 \text{ cm}", r"\boxed{5}", 1.0),  # units aside
+        ("5", r"\boxed{5\text{ cm}}", 1.0),
+        ("3", r"\boxed{4}", 0.0),  # wrong
+        ("3", r"\boxed{4} ... no wait, \boxed{3}", 1.0),  # the last box counts
+        ("3", "The answer is $3$.", 0.0),  # strict: no box, no credit
+    ],
+)
 def test_math_reward_strict(answer, completion, expected):
     from reward import math_reward
 
@@ -360,14 +412,17 @@ def test_math_verify_missing_says_how_to_install(monkeypatch):
         math_reward(r"\boxed{18}", "18")
 
 
-@pytest.mark.parametrize("completion, mode, expected", [
-    ("It is in France.\n#### Paris", "strict", 1.0),
-    ("####   PARIS.\nDone", "strict", 1.0),                         # case, spaces and a final '.' aside
-    ("#### Lyon", "flexible", 0.0),                                 # a '####' answer wins in flexible mode too
-    ("The answer is Paris.", "strict", 0.0),
-    ("The answer is Paris.", "flexible", 1.0),                      # the last line ends in the answer
-    ("Paris, then Lyon.", "flexible", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, mode, expected",
+    [
+        ("It is in France.\n#### Paris", "strict", 1.0),
+        ("####   PARIS.\nDone", "strict", 1.0),  # case, spaces and a final '.' aside
+        ("#### Lyon", "flexible", 0.0),  # a '####' answer wins in flexible mode too
+        ("The answer is Paris.", "strict", 0.0),
+        ("The answer is Paris.", "flexible", 1.0),  # the last line ends in the answer
+        ("Paris, then Lyon.", "flexible", 0.0),
+    ],
+)
 def test_text_reward(completion, mode, expected):
     from reward import text_reward
 
@@ -402,15 +457,31 @@ def test_eval_stats_of_mixed_sources():
     def sample(text, answer, kind, source):
         return Sample([1], [2], [0.0], truncated=False, answer=answer, text=text, kind=kind, source=source)
 
-    samples = [sample("#### 12", "12", "gsm8k", "gsm8k"), sample("it is 12", "12", "gsm8k", "gsm8k"),
-               sample(r"\boxed{0.5}", r"\frac{1}{2}", "math", "math"), sample(r"\boxed{3}", "2", "math", "math")]
+    samples = [
+        sample("#### 12", "12", "gsm8k", "gsm8k"),
+        sample("it is 12", "12", "gsm8k", "gsm8k"),
+        sample(r"\boxed{0.5}", r"\frac{1}{2}", "math", "math"),
+        sample(r"\boxed{3}", "2", "math", "math"),
+    ]
     out = eval_stats(samples, sources=["gsm8k", "math", "empty"])
-    assert out == {"eval/strict_acc": 0.5, "eval/flexible_acc": 0.75, "eval/format_rate": 0.75,
-                   "eval/gsm8k/strict_acc": 0.5, "eval/gsm8k/flexible_acc": 1.0, "eval/gsm8k/format_rate": 0.5,
-                   "eval/math/strict_acc": 0.5, "eval/math/flexible_acc": 0.5, "eval/math/format_rate": 1.0,
-                   "eval/tool_used_frac": 0.0}
-    assert eval_stats(samples, sources=["gsm8k"]).keys() == {"eval/strict_acc", "eval/flexible_acc", "eval/format_rate",
-                                                            "eval/tool_used_frac"}  # one source: no per-source keys
+    assert out == {
+        "eval/strict_acc": 0.5,
+        "eval/flexible_acc": 0.75,
+        "eval/format_rate": 0.75,
+        "eval/gsm8k/strict_acc": 0.5,
+        "eval/gsm8k/flexible_acc": 1.0,
+        "eval/gsm8k/format_rate": 0.5,
+        "eval/math/strict_acc": 0.5,
+        "eval/math/flexible_acc": 0.5,
+        "eval/math/format_rate": 1.0,
+        "eval/tool_used_frac": 0.0,
+    }
+    assert eval_stats(samples, sources=["gsm8k"]).keys() == {
+        "eval/strict_acc",
+        "eval/flexible_acc",
+        "eval/format_rate",
+        "eval/tool_used_frac",
+    }  # one source: no per-source keys
 
 
 # ----------------------------------------------------------------------------------------------
@@ -426,16 +497,27 @@ def test_load_reward_imports_a_function_from_a_file(tmp_path):
     assert fn("the answer is 7", "7") == 1.0 and score(fn, "none", "7") == (0.0, "")
 
 
-@pytest.mark.parametrize("content, spec, message", [
-    (None, "{path}", "expected FILE.py:function"),
-    (None, "{dir}/missing.py:reward", "no such file"),
-    (None, "{dir}/r.txt:reward", "is not a .py file"),
-    ("def other(c, a):\n    return 0.0\n", "{path}:reward", r"has no 'reward'; its functions: \['other'\]"),
-    ("reward = 1.0\n", "{path}:reward", "reward is a float; it must be a function"),
-    ("def reward(completion):\n    return 0.0\n", "{path}:reward", r"reward\(completion\) can't be called as reward\(completion, answer\)"),
-    ("x = 1\ndef reward(c, a)\n    return 0.0\n", "{path}:reward", r"syntax error at .*r.py:2: "),
-    ("async def reward(c, a):\n    return 1.0\n", "{path}:reward", "reward is an async def, its calls coroutines: make it a"),
-])
+@pytest.mark.parametrize(
+    "content, spec, message",
+    [
+        (None, "{path}", "expected FILE.py:function"),
+        (None, "{dir}/missing.py:reward", "no such file"),
+        (None, "{dir}/r.txt:reward", "is not a .py file"),
+        ("def other(c, a):\n    return 0.0\n", "{path}:reward", r"has no 'reward'; its functions: \['other'\]"),
+        ("reward = 1.0\n", "{path}:reward", "reward is a float; it must be a function"),
+        (
+            "def reward(completion):\n    return 0.0\n",
+            "{path}:reward",
+            r"reward\(completion\) can't be called as reward\(completion, answer\)",
+        ),
+        ("x = 1\ndef reward(c, a)\n    return 0.0\n", "{path}:reward", r"syntax error at .*r.py:2: "),
+        (
+            "async def reward(c, a):\n    return 1.0\n",
+            "{path}:reward",
+            "reward is an async def, its calls coroutines: make it a",
+        ),
+    ],
+)
 def test_load_reward_errors_name_the_spec_and_the_fix(tmp_path, content, spec, message):
     from preflight import InputError
     from reward import load_reward
@@ -449,32 +531,42 @@ def test_load_reward_errors_name_the_spec_and_the_fix(tmp_path, content, spec, m
     assert f"--reward {spec!r}" in str(e.value)
 
 
-@pytest.mark.parametrize("value, shown", [
-    ("1", "'1'"),  # float() took it for 1.0
-    (None, "None"), ([1.0], "[1.0]"), (float, "<class 'float'>"),  # each scored 0 at every step, the run went on
-    ("coroutine", "<coroutine object later at"),  # a plain def that returns a coroutine (an async def: refused at load)
-    ("tensor", "tensor([0.5000])"),  # one element, but not 0-d
-])
+@pytest.mark.parametrize(
+    "value, shown",
+    [
+        ("1", "'1'"),  # float() took it for 1.0
+        (None, "None"),
+        ([1.0], "[1.0]"),
+        (float, "<class 'float'>"),  # each scored 0 at every step, the run went on
+        (
+            "coroutine",
+            "<coroutine object later at",
+        ),  # a plain def that returns a coroutine (an async def: refused at load)
+        ("tensor", "tensor([0.5000])"),  # one element, but not 0-d
+    ],
+)
 def test_a_reward_that_returns_no_number_is_bad_input(tmp_path, value, shown):
     """score_all raises what the first call of the step met as bad input: --reward and the value, in one line."""
     import sys
     import warnings
 
-    import torch
-
     from preflight import InputError
     from reward import load_reward, score_all
 
-    (tmp_path / "r.py").write_text("import torch\nVALUE = None\nasync def later():\n    return 1.0\n"
-                                   "def reward(completion, answer):\n    if VALUE == 'coroutine':\n        return later()\n"
-                                   "    return torch.tensor([0.5]) if VALUE == 'tensor' else VALUE\n")
+    (tmp_path / "r.py").write_text(
+        "import torch\nVALUE = None\nasync def later():\n    return 1.0\n"
+        "def reward(completion, answer):\n    if VALUE == 'coroutine':\n        return later()\n"
+        "    return torch.tensor([0.5]) if VALUE == 'tensor' else VALUE\n"
+    )
     fn = load_reward(f"{tmp_path / 'r.py'}:reward")
     fn.__wrapped__.__globals__["VALUE"] = value
     with warnings.catch_warnings(), pytest.raises(InputError) as e:
         warnings.simplefilter("error")  # a coroutine never awaited would warn: it is closed
         score_all(fn, [("c", "a")] * 4, workers=2, timeout_s=5)
     message = str(e.value)
-    assert message.startswith(f"--reward '{tmp_path / 'r.py'}:reward' returned {shown}") and "\n" not in message, message
+    assert message.startswith(f"--reward '{tmp_path / 'r.py'}:reward' returned {shown}") and "\n" not in message, (
+        message
+    )
     assert "not a number: return a float" in message
     del sys.modules["user_reward_reward"]
 
@@ -488,10 +580,30 @@ def test_every_kind_of_number_is_a_reward():
 
     from reward import is_number
 
-    numbers = [True, 1, 0.5, Decimal("0.5"), np.float32(0.5), np.int64(1), np.bool_(True), np.array(0.5),
-               torch.tensor(0.5), torch.tensor(True, device="cpu")]
+    numbers = [
+        True,
+        1,
+        0.5,
+        Decimal("0.5"),
+        np.float32(0.5),
+        np.int64(1),
+        np.bool_(True),
+        np.array(0.5),
+        torch.tensor(0.5),
+        torch.tensor(True, device="cpu"),
+    ]
     assert all(is_number(v) for v in numbers) and [score(lambda c, a, v=v: v, "c", "a")[0] for v in numbers] == [
-        1.0, 1.0, 0.5, 0.5, 0.5, 1.0, 1.0, 0.5, 0.5, 1.0]
+        1.0,
+        1.0,
+        0.5,
+        0.5,
+        0.5,
+        1.0,
+        1.0,
+        0.5,
+        0.5,
+        1.0,
+    ]
     assert not any(is_number(v) for v in ("1", None, [1.0], float, 1j, np.array([0.5]), torch.tensor([0.5]), {}))
 
 
@@ -528,14 +640,20 @@ def test_sampled_eval_stats_per_prompt_and_source_by_hand():
     def group(source, answer, texts):
         return [S(source=source, kind="gsm8k", answer=answer, text=t) for t in texts]
 
-    groups = [group("a", "3", ["#### 3", "#### 9", "#### 9", "#### 4"]), group("a", "5", ["#### 5", "#### 6", "#### 5", "#### 6"]),
-              group("b", "1", ["one", "two", "three", "four"])]
+    groups = [
+        group("a", "3", ["#### 3", "#### 9", "#### 9", "#### 4"]),
+        group("a", "5", ["#### 5", "#### 6", "#### 5", "#### 6"]),
+        group("b", "1", ["one", "two", "three", "four"]),
+    ]
     out = sampled_eval_stats(groups, sources=["a", "b"])
     assert out["eval/a/avg@4"] == pytest.approx(0.375) and out["eval/a/pass@1"] == pytest.approx(0.375)
     assert out["eval/a/pass@2"] == pytest.approx((0.5 + 5 / 6) / 2) and out["eval/a/pass@4"] == 1.0
     assert out["eval/a/maj@4"] == 0.5 and out["eval/b/maj@4"] == 0.0 and out["eval/b/pass@4"] == 0.0
     assert out["eval/avg@4"] == pytest.approx(0.75 / 3) and out["eval/pass@4"] == pytest.approx(2 / 3)
     assert out["eval/maj@4"] == pytest.approx(1 / 3) and set(k for k in out if k.startswith("eval/pass")) == {
-        "eval/pass@1", "eval/pass@2", "eval/pass@4"}
+        "eval/pass@1",
+        "eval/pass@2",
+        "eval/pass@4",
+    }
     three = sampled_eval_stats([group("a", "3", ["#### 3", "#### 2", "#### 2"])])  # K = 3: powers of 2 and K itself
     assert sorted(k for k in three if "pass" in k) == ["eval/pass@1", "eval/pass@2", "eval/pass@3"]

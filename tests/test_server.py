@@ -19,7 +19,17 @@ from transformers import AutoModelForCausalLM
 
 from memory import sync_weights
 from rollout import HFEngine, SGLangOptions, Sampling, generate, graph_batch, send
-from server import ServerEngine, ServerError, ServerInputError, check_graphs, check_nccl_memory, in_thread, launch_servers, post, wait_healthy
+from server import (
+    ServerEngine,
+    ServerError,
+    ServerInputError,
+    check_graphs,
+    check_nccl_memory,
+    in_thread,
+    launch_servers,
+    post,
+    wait_healthy,
+)
 from stop import EngineWatch, stop_engine
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
@@ -43,10 +53,12 @@ def test_a_batch_over_two_servers_equals_the_engine_request_by_request(servers, 
         expected = local.generate([prompt], [sp], return_logprob=True)[0]
         assert out["output_ids"] == expected["output_ids"]
         assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(
-            [lp for lp, _, _ in expected["meta_info"]["output_token_logprobs"]], abs=1e-6)
+            [lp for lp, _, _ in expected["meta_info"]["output_token_logprobs"]], abs=1e-6
+        )
     assert [len(r["input_ids"]) for s in servers for r in s.requests] == [2, 2]  # one request per server, half each
     samples = generate(engine, PROMPTS, [11, 12, 13, 14], sampling=sampling)  # what grpo.py calls
     assert [s.response_ids for s in samples] == [o["output_ids"] for o in outs]
+
     # one request at a time, as multi-turn episodes send their turns: concurrently, round-robin
     async def all_turns():
         return await asyncio.gather(*[engine.async_generate(p, sp, True) for p, sp in zip(PROMPTS, params)])
@@ -59,7 +71,9 @@ def test_a_batch_over_two_servers_equals_the_engine_request_by_request(servers, 
 
 def test_no_server_is_an_error_naming_the_url_and_how_to_start_one():
     t0 = time.time()
-    with pytest.raises(ServerError, match=r"no rollout server ready at http://127.0.0.1:9 after 1 s .*sglang.launch_server"):
+    with pytest.raises(
+        ServerError, match=r"no rollout server ready at http://127.0.0.1:9 after 1 s .*sglang.launch_server"
+    ):
         wait_healthy("http://127.0.0.1:9", timeout_s=1, every_s=0.2)
     assert time.time() - t0 < 5
 
@@ -95,12 +109,17 @@ def stand_in(tiny_model_dir):
     started = []
 
     def start(*flags, model=tiny_model_dir):
-        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "stand_in_server.py"), model, *flags],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "stand_in_server.py"), model, *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         started.append(proc)
         line = proc.stdout.readline()
         assert line.startswith("ready "), line
         return line.split()[1], proc
+
     yield start
     for proc in started:
         proc.kill()
@@ -132,7 +151,8 @@ def test_weights_reach_the_server_bucket_by_bucket(server_process, tiny_model_di
     want = local.generate(PROMPTS, greedy, return_logprob=True)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert [lp for o in got for lp, _, _ in o["meta_info"]["output_token_logprobs"]] == pytest.approx(
-        [lp for o in want for lp, _, _ in o["meta_info"]["output_token_logprobs"]], abs=1e-5)
+        [lp for o in want for lp, _, _ in o["meta_info"]["output_token_logprobs"]], abs=1e-5
+    )
     assert events(url) == [["flush", 1], ["generate", len(PROMPTS), 1]]
     engine.shutdown()
 
@@ -144,8 +164,11 @@ def test_a_server_of_another_model_is_refused(tiny_model_dir, tmp_path):
     (other / "config.json").write_text(json.dumps({**config, "hidden_size": config["hidden_size"] * 2}))
     server = StandInServer(tiny_model_dir).start()
     server.info["model_path"] = str(other)  # what /server_info says it serves
-    with pytest.raises(ServerError, match=rf"{server.url} serves {other}, whose shapes are not the policy's .*hidden_size "
-                                          rf"{config['hidden_size'] * 2} vs {config['hidden_size']}.*--model-path"):
+    with pytest.raises(
+        ServerError,
+        match=rf"{server.url} serves {other}, whose shapes are not the policy's .*hidden_size "
+        rf"{config['hidden_size'] * 2} vs {config['hidden_size']}.*--model-path",
+    ):
         ServerEngine([server.url], timeout_s=5, model=tiny_model_dir)
     server.stop()
 
@@ -162,14 +185,17 @@ def test_the_weight_sync_group_is_not_split_from_a_bound_default_group(gloo, mon
 
     default, seen = c10d._get_default_group(), []
     helper = c10d._new_process_group_helper
-    monkeypatch.setattr(c10d, "_new_process_group_helper",
-                        lambda *a, **k: seen.append(default.bound_device_id) or helper(*a, **k))
+    monkeypatch.setattr(
+        c10d, "_new_process_group_helper", lambda *a, **k: seen.append(default.bound_device_id) or helper(*a, **k)
+    )
     default.bound_device_id = torch.device("cpu", 0)  # as init_distributed's device_id does on a GPU
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     try:
-        group = join_group(address="127.0.0.1", port=port, world_size=1, rank=0, group_name="t_bound", backend="gloo", timeout_s=10)
+        group = join_group(
+            address="127.0.0.1", port=port, world_size=1, rank=0, group_name="t_bound", backend="gloo", timeout_s=10
+        )
         assert seen == [None] and default.bound_device_id == torch.device("cpu", 0)
         torch.distributed.destroy_process_group(group)
     finally:
@@ -179,8 +205,11 @@ def test_the_weight_sync_group_is_not_split_from_a_bound_default_group(gloo, mon
 def test_a_group_that_cannot_form_fails_within_the_timeout(server_process):
     url, _ = server_process
     t0 = time.time()  # the server is told to join at an address nobody listens on
-    with pytest.raises(ServerError, match=r"forming the weight-update group did not finish within --rollout-timeout 3 s "
-                                          rf"\(no answer from {url}\).*--rollout-sync-address"):
+    with pytest.raises(
+        ServerError,
+        match=r"forming the weight-update group did not finish within --rollout-timeout 3 s "
+        rf"\(no answer from {url}\).*--rollout-sync-address",
+    ):
         ServerEngine([url], timeout_s=3, sync_backend="gloo", sync_address="192.0.2.1")
     assert time.time() - t0 < 10
 
@@ -205,8 +234,9 @@ STAND_IN = (sys.executable, os.path.join(ROOT, "tests", "stand_in_server.py"))
 
 
 def test_launched_servers_generate_take_weights_and_stop_with_the_run(tiny_model_dir, tmp_path):
-    urls, processes = launch_servers(tiny_model_dir, gpus=[2, 3], tp_size=1, seed=0, options=SGLangOptions(),
-                                     log_dir=str(tmp_path), command=STAND_IN)
+    urls, processes = launch_servers(
+        tiny_model_dir, gpus=[2, 3], tp_size=1, seed=0, options=SGLangOptions(), log_dir=str(tmp_path), command=STAND_IN
+    )
     engine = ServerEngine(urls, processes=processes, timeout_s=60, model=tiny_model_dir, sync_backend="gloo")
     # SGLang's flags, as the launcher got them: its GPU, random weights until the first sync, no torchrun variables
     assert [p.gpus for p in processes] == [[2], [3]] and "--base-gpu-id 3" in " ".join(processes[1].args)
@@ -219,7 +249,9 @@ def test_launched_servers_generate_take_weights_and_stop_with_the_run(tiny_model
     sync_weights(policy, local)
     sampling = Sampling(max_new_tokens=6, stop_ids=[0], temperature=0.0)
     got = generate(engine, PROMPTS, [1, 2, 3, 4], sampling=sampling)
-    assert [s.response_ids for s in got] == [s.response_ids for s in generate(local, PROMPTS, [1, 2, 3, 4], sampling=sampling)]
+    assert [s.response_ids for s in got] == [
+        s.response_ids for s in generate(local, PROMPTS, [1, 2, 3, 4], sampling=sampling)
+    ]
     assert [len([e for e in events(u) if e[0] == "generate"]) for u in urls] == [1, 1]  # split over both
     watch = EngineWatch(engine, phase=lambda: "test")
     assert watch.names[processes[0].pid] == "sglang.launch_server"
@@ -230,10 +262,13 @@ def test_launched_servers_generate_take_weights_and_stop_with_the_run(tiny_model
 
 def test_a_launched_server_that_fails_to_start_is_reported_at_once_with_its_log(tiny_model_dir, tmp_path):
     crash = (sys.executable, "-c", "import sys; print('RuntimeError: no CUDA GPU found'); sys.exit(3)")
-    urls, processes = launch_servers(tiny_model_dir, gpus=[1], tp_size=1, seed=0, options=SGLangOptions(),
-                                     log_dir=str(tmp_path), command=crash)
+    urls, processes = launch_servers(
+        tiny_model_dir, gpus=[1], tp_size=1, seed=0, options=SGLangOptions(), log_dir=str(tmp_path), command=crash
+    )
     t0 = time.time()
-    with pytest.raises(ServerError, match=r"(?s)exited with code 3 while starting.*rollout_server_1.log.*no CUDA GPU found"):
+    with pytest.raises(
+        ServerError, match=r"(?s)exited with code 3 while starting.*rollout_server_1.log.*no CUDA GPU found"
+    ):
         ServerEngine(urls, processes=processes, timeout_s=600)
     assert time.time() - t0 < 10
 
@@ -257,9 +292,16 @@ class SlowEngine:
         time.sleep(0.3)
         if self.error:
             raise self.error
-        return [{"output_ids": [7, 0], "meta_info": {"finish_reason": {"type": "stop"},
-                                                     "output_token_logprobs": [(-0.1, 7, None), (-0.2, 0, None)]}}
-                for _ in input_ids]
+        return [
+            {
+                "output_ids": [7, 0],
+                "meta_info": {
+                    "finish_reason": {"type": "stop"},
+                    "output_token_logprobs": [(-0.1, 7, None), (-0.2, 0, None)],
+                },
+            }
+            for _ in input_ids
+        ]
 
 
 def test_a_batch_sent_ahead_generates_while_the_caller_goes_on():
@@ -273,8 +315,13 @@ def test_a_batch_sent_ahead_generates_while_the_caller_goes_on():
 
 
 def test_an_error_in_the_background_generation_reaches_the_trainer():
-    pending = send(SlowEngine(error=ServerError("rollout server http://x/generate did not answer")), [[1, 2]], [1],
-                   sampling=Sampling(4, [0]), ahead=True)
+    pending = send(
+        SlowEngine(error=ServerError("rollout server http://x/generate did not answer")),
+        [[1, 2]],
+        [1],
+        sampling=Sampling(4, [0]),
+        ahead=True,
+    )
     t0 = time.time()
     with pytest.raises(ServerError, match="did not answer"):
         pending.result()
@@ -287,12 +334,26 @@ def test_an_error_in_the_background_generation_reaches_the_trainer():
 
 def test_grpo_trains_against_a_server(server_process, trained_tiny_model_dir, tmp_path):
     url, _ = server_process
-    run_grpo(trained_tiny_model_dir, tmp_path / "sync", "--rollout-mode", "server", "--rollout-url", url, "--steps", "3",
-             "--eval-every", "0")
+    run_grpo(
+        trained_tiny_model_dir,
+        tmp_path / "sync",
+        "--rollout-mode",
+        "server",
+        "--rollout-url",
+        url,
+        "--steps",
+        "3",
+        "--eval-every",
+        "0",
+    )
     train, _ = metrics(tmp_path / "sync")
     assert [r["step"] for r in train] == [1, 2, 3] and any(r["train/grad_norm"] > 0 for r in train)
     assert all(r["rollout/logprob_abs_diff"] < 0.05 and r["rollout/staleness"] == 0 for r in train)  # synced every step
-    assert [e for e in events(url) if e[0] == "generate"] == [["generate", 16, 1], ["generate", 16, 2], ["generate", 16, 3]]
+    assert [e for e in events(url) if e[0] == "generate"] == [
+        ["generate", 16, 1],
+        ["generate", 16, 2],
+        ["generate", 16, 3],
+    ]
 
 
 def test_a_server_killed_mid_run_ends_it_with_exit_code_1(server_process, tiny_model_dir, tmp_path):
@@ -301,8 +362,22 @@ def test_a_server_killed_mid_run_ends_it_with_exit_code_1(server_process, tiny_m
     from test_failures import console_lines, start, wait_for
 
     url, server = server_process
-    proc = start(tiny_model_dir, tmp_path, "--rollout-mode", "server", "--rollout-url", url, "--steps", "200",
-                 "--eval-every", "0", "--save-every", "1", "--keep-checkpoints", "0")
+    proc = start(
+        tiny_model_dir,
+        tmp_path,
+        "--rollout-mode",
+        "server",
+        "--rollout-url",
+        url,
+        "--steps",
+        "200",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "1",
+        "--keep-checkpoints",
+        "0",
+    )
     wait_for(tmp_path, "step 2/", proc, timeout=240)
     server.kill()
     t0 = time.time()
@@ -317,20 +392,47 @@ def test_a_server_killed_mid_run_ends_it_with_exit_code_1(server_process, tiny_m
 
 def test_the_users_server_that_is_not_there_is_bad_input(tiny_model_dir, tmp_path):
     """At start-up a URL of the user's that nobody answers is bad input: exit code 2, one line."""
-    proc = run_grpo(tiny_model_dir, tmp_path, "--rollout-mode", "server", "--rollout-url", "http://127.0.0.1:9",
-                    "--rollout-timeout", "1", expect_ok=False)
+    proc = run_grpo(
+        tiny_model_dir,
+        tmp_path,
+        "--rollout-mode",
+        "server",
+        "--rollout-url",
+        "http://127.0.0.1:9",
+        "--rollout-timeout",
+        "1",
+        expect_ok=False,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("grpo.py: no rollout server ready at http://127.0.0.1:9 after 1 s")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("grpo.py: no rollout server ready at http://127.0.0.1:9 after 1 s")
+    )
     assert not os.path.exists(tmp_path / "r")
 
 
 def test_grpo_async_under_torchrun_is_one_step_off_policy(server_process, trained_tiny_model_dir, tmp_path):
     url, _ = server_process
-    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--rollout-mode", "server", "--rollout-url", url, "--steps", "4",
-                    "--eval-every", "0", "--async-rollout", nproc=2)
+    proc = run_grpo(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--rollout-mode",
+        "server",
+        "--rollout-url",
+        url,
+        "--steps",
+        "4",
+        "--eval-every",
+        "0",
+        "--async-rollout",
+        nproc=2,
+    )
     train, _ = metrics(tmp_path)
     assert [r["rollout/staleness"] for r in train] == [0, 1, 1, 1]
-    assert json.loads((tmp_path / "r" / "args.json").read_text())["rollout_correction"] == "tis"  # the default with async
+    assert (
+        json.loads((tmp_path / "r" / "args.json").read_text())["rollout_correction"] == "tis"
+    )  # the default with async
     assert all(0 <= r["rollout/correction_frac"] <= 1 and r["rollout/mismatch_ratio_max"] > 0 for r in train)
     # the server's view: batch k+1 is asked for before the weights of update k arrive (one flush per sync)
     assert [e[2] for e in events(url) if e[0] == "generate"] == [1, 1, 2, 3]
@@ -339,8 +441,20 @@ def test_grpo_async_under_torchrun_is_one_step_off_policy(server_process, traine
 
 def test_ppo_async_against_a_server(server_process, trained_tiny_model_dir, tmp_path):
     url, _ = server_process
-    run_grpo(trained_tiny_model_dir, tmp_path, "--rollout-mode", "server", "--rollout-url", url, "--steps", "3",
-             "--eval-every", "0", "--async-rollout", script="ppo.py")
+    run_grpo(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--rollout-mode",
+        "server",
+        "--rollout-url",
+        url,
+        "--steps",
+        "3",
+        "--eval-every",
+        "0",
+        "--async-rollout",
+        script="ppo.py",
+    )
     train, _ = metrics(tmp_path)
     assert [r["rollout/staleness"] for r in train] == [0, 1, 1] and all("train/tis_weight" in r for r in train)
     assert [e[2] for e in events(url) if e[0] == "generate"] == [1, 1, 2]
@@ -360,8 +474,22 @@ def test_a_sync_that_fails_on_the_servers_side_never_hangs_the_run(stand_in, tin
 
     url, _ = stand_in("--sync-fail-at" if case == "refused" else "--sync-hang-at", "2")
     timeout = "600" if case == "SIGTERM" else "8"
-    proc = start(tiny_model_dir, tmp_path, "--rollout-mode", "server", "--rollout-url", url, "--steps", "5",
-                 "--eval-every", "0", "--save-every", "1", "--rollout-timeout", timeout)
+    proc = start(
+        tiny_model_dir,
+        tmp_path,
+        "--rollout-mode",
+        "server",
+        "--rollout-url",
+        url,
+        "--steps",
+        "5",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "1",
+        "--rollout-timeout",
+        timeout,
+    )
     wait_for(tmp_path, "step 1/", proc, timeout=240)
     t0 = time.time()
     if case == "SIGTERM":
@@ -372,16 +500,25 @@ def test_a_sync_that_fails_on_the_servers_side_never_hangs_the_run(stand_in, tin
     assert not any("Traceback" in x for x in lines), lines[-8:]
     if case == "refused":
         assert proc.returncode == 1 and seconds < 15, (seconds, lines[-3:])
-        assert lines[-1].startswith(f"grpo.py: the weight sync failed: rollout server {url}/update_weights_from_distributed "
-                                    f"answered 400: Failed to update parameter online: NCCL error") and '"success"' not in lines[-1]
+        assert (
+            lines[-1].startswith(
+                f"grpo.py: the weight sync failed: rollout server {url}/update_weights_from_distributed "
+                f"answered 400: Failed to update parameter online: NCCL error"
+            )
+            and '"success"' not in lines[-1]
+        )
     elif case == "no answer":
         assert proc.returncode == 1 and 7 < seconds < 20, (seconds, lines[-3:])
-        assert lines[-1] == (f"grpo.py: the weight sync did not finish within --rollout-timeout 8 s (no answer from {url}): "
-                             f"is every server still running?")
+        assert lines[-1] == (
+            f"grpo.py: the weight sync did not finish within --rollout-timeout 8 s (no answer from {url}): "
+            f"is every server still running?"
+        )
     else:
         assert proc.returncode == 143 and seconds < 1.0 + 5 + 8, (seconds, lines[-3:])  # the grace, then out
-        assert lines[-1] == ("grpo.py: stopped by SIGTERM during the weight sync to the rollout servers, which had not "
-                             "finished 5 s later; --resume continues from the last checkpoint")
+        assert lines[-1] == (
+            "grpo.py: stopped by SIGTERM during the weight sync to the rollout servers, which had not "
+            "finished 5 s later; --resume continues from the last checkpoint"
+        )
     assert [r["step"] for r in metrics(tmp_path)[0]] == [1]
     assert os.path.isdir(tmp_path / "r" / "checkpoints" / "step_000001")
 
@@ -393,13 +530,27 @@ def test_a_server_stuck_in_a_dead_trainers_sync_is_named_at_start(stand_in, monk
     import server
 
     url, _ = stand_in("--sync-hang-at", "1", "--health-check-s", "1.5")
-    in_thread(post, url, "/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[4]],
-                                                               "group_name": "dead", "load_format": "flattened_bucket"}, 60)
+    in_thread(
+        post,
+        url,
+        "/update_weights_from_distributed",
+        {
+            "names": ["w"],
+            "dtypes": ["float32"],
+            "shapes": [[4]],
+            "group_name": "dead",
+            "load_format": "flattened_bucket",
+        },
+        60,
+    )
     time.sleep(0.5)  # the announcement is in: the stand-in waits for bytes that never come
     monkeypatch.setattr(server, "STUCK_S", 1.0)
     t0 = time.time()
-    with pytest.raises(ServerInputError, match=rf"rollout server {url} is up but its scheduler did not generate one token "
-                                               r"in 2 s .*trainer died mid-way.*restart it"):
+    with pytest.raises(
+        ServerInputError,
+        match=rf"rollout server {url} is up but its scheduler did not generate one token "
+        r"in 2 s .*trainer died mid-way.*restart it",
+    ):
         ServerEngine([url], timeout_s=600)
     assert time.time() - t0 < 5
 
@@ -408,8 +559,11 @@ def test_nccl_memory_mode_must_agree_with_the_servers(monkeypatch, capsys):
     """A server started with --enable-symm-mem runs NCCL with cuMem (NCCL_CUMEM_ENABLE=1): a trainer with 0 is
     refused in one line naming both fixes; a value exported here that SGLang servers don't share by default is said."""
     monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")
-    with pytest.raises(ServerError, match=r"rollout server http://a:1 runs with --enable-symm-mem, .* this trainer's is 0: "
-                                          r"export NCCL_CUMEM_ENABLE=1 .* or start the server without --enable-symm-mem"):
+    with pytest.raises(
+        ServerError,
+        match=r"rollout server http://a:1 runs with --enable-symm-mem, .* this trainer's is 0: "
+        r"export NCCL_CUMEM_ENABLE=1 .* or start the server without --enable-symm-mem",
+    ):
         check_nccl_memory(["http://b:2", "http://a:1"], [{}, {"enable_symm_mem": True}])
     check_nccl_memory(["http://b:2"], [{"enable_symm_mem": False}])
     assert capsys.readouterr().out == ""
@@ -423,9 +577,16 @@ def test_the_trainer_takes_sglangs_nccl_memory_mode_before_its_first_communicato
     code = "import os, fsdp; fsdp.init_distributed(); print(os.environ['NCCL_CUMEM_ENABLE'])"
     env = {k: v for k, v in os.environ.items() if k != "NCCL_CUMEM_ENABLE"}
     for preset, expected in ((None, "0"), ("1", "1")):
-        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                             env={**env, **({"NCCL_CUMEM_ENABLE": preset} if preset else {})})
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**env, **({"NCCL_CUMEM_ENABLE": preset} if preset else {})},
+        )
         assert run.stdout.split() == [expected], run.stderr[-2000:]
+
 
 def test_cuda_graphs_cover_the_batch_each_engine_or_server_decodes(capsys):
     """Beyond its largest CUDA graph SGLang decodes without graphs: the job's engines and servers capture up to the
@@ -433,12 +594,16 @@ def test_cuda_graphs_cover_the_batch_each_engine_or_server_decodes(capsys):
     with the flag to start it with (/server_info's cuda_graph_config, as SGLang 0.5.16 writes it)."""
     assert [graph_batch(n, None) for n in (64, 256, 257, 512)] == [None, None, 257, 512]
     assert graph_batch(512, 128) == 128 and graph_batch(64, 300) == 300
-    infos = [{"cuda_graph_config": {"decode": {"backend": "full", "max_bs": 256, "bs": [1, 2, 256]}}},
-             {"cuda_graph_config": {"decode": {"backend": "full", "max_bs": 512}}},
-             {"cuda_graph_config": {"decode": {"backend": "disabled", "max_bs": 256}}}, {}]  # no graphs; an older server
+    infos = [
+        {"cuda_graph_config": {"decode": {"backend": "full", "max_bs": 256, "bs": [1, 2, 256]}}},
+        {"cuda_graph_config": {"decode": {"backend": "full", "max_bs": 512}}},
+        {"cuda_graph_config": {"decode": {"backend": "disabled", "max_bs": 256}}},
+        {},
+    ]  # no graphs; an older server
     check_graphs(["http://a:1", "http://b:2", "http://c:3", "http://d:4"], infos, batch=512)
     assert capsys.readouterr().out.splitlines() == [
         "rollout server http://a:1 has CUDA graphs for decode batches up to 256 and gets 512 samples a step: start it "
-        "with --cuda-graph-max-bs-decode 512 to decode them all in graphs"]
+        "with --cuda-graph-max-bs-decode 512 to decode them all in graphs"
+    ]
     check_graphs(["http://a:1"], infos[:1], batch=256)
     assert capsys.readouterr().out == ""

@@ -19,21 +19,52 @@ from conftest import torchrun_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small and fast; --format-weight 0.5 makes rewards vary for the tiny model, so updates are real.
-COMMON = ["--prompts-per-step", "4", "--max-new-tokens", "24", "--micro-batch-size", "4", "--num-eval-prompts", "8",
-          "--lr", "1e-4", "--format-weight", "0.5", "--log-samples-every", "1", "--rollout-engine", "hf"]
+COMMON = [
+    "--prompts-per-step",
+    "4",
+    "--max-new-tokens",
+    "24",
+    "--micro-batch-size",
+    "4",
+    "--num-eval-prompts",
+    "8",
+    "--lr",
+    "1e-4",
+    "--format-weight",
+    "0.5",
+    "--log-samples-every",
+    "1",
+    "--rollout-engine",
+    "hf",
+]
 PER_SCRIPT = {"grpo.py": ["--group-size", "4"], "ppo.py": ["--group-size", "4", "--critic-lr", "1e-3"]}
 
 
 def command(model, out_dir, *extra, launcher, script="grpo.py", launch=()):
     """A script's command line: `launcher` (python, torchrun), `launch` (a wrapper), the script, its flags."""
-    return [*launcher, *launch, script, "--model", model, "--output-dir", str(out_dir), "--run-name", "r", *COMMON,
-            *PER_SCRIPT[script], *extra]
+    return [
+        *launcher,
+        *launch,
+        script,
+        "--model",
+        model,
+        "--output-dir",
+        str(out_dir),
+        "--run-name",
+        "r",
+        *COMMON,
+        *PER_SCRIPT[script],
+        *extra,
+    ]
 
 
 def run_grpo(model, out_dir, *extra, nproc=1, expect_ok=True, script="grpo.py", launch=(), env=None):
     """Run a script as a person would; `launch` goes between python and the script (a wrapper)."""
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    f"--nproc_per_node={nproc}"]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    )
     cmd = command(model, out_dir, *extra, launcher=launcher, script=script, launch=launch)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
@@ -48,20 +79,35 @@ def metrics(out_dir):
 
 
 def test_grpo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
-    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "2", "--eval-before-train",
-                    "--eval-samples", "3")
+    proc = run_grpo(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--steps",
+        "3",
+        "--eval-every",
+        "2",
+        "--eval-before-train",
+        "--eval-samples",
+        "3",
+    )
     train, evals = metrics(tmp_path)
     assert [r["step"] for r in train] == [1, 2, 3]
     assert [r["step"] for r in evals] == [0, 2, 3]  # before training, after 2 updates, final
-    for r in evals:  # --eval-samples 3: avg@3 (= pass@1), pass@1..3 (powers of 2 and K), maj@3 beside the greedy numbers
+    for (
+        r
+    ) in evals:  # --eval-samples 3: avg@3 (= pass@1), pass@1..3 (powers of 2 and K), maj@3 beside the greedy numbers
         assert r["eval/avg@3"] == r["eval/pass@1"] <= r["eval/pass@2"] <= r["eval/pass@3"] and 0 <= r["eval/maj@3"] <= 1
     assert "| avg@3 " in proc.stdout and "| pass@3 " in proc.stdout and "| maj@3 " in proc.stdout
     assert any(r["train/grad_norm"] > 0 for r in train)  # a real update happened
     assert all(r["rollout/logprob_abs_diff"] < 0.05 for r in train)  # the engine got the trained weights
-    assert all(r["rollout/mismatch_kl"] >= 0 and r["rollout/correction_frac"] == 0 for r in train)  # logged, no correction
+    assert all(
+        r["rollout/mismatch_kl"] >= 0 and r["rollout/correction_frac"] == 0 for r in train
+    )  # logged, no correction
     assert "sample (reward" in proc.stdout and "| corrected" not in proc.stdout
     assert_console(proc.stdout, tmp_path / "r", "grpo.py", "eval strict acc")
-    assert os.path.getsize(os.path.join(tmp_path, "r", "curves.png")) > 10_000 and "curves: " in proc.stdout  # no wandb needed
+    assert (
+        os.path.getsize(os.path.join(tmp_path, "r", "curves.png")) > 10_000 and "curves: " in proc.stdout
+    )  # no wandb needed
     # the console holds the run's own lines: no transformers bars for loading or saving a model
     assert "Loading weights" not in proc.stderr and "Writing model shards" not in proc.stderr
     samples = [json.loads(line) for line in open(tmp_path / "r" / "samples.jsonl")]
@@ -89,22 +135,54 @@ def assert_console(stdout: str, run_dir, script: str, held_out: str, steps: int 
         assert f"{name} = {meaning}" in words and words.index(f"{name} = ") < words.index("step 1/")
     if script != "train_rm.py":
         assert "answers judged as addition int (#### N)" in words
-    assert re.fullmatch(rf"done: {steps}/{steps} steps in \d+:\d\d since launch, [\d.]+ s a step \| held out after step "
-                        rf"{steps} \| {held_out} .*", lines[-2]), lines[-2]
-    assert lines[-1] == (f"  checkpoint: {run_dir / 'checkpoints' / f'step_{steps:06d}'} | curves: {run_dir / 'curves.png'} "
-                         f"| metrics: {run_dir / 'metrics.jsonl'}")
+    assert re.fullmatch(
+        rf"done: {steps}/{steps} steps in \d+:\d\d since launch, [\d.]+ s a step \| held out after step "
+        rf"{steps} \| {held_out} .*",
+        lines[-2],
+    ), lines[-2]
+    assert lines[-1] == (
+        f"  checkpoint: {run_dir / 'checkpoints' / f'step_{steps:06d}'} | curves: {run_dir / 'curves.png'} "
+        f"| metrics: {run_dir / 'metrics.jsonl'}"
+    )
 
 
 def test_grpo_torchrun_two_ranks_all_variants(trained_tiny_model_dir, tmp_path):
     """Two gloo ranks with the reference model, dynamic sampling, overlong filtering, offload,
     two mini-batches, SAPO's gate, a different loss aggregation, REINFORCE++'s whitening over both
     ranks' samples and MIS's token mask all on at once."""
-    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "2", "--beta", "0.05",
-                    "--dynamic-sampling", "--overlong-filter", "--offload", "--num-minibatches", "2",
-                    "--policy-loss", "sapo", "--sapo-tau", "1.0", "2.0", "--loss-agg", "seq-mean-token-mean",
-                    "--kl-estimator", "k2", "--advantage", "reinforce++", "--rollout-correction", "mis", nproc=2)
-    assert ("algorithm: advantage reinforce++ | policy loss sapo (tau 1 / 2, seq-mean-token-mean) | rollout correction "
-            "mis (bounds 0.5 2)\n") in proc.stdout  # two mini-batches: no 'one update a batch'
+    proc = run_grpo(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--steps",
+        "3",
+        "--eval-every",
+        "2",
+        "--beta",
+        "0.05",
+        "--dynamic-sampling",
+        "--overlong-filter",
+        "--offload",
+        "--num-minibatches",
+        "2",
+        "--policy-loss",
+        "sapo",
+        "--sapo-tau",
+        "1.0",
+        "2.0",
+        "--loss-agg",
+        "seq-mean-token-mean",
+        "--kl-estimator",
+        "k2",
+        "--advantage",
+        "reinforce++",
+        "--rollout-correction",
+        "mis",
+        nproc=2,
+    )
+    assert (
+        "algorithm: advantage reinforce++ | policy loss sapo (tau 1 / 2, seq-mean-token-mean) | rollout correction "
+        "mis (bounds 0.5 2)\n"
+    ) in proc.stdout  # two mini-batches: no 'one update a batch'
     assert all(math.isfinite(r["train/loss"]) for r in metrics(tmp_path)[0])
     rows = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
     steps = [r for r in rows if "rollout/reward_mean" in r]
@@ -116,20 +194,27 @@ def test_grpo_torchrun_two_ranks_all_variants(trained_tiny_model_dir, tmp_path):
     assert len([r for r in rows if "eval/strict_acc" in r]) == 2
 
 
-@pytest.mark.parametrize("variant, clip", [
-    (["--policy-loss", "gspo", "--advantage", "rloo", "--rollout-correction", "icepop"], [3e-4, 4e-4]),
-    (["--policy-loss", "cispo", "--rollout-correction", "seq-mask", "--clip-high", "0.28"], [1.0, 0.28]),
-])
+@pytest.mark.parametrize(
+    "variant, clip",
+    [
+        (["--policy-loss", "gspo", "--advantage", "rloo", "--rollout-correction", "icepop"], [3e-4, 4e-4]),
+        (["--policy-loss", "cispo", "--rollout-correction", "seq-mask", "--clip-high", "0.28"], [1.0, 0.28]),
+    ],
+)
 def test_grpo_variants(trained_tiny_model_dir, tmp_path, variant, clip):
     """The policy losses, advantages and corrections end to end, several flags a run: each trains, logs the
     mismatch and the share corrected (on the console too), and takes its paper's clip range unless given."""
-    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--eval-every", "0", "--save-every", "-1", *variant)
+    proc = run_grpo(
+        trained_tiny_model_dir, tmp_path, "--steps", "2", "--eval-every", "0", "--save-every", "-1", *variant
+    )
     train, _ = metrics(tmp_path)
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["train/loss"]) for r in train)
     assert all(r["rollout/mismatch_kl"] >= 0 and 0 <= r["rollout/correction_frac"] <= 1 for r in train)
     args = json.loads((tmp_path / "r" / "args.json").read_text())
     assert [args["clip_low"], args["clip_high"]] == clip and "| corrected " in proc.stdout
-    assert args["loss_agg"] == ("seq-mean-token-mean" if "gspo" in variant else "token-mean")  # gspo's paper's objective
+    assert args["loss_agg"] == (
+        "seq-mean-token-mean" if "gspo" in variant else "token-mean"
+    )  # gspo's paper's objective
 
 
 def test_grpo_rollout_tp_group(trained_tiny_model_dir, tmp_path):
@@ -152,9 +237,28 @@ def run_two_nodes(model, out_dir, *extra, node1_dir=None, expect_ok=True) -> lis
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
     procs = []
     for node in (0, 1):
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                    "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-        cmd = command(model, node1_dir if node and node1_dir else out_dir, *extra, launcher=torchrun, launch=[os.path.join("tests", "patched_run.py"), "engine_owner"])
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+        ]
+        cmd = command(
+            model,
+            node1_dir if node and node1_dir else out_dir,
+            *extra,
+            launcher=torchrun,
+            launch=[os.path.join("tests", "patched_run.py"), "engine_owner"],
+        )
         with open(os.path.join(out_dir, f"node{node}.txt"), "w") as console:  # a file, not a pipe: none fills up
             procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, text=True, env=env))
     deadline = time.time() + 300
@@ -169,7 +273,9 @@ def run_two_nodes(model, out_dir, *extra, node1_dir=None, expect_ok=True) -> lis
                 p.kill()
     codes = [p.wait() for p in procs]
     consoles = [open(os.path.join(out_dir, f"node{node}.txt")).read() for node in (0, 1)]
-    assert codes == [0, 0] or not expect_ok, f"exit codes {codes}\n" + "\n".join(f"node {n}:\n{c[-3000:]}" for n, c in enumerate(consoles))
+    assert codes == [0, 0] or not expect_ok, f"exit codes {codes}\n" + "\n".join(
+        f"node {n}:\n{c[-3000:]}" for n, c in enumerate(consoles)
+    )
     return consoles
 
 
@@ -182,9 +288,15 @@ def test_grpo_two_nodes(trained_tiny_model_dir, tmp_path):
     assert node1.count("engine hf started by") == 1 and "engine hf started by rank 1 on node 1 (local rank 0" in node1
     assert "| 2 ranks, engine hf" in node0 and "step 2/" in node0 and "step 1/" not in node1  # rank 0 logs, on node 0
     train, evals = metrics(tmp_path)
-    assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["train/loss"]) for r in train) and len(evals) == 1
+    assert (
+        [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["train/loss"]) for r in train) and len(evals) == 1
+    )
     ckpt = tmp_path / "r" / "checkpoints" / "step_000002"
-    assert (ckpt / "rng_rank0.pt").exists() and (ckpt / "rng_rank1.pt").exists() and (ckpt / "model" / "config.json").exists()
+    assert (
+        (ckpt / "rng_rank0.pt").exists()
+        and (ckpt / "rng_rank1.pt").exists()
+        and (ckpt / "model" / "config.json").exists()
+    )
     assert torch.load(ckpt / "trainer.pt", weights_only=False)["world_size"] == 2
     node0, _ = run_two_nodes(trained_tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "0", "--resume")
     assert f"resumed from {ckpt}: step 2, data epoch 0 index 8" in node0
@@ -194,8 +306,16 @@ def test_grpo_two_nodes(trained_tiny_model_dir, tmp_path):
 
 def test_two_nodes_without_a_shared_folder_stop_clearly(trained_tiny_model_dir, tmp_path):
     """Each node writing into a folder of its own: the first save stops both, naming --output-dir."""
-    consoles = run_two_nodes(trained_tiny_model_dir, tmp_path, "--steps", "1", "--eval-every", "0",
-                             node1_dir=tmp_path / "elsewhere", expect_ok=False)
+    consoles = run_two_nodes(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--steps",
+        "1",
+        "--eval-every",
+        "0",
+        node1_dir=tmp_path / "elsewhere",
+        expect_ok=False,
+    )
     for console in consoles:  # each node's own console says it
         assert "lacks the files of ranks" in console and "--output-dir must be one folder all nodes share" in console
     assert not (tmp_path / "r" / "checkpoints" / "step_000001").exists()
@@ -209,11 +329,14 @@ def test_existing_run_is_not_overwritten(trained_tiny_model_dir, tmp_path):
     assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == before
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--group-size", "1"], "--group-size 1"),
-    (["--prompts-per-step", "3"], "--prompts-per-step 3 must be >= 1 and divide by the 2 ranks"),
-    (["--dataset", "no/such/file.jsonl"], "no/such/file.jsonl"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--group-size", "1"], "--group-size 1"),
+        (["--prompts-per-step", "3"], "--prompts-per-step 3 must be >= 1 and divide by the 2 ranks"),
+        (["--dataset", "no/such/file.jsonl"], "no/such/file.jsonl"),
+    ],
+)
 def test_bad_input_fails_clearly_and_writes_nothing(tiny_model_dir, tmp_path, extra, message):
     args = ["--steps", "1", "--eval-every", "0", *extra]
     proc = run_grpo(tiny_model_dir, tmp_path, *args, nproc=2 if "--prompts-per-step" in extra else 1, expect_ok=False)
@@ -228,11 +351,29 @@ def test_bad_input_fails_clearly_and_writes_nothing(tiny_model_dir, tmp_path, ex
 def test_ppo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
     """Step 1 trains only the critic (warm-up); the adaptive KL controller moves the coefficient;
     the checkpoint exports the actor and the critic as Hugging Face folders."""
-    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "2", "--critic-warmup-steps", "1",
-                    "--kl-coef", "0.05", "--adaptive-kl", "--target-kl", "0.001", "--kl-estimator", "k3", script="ppo.py")
+    proc = run_grpo(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--steps",
+        "3",
+        "--eval-every",
+        "2",
+        "--critic-warmup-steps",
+        "1",
+        "--kl-coef",
+        "0.05",
+        "--adaptive-kl",
+        "--target-kl",
+        "0.001",
+        "--kl-estimator",
+        "k3",
+        script="ppo.py",
+    )
     assert_console(proc.stdout, tmp_path / "r", "ppo.py", "eval strict acc")
     # no warnings a user can do nothing about: the critic's new head, FSDP2 on its output view
-    assert "LOAD REPORT" not in proc.stderr and "Warning" not in proc.stderr and "not sharded" not in proc.stderr, proc.stderr
+    assert "LOAD REPORT" not in proc.stderr and "Warning" not in proc.stderr and "not sharded" not in proc.stderr, (
+        proc.stderr
+    )
     train, evals = metrics(tmp_path)
     rows = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl") if "critic/value_loss" in line]
     assert [r["step"] for r in rows] == [1, 2, 3] and len(evals) == 2
@@ -253,9 +394,28 @@ def test_ppo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
 
 
 def test_ppo_torchrun_two_ranks(trained_tiny_model_dir, tmp_path):
-    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "0", "--offload", "--num-minibatches", "2",
-             "--epochs", "2", "--entropy-coef", "0.01", "--overlong-filter", "--kl-coef", "0.05", "--lam", "1.0",
-             nproc=2, script="ppo.py")
+    run_grpo(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--steps",
+        "3",
+        "--eval-every",
+        "0",
+        "--offload",
+        "--num-minibatches",
+        "2",
+        "--epochs",
+        "2",
+        "--entropy-coef",
+        "0.01",
+        "--overlong-filter",
+        "--kl-coef",
+        "0.05",
+        "--lam",
+        "1.0",
+        nproc=2,
+        script="ppo.py",
+    )
     train, _ = metrics(tmp_path)
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(r["rollout/logprob_abs_diff"] < 0.05 for r in train)
@@ -265,9 +425,26 @@ def test_ppo_torchrun_two_ranks(trained_tiny_model_dir, tmp_path):
 def test_evaluate_script_on_a_checkpoint(trained_tiny_model_dir, tmp_path):
     """evaluate.py scores a model folder greedily and writes the summary and every completion."""
     out = tmp_path / "eval.json"
-    proc = subprocess.run([sys.executable, "evaluate.py", "--model", trained_tiny_model_dir, "--num-eval-prompts", "8",
-                           "--max-new-tokens", "24", "--rollout-engine", "hf", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "evaluate.py",
+            "--model",
+            trained_tiny_model_dir,
+            "--num-eval-prompts",
+            "8",
+            "--max-new-tokens",
+            "24",
+            "--rollout-engine",
+            "hf",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert summary["prompts"] == 8 and 0 <= summary["strict_acc"] <= summary["flexible_acc"] <= 1
@@ -280,7 +457,9 @@ def test_launch_time_is_when_the_process_started():
     """Start-up metrics count from process launch, imports included: a fresh interpreter that
     sleeps 1 s before asking must report at least that second."""
     code = "import time; time.sleep(1.0); import runlog; print(time.time() - runlog.launch_time())"
-    age = float(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    age = float(
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    )
     assert 1.0 <= age < 60.0
 
 
@@ -332,14 +511,37 @@ def test_own_task_and_math_mixed_with_a_reward_file(trained_tiny_model_dir, tmp_
     """The README's own-task recipe, as a user runs it: rows of {"prompt", "answer"} beside MATH rows,
     each source judged by its kind and held out on its own (eval/<source>/...), a reward from a file. Each capital is
     asked 10 times: one of the two is held out whole, every copy of it, by prompt (issue 40: 2 rows were, by row)."""
-    (tmp_path / "capitals.jsonl").write_text("\n".join(json.dumps({"prompt": f"Name the capital of {c}.", "answer": a})
-                                                      for c, a in [("Australia", "Canberra"), ("Canada", "Ottawa")] * 10))
-    (tmp_path / "mathrows.jsonl").write_text("\n".join(json.dumps({"problem": f"What is ${a}+{b}$?",
-                                                                   "solution": f"It is $\\boxed{{{a + b}}}$."})
-                                                       for a in range(10, 14) for b in range(20, 25)))
-    (tmp_path / "mine.py").write_text("def reward(completion, answer):\n    return float(answer.lower() in completion.lower())\n")
-    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--dataset", str(tmp_path / "capitals.jsonl"), str(tmp_path / "mathrows.jsonl"),
-                    "--reward", f"{tmp_path / 'mine.py'}:reward", "--steps", "2", "--eval-every", "2", "--num-eval-prompts", "2")
+    (tmp_path / "capitals.jsonl").write_text(
+        "\n".join(
+            json.dumps({"prompt": f"Name the capital of {c}.", "answer": a})
+            for c, a in [("Australia", "Canberra"), ("Canada", "Ottawa")] * 10
+        )
+    )
+    (tmp_path / "mathrows.jsonl").write_text(
+        "\n".join(
+            json.dumps({"problem": f"What is ${a}+{b}$?", "solution": f"It is $\\boxed{{{a + b}}}$."})
+            for a in range(10, 14)
+            for b in range(20, 25)
+        )
+    )
+    (tmp_path / "mine.py").write_text(
+        "def reward(completion, answer):\n    return float(answer.lower() in completion.lower())\n"
+    )
+    proc = run_grpo(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--dataset",
+        str(tmp_path / "capitals.jsonl"),
+        str(tmp_path / "mathrows.jsonl"),
+        "--reward",
+        f"{tmp_path / 'mine.py'}:reward",
+        "--steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--num-eval-prompts",
+        "2",
+    )
     train, evals = metrics(tmp_path)
     assert {"eval/capitals/strict_acc", "eval/mathrows/strict_acc", "eval/strict_acc"} <= set(evals[-1])
     assert all(r["rollout/reward_errors"] == 0 for r in train)  # the file's function scored every sample
@@ -348,4 +550,8 @@ def test_own_task_and_math_mixed_with_a_reward_file(trained_tiny_model_dir, tmp_
 
 def test_reward_file_errors_name_the_spec(tiny_model_dir, tmp_path):
     proc = run_grpo(tiny_model_dir, tmp_path, "--reward", "nowhere.py:reward", expect_ok=False)
-    assert proc.returncode == 2 and "--reward 'nowhere.py:reward': no such file" in proc.stderr and not os.path.exists(tmp_path / "r")
+    assert (
+        proc.returncode == 2
+        and "--reward 'nowhere.py:reward': no such file" in proc.stderr
+        and not os.path.exists(tmp_path / "r")
+    )

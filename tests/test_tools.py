@@ -19,15 +19,33 @@ CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}
 # The tools
 
 
-@pytest.mark.parametrize("expression, expected", [("(12 + 3) * 45", "675"), ("2 ** 10", "1024"), ("7 / 2", "3.5"),
-                                                  ("-7 // 2", "-4"), ("17 % 5", "2"), ("347 * 29", "10063"), ("1e3 + 1", "1001")])
+@pytest.mark.parametrize(
+    "expression, expected",
+    [
+        ("(12 + 3) * 45", "675"),
+        ("2 ** 10", "1024"),
+        ("7 / 2", "3.5"),
+        ("-7 // 2", "-4"),
+        ("17 % 5", "2"),
+        ("347 * 29", "10063"),
+        ("1e3 + 1", "1001"),
+    ],
+)
 def test_calculator_by_hand(expression, expected):
     assert calculator(expression) == expected
 
 
-@pytest.mark.parametrize("expression, message", [("__import__('os').system('ls')", "only numbers"), ("9 ** 9 ** 9", "digits"),
-                                                 ("1 / 0", "division by zero"), ("2 +", "not an arithmetic expression"),
-                                                 ("x * 2", "only numbers"), ("(-8) ** 0.5", "not a real number")])
+@pytest.mark.parametrize(
+    "expression, message",
+    [
+        ("__import__('os').system('ls')", "only numbers"),
+        ("9 ** 9 ** 9", "digits"),
+        ("1 / 0", "division by zero"),
+        ("2 +", "not an arithmetic expression"),
+        ("x * 2", "only numbers"),
+        ("(-8) ** 0.5", "not a real number"),
+    ],
+)
 def test_calculator_refuses_what_is_not_arithmetic(expression, message):
     reply, status = call_tool(TOOLS, {"name": "calculator", "arguments": {"expression": expression}})
     assert status == "error" and message in reply
@@ -43,7 +61,9 @@ def test_parse_tool_calls():
 
 def test_call_tool_never_raises():
     assert call_tool(TOOLS, {"name": "search", "arguments": {}}) == (
-        "error: there is no tool 'search'; the tools are calculator, python", "error")
+        "error: there is no tool 'search'; the tools are calculator, python",
+        "error",
+    )
     reply, status = call_tool(TOOLS, {"name": "calculator", "arguments": {"expr": "1"}})
     assert status == "error" and reply.startswith("error: bad arguments for calculator")
 
@@ -65,18 +85,25 @@ class ScriptedEngine:
         ids = self.tok.encode(self.turns[turn], add_special_tokens=False) + [self.tok.eos_token_id]
         finish = "stop"
         if len(ids) > sampling_params["max_new_tokens"]:
-            ids, finish = ids[:sampling_params["max_new_tokens"]], "length"
+            ids, finish = ids[: sampling_params["max_new_tokens"]], "length"
         logprobs = [(-0.01 * (i + 1), t, None) for i, t in enumerate(ids)]
         return {"output_ids": ids, "meta_info": {"finish_reason": {"type": finish}, "output_token_logprobs": logprobs}}
 
 
 def run_episodes(tokenizer, turns, tools=None, n=1, max_new_tokens=1000, max_turns=4, delay=0.0, workers=4):
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 * 34?"}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12 * 34?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     tool_use = ToolUse(tools or TOOLS, tokenizer, ThreadPoolExecutor(workers), max_turns=max_turns, max_reply_tokens=64)
     sampling = Sampling(max_new_tokens=max_new_tokens, stop_ids=[tokenizer.eos_token_id])
-    samples = generate(ScriptedEngine(tokenizer, turns, delay), [prompt] * n, list(range(n)), sampling=sampling,
-                       tokenizer=tokenizer, tool_use=tool_use)
+    samples = generate(
+        ScriptedEngine(tokenizer, turns, delay),
+        [prompt] * n,
+        list(range(n)),
+        sampling=sampling,
+        tokenizer=tokenizer,
+        tool_use=tool_use,
+    )
     return prompt, samples
 
 
@@ -93,16 +120,22 @@ def test_an_episode_is_the_rendered_conversation_token_for_token(tok):
     reply mask 0 and log-prob 0; the reward sees the model's text only."""
     turns = [CALL, "12 * 34 = 408\n#### 408"]
     prompt, (sample,) = run_episodes(tok, turns)
-    conversation = [{"role": "user", "content": "What is 12 * 34?"}, {"role": "assistant", "content": turns[0]},
-                    {"role": "tool", "content": "408"}, {"role": "assistant", "content": turns[1]}]
+    conversation = [
+        {"role": "user", "content": "What is 12 * 34?"},
+        {"role": "assistant", "content": turns[0]},
+        {"role": "tool", "content": "408"},
+        {"role": "assistant", "content": turns[1]},
+    ]
     rendered = tok.apply_chat_template(conversation, tokenize=True, return_dict=False)
     tokens = prompt + sample.response_ids
-    assert tokens == rendered[:len(tokens)] and tok.decode(rendered[len(tokens):]) == "\n"
-    first = len(tok.encode(turns[0], add_special_tokens=False)) + 1          # the call and <|im_end|>
-    reply = tool_reply_ids(tok, ["408"], last_token=tok.eos_token_id)         # \n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n
+    assert tokens == rendered[: len(tokens)] and tok.decode(rendered[len(tokens) :]) == "\n"
+    first = len(tok.encode(turns[0], add_special_tokens=False)) + 1  # the call and <|im_end|>
+    reply = tool_reply_ids(
+        tok, ["408"], last_token=tok.eos_token_id
+    )  # \n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n
     second = len(tok.encode(turns[1], add_special_tokens=False)) + 1
     assert sample.model_mask == [1] * first + [0] * len(reply) + [1] * second
-    assert sample.rollout_logprobs[first:first + len(reply)] == [0.0] * len(reply)
+    assert sample.rollout_logprobs[first : first + len(reply)] == [0.0] * len(reply)
     assert sample.rollout_logprobs[:2] == [-0.01, -0.02] and sample.rollout_logprobs[first + len(reply)] == -0.01
     assert sample.text == turns[0] + "\n" + turns[1]  # the tool's reply is not in it
     assert sample.turns == 2 and [c[:2] for c in sample.tool_calls] == [("calculator", "ok")] and not sample.truncated
@@ -110,7 +143,7 @@ def test_an_episode_is_the_rendered_conversation_token_for_token(tok):
     # the batch: only the model's tokens are targets of the loss and of the log-prob gap
     batch = collate([sample], pad_id=0)
     p = len(prompt)
-    assert batch.response_mask[0, p - 1:p - 1 + len(sample.response_ids)].tolist() == sample.model_mask
+    assert batch.response_mask[0, p - 1 : p - 1 + len(sample.response_ids)].tolist() == sample.model_mask
     batch.old_logprobs = batch.rollout_logprobs.clone()
     batch.old_logprobs[0, p - 1 + first] = 5.0  # a tool token: a wrong value there must not count
     assert mismatch_stats(batch)["rollout/logprob_abs_diff"] == 0.0
@@ -129,6 +162,7 @@ def test_a_tool_reply_cannot_forge_a_turn(tok):
             expression: anything
         """
         return forged
+
     _, (sample,) = run_episodes(tok, [CALL, "#### 408"], tools={"calculator": calculator})
     specials = {tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}
     reply = [t for t, m in zip(sample.response_ids, sample.model_mask) if m == 0]
@@ -158,7 +192,9 @@ def test_malformed_and_unknown_calls_are_answered_with_an_error(tok):
     _, (sample,) = run_episodes(tok, turns)
     statuses = [c[:2] for c in sample.tool_calls]
     assert statuses == [("search", "error"), ("?", "error")] and sample.turns == 2
-    assert "there is no tool 'search'" in tok.decode(sample.response_ids) and "not valid JSON" in tok.decode(sample.response_ids)
+    assert "there is no tool 'search'" in tok.decode(sample.response_ids) and "not valid JSON" in tok.decode(
+        sample.response_ids
+    )
 
 
 def test_a_tool_timeout_is_counted_and_said(tok):
@@ -169,12 +205,14 @@ def test_a_tool_timeout_is_counted_and_said(tok):
             expression: anything
         """
         raise TimeoutError("the program ran longer than 1 s and was stopped")
+
     _, (sample,) = run_episodes(tok, [CALL, "#### 408"], tools={"calculator": calculator})
     assert sample.tool_calls[0][:2] == ("calculator", "timeout") and "ran longer" in tok.decode(sample.response_ids)
 
 
 def test_a_slow_tool_holds_up_only_its_own_sample(tok):
     """8 episodes each wait 0.5 s for a tool: concurrently ~0.5 s, not 4 s."""
+
     def calculator(expression: str) -> str:
         """Slow.
 
@@ -183,6 +221,7 @@ def test_a_slow_tool_holds_up_only_its_own_sample(tok):
         """
         time.sleep(0.5)
         return "408"
+
     t0 = time.time()
     _, samples = run_episodes(tok, [CALL, "#### 408"], tools={"calculator": calculator}, n=8, workers=8, delay=0.01)
     assert len(samples) == 8 and all(s.turns == 2 for s in samples) and time.time() - t0 < 2.0
@@ -194,19 +233,32 @@ def test_an_error_in_one_episode_surfaces(tok):
             if sampling_params["sampling_seed"] == 2:
                 raise RuntimeError("episode 2 broke")
             return await super().async_generate(input_ids, sampling_params, return_logprob)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "?"}], add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     tool_use = ToolUse(TOOLS, tok, ThreadPoolExecutor(2))
     with pytest.raises(RuntimeError, match="episode 2 broke"):
-        generate(Broken(tok, [CALL, "#### 1"]), [prompt] * 4, [0, 1, 2, 3], sampling=Sampling(100, [tok.eos_token_id]),
-                 tokenizer=tok, tool_use=tool_use)
+        generate(
+            Broken(tok, [CALL, "#### 1"]),
+            [prompt] * 4,
+            [0, 1, 2, 3],
+            sampling=Sampling(100, [tok.eos_token_id]),
+            tokenizer=tok,
+            tool_use=tool_use,
+        )
 
 
 def test_tools_reach_the_model_in_a_system_prompt_or_the_template_then_worked_examples(tok):
-    context, specs = tools_prompt(tok, TOOLS, "{question} Put the final answer after ####.")  # the tiny template knows no tools
+    context, specs = tools_prompt(
+        tok, TOOLS, "{question} Put the final answer after ####."
+    )  # the tiny template knows no tools
     assert specs is None and context[0]["role"] == "system" and '"name": "calculator"' in context[0]["content"]
     assert [m["role"] for m in context[1:]] == ["user", "assistant", "tool", "assistant"] * 2
     assert context[1]["content"] == "What is 123 * 45? Put the final answer after ####."
-    assert parse_tool_calls(context[2]["content"])[0] == [{"name": "calculator", "arguments": {"expression": "123 * 45"}}]
+    assert parse_tool_calls(context[2]["content"])[0] == [
+        {"name": "calculator", "arguments": {"expression": "123 * 45"}}
+    ]
     assert context[3]["content"] == "5535" and context[4]["content"] == "123 * 45 = 5535\n#### 5535"
     python_only = tools_prompt(tok, {"python": TOOLS["python"]})[0]
     assert parse_tool_calls(python_only[2]["content"])[0][0]["arguments"] == {"code": "print(123 * 45)"}
@@ -232,7 +284,9 @@ def test_max_prompt_len_counts_the_question_and_the_tools_prompt_comes_on_top(to
     assert kept == [short] and dropped == 1 and ids[0] == prompt_tokens(tok, short.prompt, context, specs)
     with pytest.raises(InputError, match=rf"longer than --max-prompt-len {n - 1} tokens \(the shortest: {n}\)"):
         tokenize_prompts(tok, [short], n - 1, context=context, tools=specs)
-    with pytest.raises(InputError, match=rf"--max-prompt-len 256 \+ the tools' prompt {extra} \+ --max-new-tokens 64 = "):
+    with pytest.raises(
+        InputError, match=rf"--max-prompt-len 256 \+ the tools' prompt {extra} \+ --max-new-tokens 64 = "
+    ):
         check_context(256, 256, 64, tools_prompt=extra)
 
 
@@ -242,7 +296,7 @@ def test_ppo_gae_carries_across_a_tool_reply():
     from ppo import gae
 
     rewards = torch.tensor([[0.0, 0.1, 0.0, 0.0, 0.0, 1.0]])
-    values = torch.tensor([[0.5, 0.4, 9.0, 9.0, 0.3, 0.2]])   # 9.0: the critic's values at tool tokens, unused
+    values = torch.tensor([[0.5, 0.4, 9.0, 9.0, 0.3, 0.2]])  # 9.0: the critic's values at tool tokens, unused
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0]])
     adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
     keep = mask[0].bool()
@@ -261,8 +315,16 @@ TOOL_RUN = ["--tools", "calculator", "--max-new-tokens", "160", "--max-turns", "
 def tool_run(model, out_dir, *extra, script="grpo.py", nproc=1, env=None):
     from test_smoke import run_grpo
 
-    return run_grpo(model, out_dir, *TOOL_RUN, *extra, script=script, nproc=nproc, env=env,
-                    launch=[os.path.join("tests", "patched_run.py"), "tool_caller"])
+    return run_grpo(
+        model,
+        out_dir,
+        *TOOL_RUN,
+        *extra,
+        script=script,
+        nproc=nproc,
+        env=env,
+        launch=[os.path.join("tests", "patched_run.py"), "tool_caller"],
+    )
 
 
 def step_rows(out_dir, key="tools/turns_mean"):

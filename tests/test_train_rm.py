@@ -19,12 +19,26 @@ from train_rm import pairwise_loss
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 16 pairs a step in micro-batches of 8: under torchrun each rank's 8 are one of the plain run's micro-batches.
 # Warm-up 4: steps 1-4 have the same learning rates in a run of 3 steps as in one of 20 (fsdp.lr_lambda).
-COMMON = ["--pairs-per-step", "16", "--micro-batch-size", "8", "--lr", "2e-3", "--warmup-steps", "4", "--max-len", "64",
-          "--run-name", "r"]
+COMMON = [
+    "--pairs-per-step",
+    "16",
+    "--micro-batch-size",
+    "8",
+    "--lr",
+    "2e-3",
+    "--warmup-steps",
+    "4",
+    "--max-len",
+    "64",
+    "--run-name",
+    "r",
+]
 
 
 def run_rm(model, out_dir, *extra, nproc=1, expect_ok=True):
-    launcher = [sys.executable] + ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] * (nproc > 1)
+    launcher = [sys.executable] + ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] * (
+        nproc > 1
+    )
     cmd = [*launcher, "train_rm.py", "--model", model, "--output-dir", str(out_dir), *COMMON, *map(str, extra)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
@@ -48,9 +62,18 @@ def write_pairs(path, prompts: int = 60, bad: bool = True) -> str:
         a, b = rng.randrange(10, 100), rng.randrange(10, 100)
         q = f"What is {a} + {b}?"
         out.append({"prompt": q, "chosen": f"#### {a + b}", "rejected": "I don't know.", "group": "format"})
-        out.append({"prompt": [{"role": "user", "content": q}], "chosen": f"#### {a + b}", "rejected": f"#### {a + b + 1}",
-                    "group": "number"})
-    out += [{"prompt": "Hi", "chosen": "", "rejected": "Hello"}, {"prompt": "Hi", "chosen": "Hello", "rejected": "  "}] * bad
+        out.append(
+            {
+                "prompt": [{"role": "user", "content": q}],
+                "chosen": f"#### {a + b}",
+                "rejected": f"#### {a + b + 1}",
+                "group": "number",
+            }
+        )
+    out += [
+        {"prompt": "Hi", "chosen": "", "rejected": "Hello"},
+        {"prompt": "Hi", "chosen": "Hello", "rejected": "  "},
+    ] * bad
     out += [{"prompt": "Hi", "chosen": "Hello", "rejected": "Hello "}] * 3 * bad
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in out)
@@ -86,11 +109,14 @@ def test_pairs_bad_rows_counted_bad_files_named_split_by_prompt(tmp_path):
     assert split_pairs(pairs, seed=0, num_eval=512, where="p")[1] == held  # seeded
     with pytest.raises(InputError, match="too few to hold 1 in 10 out"):
         split_pairs(pairs[:8], seed=0, num_eval=512, where="p")
-    for text, message in [("", "has no rows"), ('{"prompt": "a", "chosen": "b"}\n', r"line 1: needs a 'prompt'.*'rejected'"),
-                          ('{"prompt": "a", "chosen": "b", "rejected": "c", "group": 3}\n', r"line 1: .*optionally a 'group'"),
-                          ('{"prompt": "a", "chosen": "b", "rejected": "c", "group": 0}\n', r"line 1: .*optionally a 'group'"),
-                          ("{nope\n", "line 1: not valid JSON"),
-                          ('{"prompt": "a", "chosen": "b", "rejected": "b"}\n', "all 1 pairs were skipped")]:
+    for text, message in [
+        ("", "has no rows"),
+        ('{"prompt": "a", "chosen": "b"}\n', r"line 1: needs a 'prompt'.*'rejected'"),
+        ('{"prompt": "a", "chosen": "b", "rejected": "c", "group": 3}\n', r"line 1: .*optionally a 'group'"),
+        ('{"prompt": "a", "chosen": "b", "rejected": "c", "group": 0}\n', r"line 1: .*optionally a 'group'"),
+        ("{nope\n", "line 1: not valid JSON"),
+        ('{"prompt": "a", "chosen": "b", "rejected": "b"}\n', "all 1 pairs were skipped"),
+    ]:
         (tmp_path / "bad.jsonl").write_text(text)
         with pytest.raises(InputError, match=message):
             load_pairs(str(tmp_path / "bad.jsonl"))
@@ -103,7 +129,9 @@ def test_pairs_bad_rows_counted_bad_files_named_split_by_prompt(tmp_path):
         load_pairs(str(tmp_path / "same.jsonl"), "--eval-dataset")
     (tmp_path / "null.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "group": null}\n' * 2)
     assert load_pairs(str(tmp_path / "null.jsonl"))[0][0].group == ""  # null: no group
-    (tmp_path / "latin.jsonl").write_bytes('{"prompt": "caf\u00e9", "chosen": "a", "rejected": "b"}\n'.encode("latin-1"))
+    (tmp_path / "latin.jsonl").write_bytes(
+        '{"prompt": "caf\u00e9", "chosen": "a", "rejected": "b"}\n'.encode("latin-1")
+    )
     with pytest.raises(InputError, match="line 1: not UTF-8"):
         load_pairs(str(tmp_path / "latin.jsonl"))
 
@@ -113,16 +141,32 @@ def rm_run(trained_tiny_model_dir, tmp_path_factory):
     """20 steps, evaluated before training and every 10 steps, saved every 10 (all kept): (run folder, its console)."""
     out = tmp_path_factory.mktemp("rm")
     data = write_pairs(out / "pairs.jsonl")
-    proc = run_rm(trained_tiny_model_dir, out, "--dataset", data, "--steps", 20, "--eval-every", 10, "--eval-before-train",
-                  "--save-every", 10, "--keep-checkpoints", 0)
+    proc = run_rm(
+        trained_tiny_model_dir,
+        out,
+        "--dataset",
+        data,
+        "--steps",
+        20,
+        "--eval-every",
+        10,
+        "--eval-before-train",
+        "--save-every",
+        10,
+        "--keep-checkpoints",
+        0,
+    )
     return out / "r", proc.stdout
 
 
 def test_train_rm_learns_a_learnable_preference(rm_run):
     run_dir, console = rm_run
-    assert ("data: 108 train pairs, 12 eval pairs (held out 12 pairs (6 prompts) of " in console
-            and "| skipped 2 with an empty side, 3 with identical sides | cut to --max-len 64: 0 of 240 conversations, 0 pairs "
-            "the same after it, skipped" in console)
+    assert (
+        "data: 108 train pairs, 12 eval pairs (held out 12 pairs (6 prompts) of " in console
+        and "| skipped 2 with an empty side, 3 with identical sides | cut to --max-len 64: 0 of 240 conversations, 0 pairs "
+        "the same after it, skipped"
+        in console
+    )
     train, evals = rows(run_dir)
     assert [r["step"] for r in train] == list(range(1, 21)) and [r["step"] for r in evals] == [0, 10, 20]
     assert evals[0]["eval/pair_acc"] == 0.5 and evals[0]["eval/loss"] == pytest.approx(0.693147, abs=1e-6)  # zero head
@@ -151,9 +195,15 @@ def test_checkpoint_is_a_reward_model_that_scores_as_in_training(rm_run, gloo):
     pairs, _ = load_pairs(str(run_dir.parent / "pairs.jsonl"))
     held = split_pairs(pairs, seed=0, num_eval=64, where="")[1]
     rm = load_reward_model(model_dir, torch.device("cpu"), torch.bfloat16)
-    scores, _ = score_conversations(rm, [conversation(p.prompt, side) for p in held for side in (p.chosen, p.rejected)],
-                                    tokenizer=tokenizer, template=template, max_len=64, micro_batch_size=8,
-                                    device=torch.device("cpu"))
+    scores, _ = score_conversations(
+        rm,
+        [conversation(p.prompt, side) for p in held for side in (p.chosen, p.rejected)],
+        tokenizer=tokenizer,
+        template=template,
+        max_len=64,
+        micro_batch_size=8,
+        device=torch.device("cpu"),
+    )
     _, stats = pairwise_loss(scores[0::2], scores[1::2], num_pairs=1)
     final = rows(run_dir)[1][-1]
     assert stats["correct"].item() / len(held) == pytest.approx(final["eval/pair_acc"], abs=1.01 / len(held))
@@ -166,8 +216,22 @@ def test_resume_continues_exactly(rm_run, trained_tiny_model_dir, tmp_path):
     run_dir, _ = rm_run
     shutil.copytree(run_dir, tmp_path / "r")
     shutil.rmtree(tmp_path / "r" / "checkpoints" / "step_000020")
-    proc = run_rm(trained_tiny_model_dir, tmp_path, "--dataset", run_dir.parent / "pairs.jsonl", "--steps", 20,
-                  "--eval-every", 10, "--eval-before-train", "--save-every", 10, "--keep-checkpoints", 0, "--resume")
+    proc = run_rm(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--dataset",
+        run_dir.parent / "pairs.jsonl",
+        "--steps",
+        20,
+        "--eval-every",
+        10,
+        "--eval-before-train",
+        "--save-every",
+        10,
+        "--keep-checkpoints",
+        0,
+        "--resume",
+    )
     assert "resumed from" in proc.stdout and "step_000010: step 10, data epoch 1 index 52" in proc.stdout
     drop = lambda rs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rs]  # noqa: E731  seconds vary
     (train, evals), (again, evals_again) = rows(run_dir), rows(tmp_path / "r")
@@ -178,8 +242,17 @@ def test_torchrun_two_ranks_take_the_steps_of_one_process(rm_run, trained_tiny_m
     """16 pairs a step, 8 on each rank: the loss divided by the global count and FSDP's summed gradients give the
     plain run's steps (each rank's pairs are one of its micro-batches; summation order aside)."""
     run_dir, _ = rm_run
-    proc = run_rm(trained_tiny_model_dir, tmp_path, "--dataset", run_dir.parent / "pairs.jsonl", "--steps", 3,
-                  "--eval-every", 3, nproc=2)
+    proc = run_rm(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--dataset",
+        run_dir.parent / "pairs.jsonl",
+        "--steps",
+        3,
+        "--eval-every",
+        3,
+        nproc=2,
+    )
     assert "| 2 ranks" in proc.stdout and "eval after step 3 |" in proc.stdout
     two, one = rows(tmp_path / "r")[0], rows(run_dir)[0][:3]
     for a, b in zip(two, one):
@@ -188,7 +261,9 @@ def test_torchrun_two_ranks_take_the_steps_of_one_process(rm_run, trained_tiny_m
 
 
 def test_a_bad_pairs_file_stops_in_one_line_writing_nothing(trained_tiny_model_dir, tmp_path):
-    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n')
+    (tmp_path / "bad.jsonl").write_text(
+        '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n'
+    )
     proc = run_rm(trained_tiny_model_dir, tmp_path, "--dataset", tmp_path / "bad.jsonl", expect_ok=False)
     last = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -205,18 +280,32 @@ def test_what_the_model_or_its_template_cannot_read_stops_in_one_line(trained_ti
     data = write_pairs(tmp_path / "pairs.jsonl", prompts=10, bad=False)
     two = build_reward_model(trained_tiny_model_dir, str(tmp_path / "two"), num_labels=2)
     bare = build_reward_model(trained_tiny_model_dir, str(tmp_path / "bare"), chat_template=False)
-    refuses = "{% for m in messages %}{% if m['content'] == 'Hi' %}{{ raise_exception('no Hi') }}{% endif %}" \
-              "{{ m['content'] }}{% endfor %}"
-    (tmp_path / "hi.jsonl").write_text(open(data).read() + json.dumps({"prompt": "Hi", "chosen": "a", "rejected": "b"}) + "\n")
+    refuses = (
+        "{% for m in messages %}{% if m['content'] == 'Hi' %}{{ raise_exception('no Hi') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    (tmp_path / "hi.jsonl").write_text(
+        open(data).read() + json.dumps({"prompt": "Hi", "chosen": "a", "rejected": "b"}) + "\n"
+    )
     for model, extra, message in [
         (two, ["--dataset", data], f"--model '{two}' is a classifier of 2 labels: a reward model has one"),
-        (bare, ["--dataset", data], f"--model '{bare}': its tokenizer has no chat template to read a conversation "
-                                    f"with: pass --chat-template FILE.jinja"),
-        (trained_tiny_model_dir, ["--dataset", tmp_path / "hi.jsonl", "--chat-template", refuses],
-         f"{tmp_path / 'hi.jsonl'}: a pair (roles user, assistant; it begins 'Hi'): the reward model's chat template "
-         f"failed: TemplateError: no Hi"),
-        (trained_tiny_model_dir, ["--dataset", data, "--max-len", 2],
-         f"every pair of {data} is the same on both sides after the cut to --max-len 2"),
+        (
+            bare,
+            ["--dataset", data],
+            f"--model '{bare}': its tokenizer has no chat template to read a conversation "
+            f"with: pass --chat-template FILE.jinja",
+        ),
+        (
+            trained_tiny_model_dir,
+            ["--dataset", tmp_path / "hi.jsonl", "--chat-template", refuses],
+            f"{tmp_path / 'hi.jsonl'}: a pair (roles user, assistant; it begins 'Hi'): the reward model's chat template "
+            f"failed: TemplateError: no Hi",
+        ),
+        (
+            trained_tiny_model_dir,
+            ["--dataset", data, "--max-len", 2],
+            f"every pair of {data} is the same on both sides after the cut to --max-len 2",
+        ),
     ]:
         proc = run_rm(model, tmp_path, *extra, expect_ok=False)
         last = proc.stderr.strip().splitlines()
