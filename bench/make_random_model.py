@@ -6,7 +6,11 @@
 Random weights are right for speed and memory measurements and meaningless for reward. The
 tokenizer is borrowed (its ids are a subset of the model's vocabulary); the model's stop tokens
 are the tokenizer's, so random generations almost always run to the length limit: the worst case
-for memory.
+for memory. `--stop-tokens K` adds K more stop ids (generation_config.json's eos_token_id): a random model samples
+near-uniformly over its vocabulary V, so each token ends a sample with probability ~K/V and the lengths are
+geometric, mean ~V/K, the longest of n samples ~(V/K) ln n: a thin long tail, as a reasoning model's lengths have.
+
+    python bench/make_random_model.py --shape 1.5b --tokenizer $SMOLLM2 --stop-tokens 400 --out /tmp/models/tail
 """
 
 import sys
@@ -69,6 +73,8 @@ class Args:
     """output folder"""
     seed: int = 0
     """weight init seed"""
+    stop_tokens: int = 0
+    """this many more stop ids, spread evenly over the vocabulary (0: the tokenizer's only)"""
 
 
 def main(args: Args):
@@ -94,6 +100,12 @@ def main(args: Args):
     n = sum(p.numel() for p in model.parameters())
     model.save_pretrained(args.out)
     tok.save_pretrained(args.out)
+    if args.stop_tokens:
+        vocab = config.vocab_size
+        extra = [i for i in range(vocab // args.stop_tokens // 2, vocab, vocab // args.stop_tokens)][: args.stop_tokens]
+        model.generation_config.eos_token_id = [tok.eos_token_id] + [i for i in extra if i != tok.eos_token_id]
+        model.generation_config.save_pretrained(args.out)
+        print(f"{len(extra)} more stop ids: lengths geometric, mean ~{vocab // len(extra)} tokens", file=sys.stderr)
     print(f"{args.out}: {name} shapes, {n / 1e9:.3f}B parameters, random weights", file=sys.stderr)
 
 
