@@ -7,6 +7,9 @@ One process, one engine, one FSDP2 policy, as in grpo.py. Each repetition, side 
   raw+logprob  the same with return_logprob=True (what RL needs)
   ours         the rollout phase of a GRPO step: wake_up (resume weights, sync, resume KV cache),
                rollout.generate (token ids + log-probs -> Samples), sleep (release all)
+  server       with --server: rollout.generate of the same batch through an SGLang server on the same GPU
+               (sglang.launch_server as --rollout-gpus starts it, the checkpoint's weights, the same CUDA graphs),
+               over HTTP: the server against the in-process engine's generate, one GPU, one batch
 All three use the same prompts, sampling settings and per-sample seeds. Responses still differ
 between calls (bf16 kernels give batch-dependent numerics, and one changed token changes the rest:
 `identical_responses_ours_vs_raw` says how many matched), so the comparison is tokens per second
@@ -18,7 +21,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import tyro
@@ -28,6 +31,7 @@ from data import load_task, tokenize_prompts  # noqa: E402
 from fsdp import init_distributed, load_model, shard_model  # noqa: E402
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up  # noqa: E402
 from rollout import HFEngine, SGLangOptions, Sampling, generate, start_sglang, stop_token_ids  # noqa: E402
+from server import ServerEngine, launch_servers  # noqa: E402
 from stop import stop_engine  # noqa: E402
 
 
@@ -59,27 +63,37 @@ class Args:
     """'sglang', or 'hf' to check this script on a CPU"""
     log_level: str = "error"
     """SGLang's log level ('info' prints its start-up stages with timestamps)"""
+    server: bool = False
+    """also time the batch through an SGLang server on this GPU (its own --sglang-mem-fraction share)"""
 
 
 def main(args: Args):
     t_launch = time.time()
     _, _, device = init_distributed()
     t0 = time.time()
-    if args.rollout_engine == "sglang":
-        engine = start_sglang(
-            args.model,
-            gpu_id=0,
-            options=SGLangOptions(
-                mem_fraction=args.sglang_mem_fraction,
-                cuda_graph_max_bs=args.cuda_graph_max_bs,
-                prefill_cuda_graph=args.prefill_cuda_graph,
-                log_level=args.log_level,
-            ),
-        )
-    else:
-        engine = HFEngine(args.model)
+    options = SGLangOptions(
+        mem_fraction=args.sglang_mem_fraction,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        prefill_cuda_graph=args.prefill_cuda_graph,
+        log_level=args.log_level,
+    )
+    engine = (
+        start_sglang(args.model, gpu_id=0, options=options) if args.rollout_engine == "sglang" else HFEngine(args.model)
+    )
     release(engine, ALL_TAGS)
     engine_s = time.time() - t0
+    server = None
+    if args.server:  # started while the engine's memory is released: each takes its share of the whole GPU
+        urls, processes = launch_servers(
+            args.model,
+            gpus=[0],
+            tp_size=1,
+            seed=0,
+            options=replace(options, load_format="auto"),
+            log_dir=os.path.dirname(os.path.abspath(args.out)),
+            mem_fraction=args.sglang_mem_fraction,
+        )
+        server = ServerEngine(urls, timeout_s=600, processes=processes, batch=args.prompts_per_step * args.group_size)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -113,13 +127,20 @@ def main(args: Args):
         sleep(engine, device=device, **phases)
         return time.perf_counter() - t, [s.response_ids for s in samples], mem.metrics()
 
+    def through_server():
+        t = time.perf_counter()
+        samples = generate(server, ids, seeds, sampling=sampling, tokenizer=tokenizer)
+        return time.perf_counter() - t, [s.response_ids for s in samples]
+
     results = {"raw": [], "raw_logprob": [], "ours": [], "ours_generate": [], "sync_s": [], "identical": []}
+    results |= {"server": []} if server else {}
     for rep in range(args.reps + 1):  # rep 0 warms every path up and is not counted
         s_ours, tok_ours, m = ours()
         wake_up(engine, policy=policy, **phases)  # awake, synced: the raw engine's state
         s_raw, tok_raw = raw(False)
         s_lp, tok_lp = raw(True)
         sleep(engine, device=device, **phases)
+        s_srv, tok_srv = through_server() if server else (None, None)
         n = sum(map(len, tok_ours))
         row = {
             "raw": sum(map(len, tok_raw)) / s_raw,
@@ -129,10 +150,12 @@ def main(args: Args):
             "sync_s": m["time/sync_weights"],
             "identical": sum(a == b for a, b in zip(tok_ours, tok_raw)) / len(ids),
         }
+        row |= {"server": sum(map(len, tok_srv)) / s_srv} if server else {}
         print(
             f"rep {rep}: ours {row['ours']:.0f} tok/s ({s_ours:.2f} s, generate {m['time/generate']:.2f} s, "
             f"sync {row['sync_s']:.3f} s) | raw {row['raw']:.0f} tok/s | raw+logprob {row['raw_logprob']:.0f} tok/s | "
-            f"identical responses {row['identical']:.2f}",
+            f"identical responses {row['identical']:.2f}"
+            + (f" | server {row['server']:.0f} tok/s ({s_srv:.2f} s)" if server else ""),
             flush=True,
         )
         if rep == 0:
@@ -142,6 +165,9 @@ def main(args: Args):
         response_len_mean = n / len(ids)
     mem.close()
     stop_engine(engine, None)
+    if server:
+        server.shutdown()
+        stop_engine(server, None)
     med = {k: statistics.median(v) for k, v in results.items()}
     summary = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -159,6 +185,14 @@ def main(args: Args):
         "rollout_efficiency_vs_raw_logprob": med["ours"] / med["raw_logprob"],
         "sync_s": med["sync_s"],
         "identical_responses_ours_vs_raw": statistics.mean(results["identical"]),
+        **(
+            {
+                "server_tokens_per_s": med["server"],
+                "server_over_in_process_generate": med["server"] / med["ours_generate"],
+            }
+            if server
+            else {}
+        ),
         "engine_start_s": engine_s,
         "model_load_and_shard_s": model_s,
         "script_s": time.time() - t_launch,
