@@ -180,6 +180,15 @@ def compute_dtype(device: torch.device, flags: set[str] | None = None, max_isa: 
     return torch.bfloat16 if flags & BF16_CPU_FLAGS and max_isa.upper() not in ISAS_WITHOUT_BF16 else torch.float32
 
 
+def deterministic_training():
+    """The same batch gives the same update, run after run (--deterministic-rollout: the next step samples from these
+    weights): torch's deterministic kernels where an op has one (embedding and gather backward sort what they added
+    atomically; SDPA's memory-efficient backward), a warning where it has none; cuBLAS with a fixed workspace
+    (CUBLAS_WORKSPACE_CONFIG, read when its handle is made: call this before the first matmul)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
     """The CPU's feature flags as Linux lists them; none without the file (macOS, Windows: fp32)."""
     try:

@@ -57,6 +57,7 @@ from fsdp import (
     batch_logprobs,
     clip_and_step,
     compute_dtype,
+    deterministic_training,
     init_distributed,
     load_model,
     lr_lambda,
@@ -811,6 +812,8 @@ def main(args: Args):
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
+    if args.deterministic_rollout:  # step 2 samples the same only from the same weights: the update deterministic too
+        deterministic_training()
     args = variant_defaults(args)  # gspo's and cispo's clip ranges, a correction's bounds, tis with --async-rollout
     tools = select_tools(
         args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s, workers=args.tool_workers

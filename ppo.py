@@ -58,6 +58,7 @@ from fsdp import (
     batch_logprobs,
     clip_and_step,
     compute_dtype,
+    deterministic_training,
     forward_tokens,
     init_distributed,
     load_model,
@@ -651,6 +652,8 @@ def main(args: Args):
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
+    if args.deterministic_rollout:  # step 2 samples the same only from the same weights: the update deterministic too
+        deterministic_training()
     tools = select_tools(
         args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s, workers=args.tool_workers
     )  # its sandbox checked, its memory said

@@ -214,8 +214,10 @@ class HFEngine:
         else:
             warpers = []
             torch.manual_seed(seeds[0])  # one random stream for the rows: a sample depends on its batch
-        was = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(was or self.deterministic)  # an op that can't be deterministic raises
+        was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(
+            was[0] or self.deterministic, warn_only=was[1]
+        )  # the trainer's, if it set it
         try:
             out = self.model.generate(
                 input_ids=ids,
@@ -232,7 +234,7 @@ class HFEngine:
                 return_dict_in_generate=True,
             )
         finally:
-            torch.use_deterministic_algorithms(was)
+            torch.use_deterministic_algorithms(was[0], warn_only=was[1])
         new = out.sequences[:, P:]  # [B, N]
         logits = torch.stack(out.logits, dim=1).float()  # [B, N, V]
         logp = torch.log_softmax(logits / (1.0 if greedy else sp["temperature"]), -1)
