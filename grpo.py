@@ -335,7 +335,7 @@ class Args:
     deterministic_rollout: bool = False
     """the same --seed samples the same completions: SGLang's deterministic inference (batch-invariant kernels, each
     sample its own seed; --sglang-attention-backend fa3, fa4, flashinfer or triton; a --rollout-url server started with
-    --enable-deterministic-inference), the HF engine's seeds per sample; slower rollout (README: deterministic rollout)"""
+    --enable-deterministic-inference), a deterministic update; slower (README: deterministic rollout)"""
     sync_bucket_mb: int = 512
     """weight sync gathers and sends this many MB at a time"""
     # --- evaluation, checkpoints, logging

@@ -146,7 +146,8 @@ ENGINE_BATCH = 4096
 
 
 def engine_count(world_size: int, rollout_tp: int, servers: int = 0) -> int:
-    """The engines a step's samples are split over: the servers (--rollout-mode server), else one per --rollout-tp ranks."""
+    """The engines a step's samples are split over: the servers (--rollout-mode server), else one per --rollout-tp
+    ranks."""
     return servers or max(world_size // rollout_tp, 1)
 
 

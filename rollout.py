@@ -161,7 +161,7 @@ class HFEngine:
     holds its own unsharded copy of the model: weights arrive only through `update_weights_from_tensor`.
     It generates ROWS requests at a time (its logits, [rows, tokens, vocab] in fp32, stay bounded).
     `deterministic` (--deterministic-rollout): each request samples from its own seed (GumbelNoise), so a sample does
-    not depend on the batch it is in nor its place there; sampled runs again with the same seeds give the same tokens."""
+    not depend on the batch it is in nor its place there; the same seeds again give the same tokens."""
 
     ROWS = 64
 
@@ -355,9 +355,10 @@ def generate(
     tool_use: "ToolUse | None" = None,
 ) -> list[Sample]:
     """Sample one completion per prompt (repeat a prompt to get a group). Token ids in, token ids
-    and per-token log-probs out. Each request carries its own `seeds[i]`: without one, SGLang
-    samples repeated prompts identically. With `tool_use`, each sample is an episode of turns and
-    tool replies (`episode`). A signal cuts the generation short: no samples then.
+    and per-token log-probs out. Each request carries its own `seeds[i]` (SGLang 0.5.16 samples by it in
+    its deterministic mode only; the HF engine seeds a batch with the first, or each row by its own with
+    `deterministic`). With `tool_use`, each sample is an episode of turns and tool replies (`episode`).
+    A signal cuts the generation short: no samples then.
 
     With a TP group, non-owner ranks (engine=None) send their prompts to the group's owner, which
     generates for the whole group and sends each rank its own samples back.

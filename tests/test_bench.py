@@ -318,7 +318,7 @@ def fake_deterministic_run(folder, deterministic, step_s, kl, completions, loss=
 def test_deterministic_report_compares_the_two_runs_and_prices_the_mode(tmp_path):
     """bench/report.py deterministic on hand-made folders: det_a and det_b equal but for seconds (repeatable), the
     normal run's samples differ; cost = the deterministic runs' medians over the normal run's (step 1 left out); the
-    summary gets both keys. A det_b that drifts at step 3 is named there; its steps past the others' are not compared."""
+    summary gets both keys. A det_b that drifts at step 3 is named there; steps past the others' are not compared."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "bench", "report.py"))
