@@ -182,11 +182,12 @@ def compute_dtype(device: torch.device, flags: set[str] | None = None, max_isa: 
 
 def deterministic_training():
     """The same batch gives the same update, run after run (--deterministic-rollout: the next step samples from these
-    weights): torch's deterministic kernels where an op has one (embedding and gather backward sort what they added
-    atomically; SDPA's memory-efficient backward), a warning where it has none; cuBLAS with a fixed workspace
-    (CUBLAS_WORKSPACE_CONFIG, read when its handle is made: call this before the first matmul)."""
+    weights): torch's deterministic kernels (gather and embedding backward without atomic adds; SDPA's memory-efficient
+    backward in one split over the keys, which torch only forces when strict: warn-only keeps the split and warns); an
+    op that has none stops the run with torch's error naming it. cuBLAS with a fixed workspace (CUBLAS_WORKSPACE_CONFIG,
+    read when its handle is made: call this before the first matmul)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)
 
 
 def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
