@@ -8,9 +8,9 @@
 # when it starts), launched GAP s apart (it reads the free memory twice while it starts), torch's CPU threads
 # cores / 4. The three share the GPU and the CPU, each beside the other two, so their ratios compare; their seconds
 # are not those of a run alone. No evaluation, no checkpoint: steps only.
-# First, in the background: preflight.DETERMINISTIC_ATTENTION (the copy CPU machines check) against the installed
-# SGLang's list. With DEADLINE (a Unix time) each run gets SIGTERM in time to exit; the report compares the steps that
-# every run finished. Then bench/report.py deterministic writes RESULTS/deterministic_smollm2_<gpu>.json and the
+# First (~15 s): preflight.DETERMINISTIC_ATTENTION (the copy CPU machines check) against the installed SGLang's list.
+# With DEADLINE (a Unix time) each run gets SIGTERM in time to exit; the report compares the steps that every run
+# finished. Then bench/report.py deterministic writes RESULTS/deterministic_smollm2_<gpu>.json and the
 # summary keys deterministic_rollout_cost and deterministic_mismatch_kl into RESULTS/summary.json (a copy of
 # bench/results/summary.json where RESULTS is another folder), and the runs' metrics, samples and logs go to
 # RESULTS/deterministic_runs_<gpu>.tgz.
@@ -27,13 +27,15 @@ mkdir -p "$OUTDIR" "$RESULTS"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep -oiE 'h[0-9]{3}|a100' | tr 'A-Z' 'a-z')
 gpu=${gpu:-gpu}
 
-( python3 -c "
+# before any engine starts (an import that touches the GPU between an engine's two memory readings can stop it)
+timeout 120 python3 -c "
 from preflight import DETERMINISTIC_ATTENTION as ours
 from sglang.srt.server_args import DETERMINISTIC_ATTENTION_BACKEND_CHOICES as theirs
 import sglang
 same = sorted(ours) == sorted(theirs)
 print(('attention list matches' if same else 'attention list DIFFERS from'), 'SGLang', sglang.__version__, sorted(theirs))
-" 2>&1 | tail -n 1 > "$OUTDIR/attention_check.txt" ) &
+" 2>&1 | tail -n 1 > "$OUTDIR/attention_check.txt"
+cat "$OUTDIR/attention_check.txt"
 
 for run in $RUNS; do
   flags=(); [ "$run" != normal ] && flags=(--deterministic-rollout)
@@ -52,7 +54,6 @@ wait
 for run in $RUNS; do
   printf '%-8s %s\n' "$run" "$(grep -h "^step " "$OUTDIR/$run.log" 2>/dev/null | tail -n 1 | cut -c1-150)"
 done
-cat "$OUTDIR/attention_check.txt"
 
 [ "$RESULTS" != bench/results ] && [ ! -e "$RESULTS/summary.json" ] && cp bench/results/summary.json "$RESULTS/"
 python3 bench/report.py deterministic "$OUTDIR" --out "$RESULTS/deterministic_smollm2_$gpu.json" \
