@@ -169,7 +169,7 @@ def sampling_rules(
         (
             "--eval-samples",
             K,
-            not 0 <= K <= 1024 or num_eval_prompts * K <= ENGINE_BATCH * engines,
+            not 0 <= K <= 1024 or K <= fits,
             f"at most {fits} with --num-eval-prompts {num_eval_prompts} on {engines} engine(s): an evaluation sends "
             f"each engine its prompts x K samples at once, and an SGLang engine runs {ENGINE_BATCH} at most",
         ),

@@ -214,10 +214,9 @@ class HFEngine:
         else:
             warpers = []
             torch.manual_seed(seeds[0])  # one random stream for the rows: a sample depends on its batch
+        # deterministic kernels while generating (the trainer's setting kept, and restored after)
         was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-        torch.use_deterministic_algorithms(
-            was[0] or self.deterministic, warn_only=was[1]
-        )  # the trainer's, if it set it
+        torch.use_deterministic_algorithms(was[0] or self.deterministic, warn_only=was[1])
         try:
             out = self.model.generate(
                 input_ids=ids,
