@@ -53,7 +53,9 @@ def test_the_hf_engine_samples_each_request_from_its_own_seed(tiny_model_dir):
     assert tokens(a, prompts[::-1], params[::-1]) == first[::-1]
     assert tokens(a, prompts[1:2], params[1:2]) == first[1:2]
     plain = HFEngine(tiny_model_dir)
-    assert tokens(plain, prompts, params) == tokens(plain, prompts, params)  # one stream, seeded by the first seed
+    same = tokens(plain, prompts, params)
+    assert tokens(plain, prompts, params) == same  # one stream, seeded by the first request's seed ...
+    assert tokens(plain, prompts[::-1], params[::-1]) != same[::-1]  # ... so a request's tokens follow its batch
 
 
 def test_sglang_and_the_jobs_servers_start_in_deterministic_mode(monkeypatch, tmp_path):
