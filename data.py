@@ -10,6 +10,7 @@
     train, held, line = task_prompts(tokenizer, "addition", None, seed=0, num_eval=256, max_prompt_len=256)
     sampler = PromptSampler(len(prompts), seed=0)               # epoch shuffles; resumable position
     seed = seed_for(0, "update", step, epoch)                   # one seed per use of randomness
+    seeds = shard(sample_seeds(0, "sample", step, prompts=32, group_size=16), rank, world_size)  # a sample's own
     batch = collate(samples, pad_id)                            # list[Sample] -> Batch of tensors
     pairs, skipped = load_pairs("pairs.jsonl")                  # preference pairs (train_rm.py), bad rows counted
     train, held, note = split_pairs(pairs, seed=0, num_eval=512, where="pairs.jsonl")  # whole prompts held out
@@ -596,6 +597,14 @@ def seed_for(*parts) -> int:
     seed * 1000 + step * 10 + epoch gives step 1, epoch 10 the seed of step 2, epoch 0). A
     non-negative 31-bit int: what torch generators and SGLang's sampling_seed take."""
     return random.Random("-".join(map(str, parts))).getrandbits(31)
+
+
+def sample_seeds(*parts, prompts: int, group_size: int) -> list[int]:
+    """The sampling seed of each sample of a step's whole draw (all ranks, before `shard`): the j-th sample of the
+    p-th prompt drawn gets seed_for(*parts, p, j). It travels with its request, so it is the same whichever rank or
+    engine generates it and wherever the request sits in a batch: with --deterministic-rollout the same seed samples
+    the same completions on any number of ranks (a prompt drawn twice in one step gets two positions, two seeds)."""
+    return [seed_for(*parts, p, j) for p in range(prompts) for j in range(group_size)]
 
 
 class PromptSampler:

@@ -21,9 +21,18 @@ exit_on_interrupt("evaluate.py")
 import torch
 
 from data import BUILTIN_TASKS, load_examples, load_task, seed_for, source_name, template_rule, tokenize_prompts
-from preflight import InputError, check_context, check_engine, check_flags, check_model, friendly_errors, parse_args
+from preflight import (
+    InputError,
+    check_context,
+    check_engine,
+    check_flags,
+    check_model,
+    friendly_errors,
+    parse_args,
+    sampling_rules,
+)
 from reward import judge, sampled_eval_stats
-from rollout import HFEngine, SGLangOptions, Sampling, generate, generate_groups, start_sglang, stop_token_ids
+from rollout import SGLangOptions, Sampling, generate, generate_groups, start_engine, stop_token_ids
 from runlog import code_commit
 from stop import stop_engine
 
@@ -72,6 +81,8 @@ class Args:
     """'sglang' on a GPU, 'hf' on CPU; 'auto' picks"""
     sglang_mem_fraction: float = 0.6
     """SGLang memory fraction"""
+    deterministic_rollout: bool = False
+    """the same --seed samples the same completions (SGLang's deterministic inference; slower; grpo.py -H says more)"""
     out: str | None = None
     """write the summary here and the completions to <out>.samples.jsonl"""
 
@@ -84,18 +95,14 @@ def main(args: Args):
             ("--max-prompt-len", args.max_prompt_len, args.max_prompt_len >= 1, ">= 1"),
             ("--sglang-mem-fraction", args.sglang_mem_fraction, 0 < args.sglang_mem_fraction < 1, "in (0, 1)"),
             ("--split", args.split, args.split in ("test", "train"), "'test' or 'train'"),
-            (
-                "--eval-samples",
-                args.eval_samples,
-                0 <= args.eval_samples <= 1024,
-                ">= 0 (0: greedy only) and at most 1024",
-            ),
-            (
-                "--eval-temperature",
-                args.eval_temperature,
-                args.eval_temperature > 0 or not args.eval_samples,
-                "> 0 with --eval-samples (at 0 every sample is the greedy answer)",
-            ),
+            *sampling_rules(
+                num_eval_prompts=args.num_eval_prompts,
+                eval_samples=args.eval_samples,
+                eval_temperature=args.eval_temperature,
+                engines=1,
+                deterministic=args.deterministic_rollout,
+                attention_backend=SGLangOptions.attention_backend,
+            ),  # K, T, the eval batch
             ("--eval-top-p", args.eval_top_p, 0 < args.eval_top_p <= 1, "in (0, 1]"),
             template_rule(args.prompt_template),  # {prompt}, and no other placeholder (data.py)
         ]
@@ -118,9 +125,14 @@ def main(args: Args):
         f"{args.max_prompt_len} tokens) with {args.model}, engine {kind}",
         flush=True,
     )
-    sglang = SGLangOptions(mem_fraction=args.sglang_mem_fraction, load_format="auto", disable_cuda_graph=True)
+    sglang = SGLangOptions(
+        mem_fraction=args.sglang_mem_fraction,
+        load_format="auto",
+        disable_cuda_graph=True,
+        deterministic=args.deterministic_rollout,
+    )
     seed = args.seed if args.seed is not None else run["seed"] if run else 0  # the split's, and the samples'
-    engine = start_sglang(args.model, gpu_id=0, seed=seed, options=sglang) if kind == "sglang" else HFEngine(args.model)
+    engine = start_engine(kind, args.model, seed=seed, sglang=sglang)
     greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)
     samples = generate(engine, prompts, [seed] * len(prompts), sampling=greedy, tokenizer=tokenizer)
     sampled = Sampling(
@@ -128,7 +140,14 @@ def main(args: Args):
     )
     K = args.eval_samples
     groups = (
-        generate_groups(engine, prompts, K, seed=seed_for(seed, "eval"), sampling=sampled, tokenizer=tokenizer)
+        generate_groups(
+            engine,
+            prompts,
+            K,
+            seeds=[seed_for(seed, "eval", i) for i in range(len(prompts))],
+            sampling=sampled,
+            tokenizer=tokenizer,
+        )
         if K
         else []
     )

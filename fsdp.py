@@ -180,6 +180,16 @@ def compute_dtype(device: torch.device, flags: set[str] | None = None, max_isa: 
     return torch.bfloat16 if flags & BF16_CPU_FLAGS and max_isa.upper() not in ISAS_WITHOUT_BF16 else torch.float32
 
 
+def deterministic_training():
+    """The same batch gives the same update, run after run (--deterministic-rollout: the next step samples from these
+    weights): torch's deterministic kernels (gather and embedding backward without atomic adds; SDPA's memory-efficient
+    backward in one split over the keys, which torch only forces when strict: warn-only keeps the split and warns); an
+    op that has none stops the run with torch's error naming it. cuBLAS with a fixed workspace (CUBLAS_WORKSPACE_CONFIG,
+    read when its handle is made: call this before the first matmul)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
 def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
     """The CPU's feature flags as Linux lists them; none without the file (macOS, Windows: fp32)."""
     try:

@@ -43,6 +43,7 @@ from data import (
     PromptSampler,
     collate,
     context_tokens,
+    sample_seeds,
     seed_for,
     shard,
     source_name,
@@ -57,6 +58,7 @@ from fsdp import (
     batch_logprobs,
     clip_and_step,
     compute_dtype,
+    deterministic_training,
     forward_tokens,
     init_distributed,
     load_model,
@@ -74,9 +76,11 @@ from preflight import (
     check_engine,
     check_flags,
     check_model,
+    engine_count,
     friendly_errors,
     package_rules,
     parse_args,
+    sampling_rules,
     size_for_cpu,
 )
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
@@ -319,6 +323,10 @@ class Args:
     """no CUDA graphs: fastest start, slower decode"""
     sglang_prefill_cuda_graph: bool = False
     """also capture prefill graphs (SGLang's default; torch.compile adds 15-45 s to start-up)"""
+    deterministic_rollout: bool = False
+    """the same --seed samples the same completions: SGLang's deterministic inference (batch-invariant kernels, each
+    sample its own seed; --sglang-attention-backend fa3, fa4, flashinfer or triton; a --rollout-url server started with
+    --enable-deterministic-inference), a deterministic update; slower (README: deterministic rollout)"""
     sync_bucket_mb: int = 512
     """weight sync gathers and sends this many MB at a time"""
     # --- evaluation, checkpoints, logging
@@ -592,13 +600,16 @@ def check_args(args: Args, world_size: int):
             ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
             ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
             ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
-            ("--eval-samples", a.eval_samples, 0 <= a.eval_samples <= 1024, ">= 0 (0: greedy only) and at most 1024"),
-            (
-                "--eval-temperature",
-                a.eval_temperature,
-                a.eval_temperature > 0 or not a.eval_samples,
-                "> 0 with --eval-samples (at 0 every sample is the greedy answer)",
-            ),
+            *sampling_rules(
+                num_eval_prompts=a.num_eval_prompts,
+                eval_samples=a.eval_samples,
+                eval_temperature=a.eval_temperature,
+                engines=engine_count(
+                    world_size, a.rollout_tp, (len(a.rollout_url) or a.rollout_gpus // a.rollout_tp) * server
+                ),
+                deterministic=a.deterministic_rollout,
+                attention_backend=a.sglang_attention_backend,
+            ),  # K, T, the eval batch; --deterministic-rollout's attention
             ("--eval-top-p", a.eval_top_p, 0 < a.eval_top_p <= 1, "in (0, 1]"),
             ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
             ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
@@ -641,6 +652,8 @@ def main(args: Args):
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
+    if args.deterministic_rollout:  # step 2 samples the same only from the same weights: the update deterministic too
+        deterministic_training()
     tools = select_tools(
         args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s, workers=args.tool_workers
     )  # its sandbox checked, its memory said
@@ -737,8 +750,8 @@ def main(args: Args):
     mem = MemoryLog()
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
     server = args.rollout_mode == "server"  # the samples each engine or server decodes at once: its CUDA graphs
-    engines = (
-        (len(args.rollout_url) or args.rollout_gpus // args.rollout_tp) if server else world_size // args.rollout_tp
+    engines = engine_count(
+        world_size, args.rollout_tp, (len(args.rollout_url) or args.rollout_gpus // args.rollout_tp) * server
     )
     per_engine = max(args.prompts_per_step * args.group_size, args.num_eval_prompts * args.eval_samples) // engines
     sglang = SGLangOptions(
@@ -749,6 +762,7 @@ def main(args: Args):
         cuda_graph_max_bs=graph_batch(per_engine, args.sglang_cuda_graph_max_bs),
         disable_cuda_graph=args.sglang_disable_cuda_graph,
         prefill_cuda_graph=args.sglang_prefill_cuda_graph,
+        deterministic=args.deterministic_rollout,
     )
     if server:  # rank 0 speaks to the servers for all ranks, as one TP group's owner
         tp = tp_group(world_size)
@@ -771,6 +785,7 @@ def main(args: Args):
                 sync_backend=args.rollout_sync_backend,
                 sync_address=args.rollout_sync_address,
                 batch=per_engine,
+                deterministic=args.deterministic_rollout,
             )
             if rank == 0
             else None
@@ -934,10 +949,10 @@ def main(args: Args):
         samples = generate(
             engine, prompt_ids, [0] * len(share), sampling=greedy, tokenizer=tokenizer, tp=tp, tool_use=tool_use
         )
-        K, seed = args.eval_samples, seed_for(args.seed, "eval", step, rank)
+        K, seeds = args.eval_samples, [seed_for(args.seed, "eval", step, i) for i in share]  # a prompt's own
         groups = (
             generate_groups(
-                engine, prompt_ids, K, seed=seed, sampling=sampled, tokenizer=tokenizer, tp=tp, tool_use=tool_use
+                engine, prompt_ids, K, seeds=seeds, sampling=sampled, tokenizer=tokenizer, tp=tp, tool_use=tool_use
             )
             if K
             else []
@@ -956,13 +971,14 @@ def main(args: Args):
         """Draw this rank's prompts and send them to the engine; `.result()` gives the samples. `ahead`:
         they generate in the background (--async-rollout), with the weights the engine has now."""
         before = sampler.state_dict()  # the data position before this draw (a checkpoint's, while it generates)
-        prompt_idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)  # this rank's prompts
+        drawn = sampler.draw(args.prompts_per_step)  # every rank's prompts
+        prompt_idx = shard(drawn, rank, world_size)  # this rank's
         sample_idx = [i for i in prompt_idx for _ in range(args.group_size)]
-        seeds = [seed_for(args.seed, "sample", step, rank, k) for k in range(len(sample_idx))]
+        seeds = sample_seeds(args.seed, "sample", step, prompts=len(drawn), group_size=args.group_size)
         pending = send(
             engine,
             [train_prompts.ids[i] for i in sample_idx],
-            seeds,
+            shard(seeds, rank, world_size),  # each sample's own, whichever rank draws it
             sampling=sampling,
             tool_use=tool_use,
             tokenizer=tokenizer,

@@ -136,6 +136,59 @@ def check_flags(rules: list[tuple[str, object, bool, str]]):
         raise InputError("bad arguments:\n  " + "\n  ".join(problems))
 
 
+# SGLang 0.5.16's attention backends for its deterministic inference (srt/server_args.py,
+# DETERMINISTIC_ATTENTION_BACKEND_CHOICES), copied so that a machine without SGLang checks the flag before anything
+# loads; tests/test_deterministic.py compares the copy with an installed SGLang's (bench/run_deterministic.sh runs it)
+DETERMINISTIC_ATTENTION = ("ascend", "fa3", "fa4", "flashinfer", "triton")
+# the most requests an SGLang 0.5.16 engine runs at once unless told (its request pool: 2048 to 4096, fewer where
+# its KV cache is small; mem_cache/kv_cache_configurator.py, resolve_max_num_reqs)
+ENGINE_BATCH = 4096
+
+
+def engine_count(world_size: int, rollout_tp: int, servers: int = 0) -> int:
+    """The engines a step's samples are split over: the servers (--rollout-mode server), else one per --rollout-tp
+    ranks."""
+    return servers or max(world_size // rollout_tp, 1)
+
+
+def sampling_rules(
+    *,
+    num_eval_prompts: int,
+    eval_samples: int,
+    eval_temperature: float,
+    engines: int,
+    deterministic: bool,
+    attention_backend: str,
+) -> list[tuple[str, object, bool, str]]:
+    """check_flags' rules for sampled evaluation (an evaluation sends each engine its share of the held-out prompts x K
+    at once: beyond ENGINE_BATCH the samples don't fit the engine's batch) and for --deterministic-rollout (SGLang's
+    mode runs on DETERMINISTIC_ATTENTION only: any other backend is an error of SGLang's start, after the imports)."""
+    K, T, fits = eval_samples, eval_temperature, ENGINE_BATCH * max(engines, 1) // max(num_eval_prompts, 1)
+    return [
+        ("--eval-samples", K, 0 <= K <= 1024, ">= 0 (0: greedy only) and at most 1024"),
+        (
+            "--eval-samples",
+            K,
+            not 0 <= K <= 1024 or K <= fits,
+            f"at most {fits} with --num-eval-prompts {num_eval_prompts} on {engines} engine(s): an evaluation sends "
+            f"each engine its prompts x K samples at once, and an SGLang engine runs {ENGINE_BATCH} at most",
+        ),
+        (
+            "--eval-temperature",
+            T,
+            T > 0 if K else T >= 0,
+            "> 0 with --eval-samples (at 0 every sample is the greedy answer)" if K else ">= 0",
+        ),
+        (
+            "--sglang-attention-backend",
+            attention_backend,
+            not deterministic or attention_backend in DETERMINISTIC_ATTENTION,
+            f"one of {', '.join(DETERMINISTIC_ATTENTION)} with --deterministic-rollout (the backends SGLang 0.5.16's "
+            f"deterministic inference runs on)",
+        ),
+    ]
+
+
 def package_rules(a) -> list[tuple[str, object, bool, str]]:
     """check_flags' rules for the flags that need a package the requirements leave out (each training script's), and
     for an attention implementation that can't train on this machine (attn_problem)."""

@@ -52,6 +52,7 @@ class SGLangOptions:
     prefill_cuda_graph: bool = False
     load_format: str = "dummy"  # "dummy": weights only from the sync; "auto": read the checkpoint
     log_level: str = "error"
+    deterministic: bool = False  # SGLang's deterministic inference (--deterministic-rollout); the HF engine's too
 
 
 def graph_batch(requests: int, given: int | None) -> int | None:
@@ -77,6 +78,12 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
     prefill_cuda_graph=False: SGLang's piecewise prefill graphs (torch.compile) cost ~45 s of a
     fresh machine's start-up and ~15 s warm, for no throughput we could measure on RL's one big
     prefill per step (bench/results/README.md, start-up). Decode graphs stay on.
+
+    deterministic: SGLang's `enable_deterministic_inference` (0.5.16, server_args.py): batch-invariant matmul,
+    log-softmax and reductions, fixed attention splits, the pytorch sampler (it sets that itself), and each request
+    sampled from its own `sampling_seed` (a Gumbel draw keyed by seed and position; without the mode SGLang ignores
+    the seed). CUDA graphs, radix cache and chunked prefill stay on: the mode aligns prefill chunks itself, and keeps
+    the radix cache on triton and fa3. With tp_size > 1 it exports NCCL_ALGO=allreduce:tree in this process too.
     """
     from sglang.srt.entrypoints.engine import Engine  # lazy: SGLang needs CUDA; CPU runs and tests never import it
 
@@ -107,6 +114,7 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
                 disable_cuda_graph=o.disable_cuda_graph,
                 log_level=o.log_level,
                 cuda_graph_backend_prefill=None if o.prefill_cuda_graph else "disabled",
+                enable_deterministic_inference=o.deterministic,
                 custom_sigquit_handler=quit_while_starting,
             )  # a failed scheduler's SIGQUIT ends the start, not the process
         except BaseException as e:  # Ctrl-C during start-up, or a failed start: stop what was started
@@ -150,15 +158,20 @@ def run_without_signals(target, *args, **kwargs):
 
 class HFEngine:
     """A plain-transformers stand-in for sglang.Engine (CPU runs, tests, notebooks). Like SGLang it
-    holds its own unsharded copy of the model: weights arrive only through `update_weights_from_tensor`."""
+    holds its own unsharded copy of the model: weights arrive only through `update_weights_from_tensor`.
+    It generates ROWS requests at a time (its logits, [rows, tokens, vocab] in fp32, stay bounded).
+    `deterministic` (--deterministic-rollout): each request samples from its own seed (GumbelNoise), so a sample does
+    not depend on the batch it is in nor its place there; the same seeds again give the same tokens."""
 
-    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    ROWS = 64
+
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, seed: int = 0, deterministic: bool = False):
         from transformers import AutoModelForCausalLM  # lazy
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         self.params = dict(self.model.named_parameters())
         self.released: set[str] = set()  # kept by memory.release/resume, as for sglang.Engine
-        self.seed = seed
+        self.seed, self.deterministic = seed, deterministic
         self.processes = []  # it runs in this process (SGLang's Engine: its scheduler and detokenizer)
         self.loop = asyncio.new_event_loop()  # drives multi-turn episodes, as SGLang's Engine.loop
 
@@ -177,31 +190,50 @@ class HFEngine:
     def resume_memory_occupation(self, tags=None):
         pass
 
-    @torch.no_grad()
     def generate(self, input_ids, sampling_params, return_logprob=False):
-        """Batched HF generate with left padding; returns SGLang-shaped outputs."""
-        sp = sampling_params[0]  # one setting for the batch; per-request seeds -> one seed per call
+        """Batched HF generate with left padding, ROWS requests at a time; returns SGLang-shaped outputs."""
         if self.released & {"weights", "kv_cache"}:
             raise RuntimeError(f"generate while {sorted(self.released)} are released")
+        rows = [slice(i, i + self.ROWS) for i in range(0, len(input_ids), self.ROWS)]
+        return [out for r in rows for out in self.generate_rows(input_ids[r], sampling_params[r], return_logprob)]
+
+    @torch.no_grad()
+    def generate_rows(self, input_ids, sampling_params, return_logprob):
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper  # lazy
+
+        sp = sampling_params[0]  # one setting for the rows
         stop_ids, pad = sp["stop_token_ids"], sp["stop_token_ids"][0]
         P = max(len(p) for p in input_ids)
         ids = torch.tensor([[pad] * (P - len(p)) + p for p in input_ids])  # [B, P]
         mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in input_ids])
         greedy = sp["temperature"] == 0
-        torch.manual_seed(sp.get("sampling_seed", self.seed))
-        out = self.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=sp["max_new_tokens"],
-            do_sample=not greedy,
-            temperature=None if greedy else sp["temperature"],
-            top_p=None if greedy else sp["top_p"],
-            top_k=None,
-            eos_token_id=stop_ids,
-            pad_token_id=pad,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+        seeds = [p.get("sampling_seed", self.seed) for p in sampling_params]
+        own = self.deterministic and not greedy
+        if own:  # each row its own noise; the token by argmax (GumbelNoise)
+            warpers = [TemperatureLogitsWarper(sp["temperature"]), TopPLogitsWarper(sp["top_p"]), GumbelNoise(seeds)]
+        else:
+            warpers = []
+            torch.manual_seed(seeds[0])  # one random stream for the rows: a sample depends on its batch
+        # deterministic kernels while generating (the trainer's setting kept, and restored after)
+        was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(was[0] or self.deterministic, warn_only=was[1])
+        try:
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=sp["max_new_tokens"],
+                do_sample=not (greedy or own),
+                temperature=None if greedy or own else sp["temperature"],
+                top_p=None if greedy or own else sp["top_p"],
+                top_k=None,
+                logits_processor=LogitsProcessorList(warpers),
+                eos_token_id=stop_ids,
+                pad_token_id=pad,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        finally:
+            torch.use_deterministic_algorithms(was[0], warn_only=was[1])
         new = out.sequences[:, P:]  # [B, N]
         logits = torch.stack(out.logits, dim=1).float()  # [B, N, V]
         logp = torch.log_softmax(logits / (1.0 if greedy else sp["temperature"]), -1)
@@ -225,15 +257,29 @@ class HFEngine:
         pass
 
 
+class GumbelNoise:
+    """A transformers logits processor, last after temperature and top-p: adds to each row's scores Gumbel noise from
+    a generator of the row's own seed, one draw per vocabulary entry and token. Greedy decoding of the result samples
+    softmax(scores) (the Gumbel-max trick, as SGLang's deterministic sampler), each row's tokens a function of its
+    seed and its own logits only."""
+
+    def __init__(self, seeds: list[int]):
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # scores [B, V]
+        u = torch.stack([torch.rand(scores.shape[-1], generator=g, dtype=torch.float64) for g in self.generators])
+        return scores + (-torch.log(-torch.log(u))).to(scores.dtype)  # u = 0: -inf, never chosen
+
+
 def start_engine(
     kind: str, model_path: str, *, seed: int, sglang: SGLangOptions | None = None, dtype: torch.dtype = torch.float32
 ):
     """'sglang' (on this rank's GPU) or 'hf' (CPU stand-in). `engine.processes` lists the child
     processes it started (SGLang's scheduler and detokenizer), for stop.EngineWatch. `dtype`: the HF engine's
-    (the trainer's compute dtype, so log-probs match); SGLang's is bf16."""
+    (the trainer's compute dtype, so log-probs match); SGLang's is bf16. `sglang.deterministic` holds for either."""
     if kind == "sglang":
         return start_sglang(model_path, gpu_id=torch.cuda.current_device(), seed=seed, options=sglang)
-    return HFEngine(model_path, dtype=dtype, seed=seed)
+    return HFEngine(model_path, dtype=dtype, seed=seed, deterministic=bool(sglang and sglang.deterministic))
 
 
 def stop_token_ids(tokenizer, model_path: str) -> list[int]:
@@ -308,9 +354,10 @@ def generate(
     tool_use: "ToolUse | None" = None,
 ) -> list[Sample]:
     """Sample one completion per prompt (repeat a prompt to get a group). Token ids in, token ids
-    and per-token log-probs out. Each request carries its own `seeds[i]`: without one, SGLang
-    samples repeated prompts identically. With `tool_use`, each sample is an episode of turns and
-    tool replies (`episode`). A signal cuts the generation short: no samples then.
+    and per-token log-probs out. Each request carries its own `seeds[i]` (SGLang 0.5.16 samples by it in
+    its deterministic mode only; the HF engine seeds a batch with the first, or each row by its own with
+    `deterministic`). With `tool_use`, each sample is an episode of turns and tool replies (`episode`).
+    A signal cuts the generation short: no samples then.
 
     With a TP group, non-owner ranks (engine=None) send their prompts to the group's owner, which
     generates for the whole group and sends each rank its own samples back.
@@ -323,18 +370,19 @@ def generate_groups(
     prompt_ids: list[list[int]],
     k: int,
     *,
-    seed: int,
+    seeds: list[int],
     sampling: Sampling,
     tokenizer=None,
     tp: TPGroup | None = None,
     tool_use: "ToolUse | None" = None,
 ) -> list[list[Sample]]:
-    """k samples of each prompt, each with a seed of its own from `seed`, as [prompt][k] (pass@k and maj@k's input)."""
+    """k samples of each prompt, the j-th with seed seed_for(seeds[i], j) (`seeds`: one a prompt, e.g. from its index
+    among the held-out prompts: the same samples on any number of ranks), as [prompt][k] (pass@k and maj@k's input)."""
     ids = [p for p in prompt_ids for _ in range(k)]
     samples = generate(
         engine,
         ids,
-        [seed_for(seed, n) for n in range(len(ids))],
+        [seed_for(s, j) for s in seeds for j in range(k)],
         sampling=sampling,
         tokenizer=tokenizer,
         tp=tp,

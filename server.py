@@ -156,20 +156,22 @@ class ServerEngine:
         sync_address: str | None = None,
         processes: list | None = None,
         batch: int = 0,
+        deterministic: bool = False,
     ):
         """Wait for every server, refuse one that serves another model than `model`; with
         `sync_backend` ('nccl', 'gloo', 'auto': NCCL on GPUs, gloo on CPUs) form the weight-update
         group, this process listening at `sync_address` (default: its address on the route to the
         first server). `processes`: the servers' own processes where this job started them
         (launch_servers), one per URL: stop.EngineWatch watches them, stop_engine stops them, and
-        they are stopped here if the start fails. `batch`: the samples each server decodes at once (check_graphs)."""
+        they are stopped here if the start fails. `batch`: the samples each server decodes at once (check_graphs).
+        `deterministic` (--deterministic-rollout): refuse a server without SGLang's deterministic inference."""
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s = timeout_s
         self.processes = processes or []  # the user's servers: none; their timeouts do the watch's job
         self.loop = asyncio.new_event_loop()  # drives multi-turn episodes (rollout.episode), as SGLang's Engine's
         self._next, self.group = 0, None  # round-robin over the URLs for single requests
         try:
-            self.start(model, start_timeout_s, sync_backend, sync_address, batch)
+            self.start(model, start_timeout_s, sync_backend, sync_address, batch, deterministic)
         except BaseException as e:  # a failed start, or Ctrl-C: nothing of ours left running
             kill(self.processes)
             if isinstance(e, ServerError) and not self.processes:  # the user's servers: --rollout-url and the like
@@ -183,6 +185,7 @@ class ServerEngine:
         sync_backend: str | None,
         sync_address: str | None,
         batch: int,
+        deterministic: bool = False,
     ):
         for url, process in zip(self.urls, self.processes or [None] * len(self.urls)):
             wait_healthy(url, self.timeout_s if start_timeout_s is None else start_timeout_s, process=process)
@@ -191,6 +194,8 @@ class ServerEngine:
             for url, info in zip(self.urls, infos):
                 check_same_model(url, info, model, self.timeout_s)
         check_graphs(self.urls, infos, batch)
+        if deterministic:
+            check_deterministic(self.urls, infos)
         if sync_backend == "auto":
             sync_backend = "nccl" if torch.cuda.is_available() else "gloo"
         if sync_backend == "nccl":
@@ -444,6 +449,7 @@ def launch_servers(
         "--disable-cuda-graph": options.disable_cuda_graph,
         "--mem-fraction-static": mem_fraction,
         "--cuda-graph-backend-prefill": None if options.prefill_cuda_graph else "disabled",
+        "--enable-deterministic-inference": options.deterministic,
         "--log-level": "warning",
     }
     args = [str(x) for k, v in flags.items() if v not in (None, False) for x in ((k,) if v is True else (k, v))]
@@ -573,6 +579,18 @@ def check_graphs(urls: list[str], infos: list[dict], batch: int):
                 f"rollout server {url} has CUDA graphs for decode batches up to {decode['max_bs']} and gets {batch} "
                 f"samples a step: start it with --cuda-graph-max-bs-decode {batch} to decode them all in graphs",
                 flush=True,
+            )
+
+
+def check_deterministic(urls: list[str], infos: list[dict]):
+    """--deterministic-rollout: every server must run SGLang's deterministic inference (/server_info's
+    enable_deterministic_inference, which rl_on_policy_target also turns on); without it a server ignores the
+    requests' sampling seeds and its kernels vary with the batch, so the same seed would not give the same samples."""
+    for url, info in zip(urls, infos):
+        if not info.get("enable_deterministic_inference"):
+            raise ServerError(
+                f"rollout server {url} runs without deterministic inference, which --deterministic-rollout needs: "
+                f"start it with --enable-deterministic-inference (and --attention-backend triton, fa3 or flashinfer)"
             )
 
 

@@ -10,6 +10,8 @@
         --compare-png bench/results/ppo_vs_grpo_arith_smollm2.png
     python bench/report.py variants runs/variants --task addition --out bench/results/variants_addition.json \
         --png bench/results/variants_addition.png --summary bench/results/summary.json    # run_variants.sh's; --task tools
+    python bench/report.py deterministic runs/det --out bench/results/deterministic_smollm2_h100.json \
+        --summary bench/results/summary.json                                             # run_deterministic.sh's
 """
 
 import json
@@ -28,11 +30,14 @@ from plot import draw, plot_metric, read_metrics, subplots  # noqa: E402  (the r
 
 @dataclass
 class Args:
-    kind: tyro.conf.Positional[Literal["arith", "memory", "scaling", "tools", "server", "rm", "variants"]]
+    kind: tyro.conf.Positional[
+        Literal["arith", "memory", "scaling", "tools", "server", "rm", "variants", "deterministic"]
+    ]
     """arith: accuracy summary + curve; memory: per-phase memory and time; scaling: tokens/s by GPU count;
     tools: accuracy and tool use with and without tools; server: colocate vs server vs async (run_server.sh);
     rm: run_rm.sh's pairs, reward model and GRPO against it;
-    variants: the policy losses, advantages and corrections of one task side by side (run_variants.sh)"""
+    variants: the policy losses, advantages and corrections of one task side by side (run_variants.sh);
+    deterministic: --deterministic-rollout twice and a normal run, same seed (run_deterministic.sh)"""
     run_dir: tyro.conf.Positional[str]
     """the run folder grpo.py / ppo.py wrote (scaling, tools: the folder holding run_scaling.sh's or run_tools.sh's runs)"""
     out: str
@@ -55,7 +60,8 @@ class Args:
     """variants: run_variants.sh's addition runs, its multiplication runs with the calculator, or the policy losses
     on addition with 4 updates a batch (the ratios move off 1: the clip ranges act)"""
     summary: str | None = None
-    """variants: bench/results/summary.json, whose key `variants` gets this task's final accuracies"""
+    """variants: bench/results/summary.json, whose key `variants` gets this task's final accuracies (deterministic:
+    `deterministic_rollout_cost`, `deterministic_mismatch_kl`)"""
 
 
 def memory_summary(train):
@@ -590,7 +596,140 @@ def variants(a: Args):
             json.dump(summary, f, indent=1)
 
 
+DETERMINISTIC_RUNS = ("normal", "det_a", "det_b")
+NOT_REPEATABLE = ("time/", "perf/", "memory/")  # seconds, throughput, memory: every other metric must repeat
+
+
+def same_run(a_dir: str, b_dir: str, steps: int) -> dict:
+    """Two runs of one seed, step for step up to `steps`: samples.jsonl's rows and every metric but NOT_REPEATABLE's,
+    equal as written (JSON floats: bit for bit); the first that differs."""
+
+    def rows(run, name):
+        path = os.path.join(run, name)
+        return [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
+
+    samples = [[r for r in rows(d, "samples.jsonl") if r["step"] <= steps] for d in (a_dir, b_dir)]
+    metrics = [
+        [{k: v for k, v in r.items() if not k.startswith(NOT_REPEATABLE)} for r in rows(d, "metrics.jsonl")]
+        for d in (a_dir, b_dir)
+    ]
+    metrics = [[r for r in m if "train/loss" in r and r["step"] <= steps] for m in metrics]
+    first = next(
+        (
+            f"step {x['step']:g}: {k} {x.get(k)} vs {y.get(k)}"
+            for x, y in zip(*metrics)
+            for k in sorted(x.keys() | y.keys())
+            if x.get(k) != y.get(k)
+        ),
+        None,
+    ) or next((f"samples.jsonl row {i}: {x} vs {y}" for i, (x, y) in enumerate(zip(*samples)) if x != y), None)
+    return {
+        "steps_compared": min(len(m) for m in metrics),
+        "sample_rows_compared": min(len(s) for s in samples),
+        "samples_identical": samples[0] == samples[1] and bool(samples[0]),
+        "metrics_identical": metrics[0] == metrics[1] and bool(metrics[0]),
+        "first_difference": first,
+    }
+
+
+def deterministic(a: Args):
+    """run_deterministic.sh's runs, over the steps every run finished: whether the two --deterministic-rollout runs
+    sampled the same (same_run), what the mode costs against the normal run beside them (medians of seconds a step,
+    generating, log-probs and update, rollout tokens/s; step 1, warm-up, left out) and the sampler-trainer mismatch in
+    each (medians of rollout/mismatch_kl and logprob_abs_diff)."""
+    paths = {name: os.path.join(a.run_dir, name) for name in DETERMINISTIC_RUNS}
+    if missing := [p for p in paths.values() if not os.path.isfile(os.path.join(p, "metrics.jsonl"))]:
+        raise SystemExit(f"{', '.join(missing)}: no metrics.jsonl (run bench/run_deterministic.sh first)")
+    loaded = {name: load(path) for name, path in paths.items()}
+    steps = min(len(train) for train, *_ in loaded.values())  # every run's numbers over the steps all finished
+    if steps < 2:
+        raise SystemExit(f"{a.run_dir}: a run finished {steps} step(s); the report needs 2 or more (step 1 is warm-up)")
+    runs = {}
+    for name, (train, _, info, args) in loaded.items():
+        train = train[:steps]
+
+        def median(key, rows=train[1:]):
+            return statistics.median(r[key] for r in rows)
+
+        runs[name] = {
+            "deterministic_rollout": args.get("deterministic_rollout", False),
+            "steps": len(loaded[name][0]),
+            "of_steps": args["steps"],
+            "step_s": median("perf/step_s"),
+            "generate_s": median("time/generate"),
+            "logprob_s": median("time/logprob"),
+            "update_s": median("time/update"),
+            "rollout_tokens_per_s": median("perf/rollout_tokens_per_s"),
+            "mismatch_kl": median("rollout/mismatch_kl", train),
+            "logprob_abs_diff": median("rollout/logprob_abs_diff", train),
+            "mismatch_ratio_max": max(r["rollout/mismatch_ratio_max"] for r in train),
+            "gpu": info["gpu"],
+            "date": info["date"],
+            "command": info["command"],
+        }
+    if not runs["det_a"]["deterministic_rollout"] or not runs["det_b"]["deterministic_rollout"]:
+        raise SystemExit(f"{a.run_dir}: det_a and det_b must be runs with --deterministic-rollout")
+    det, normal = (runs["det_a"], runs["det_b"]), runs["normal"]
+
+    def ratio(key):  # the deterministic runs' mean over the normal run's
+        return round(statistics.mean(r[key] for r in det) / normal[key], 3)
+
+    cost = {f"{k}_ratio": ratio(k) for k in ("step_s", "generate_s", "logprob_s", "update_s", "rollout_tokens_per_s")}
+    mismatch = {
+        k: {"normal": normal[k], "deterministic": statistics.mean(r[k] for r in det)}
+        for k in ("mismatch_kl", "logprob_abs_diff")
+    }
+    check = os.path.join(a.run_dir, "attention_check.txt")  # run_deterministic.sh: the copied list vs SGLang's
+    out = {
+        "gpu": normal["gpu"],
+        "date": max(r["date"] for r in runs.values()),
+        "steps_compared": steps,
+        "command": a.command,
+        "note": a.note,
+        "repeatable": same_run(paths["det_a"], paths["det_b"], steps),
+        "normal_vs_det_a": same_run(paths["normal"], paths["det_a"], steps),  # expected to differ: other kernels
+        "cost": cost,
+        "mismatch": mismatch,
+        "attention_check": open(check).read().strip() if os.path.isfile(check) else None,
+        "runs": runs,
+    }
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(
+        f"{'run':8} {'steps':>5} {'step s':>7} {'gen s':>7} {'tok/s':>8} {'update s':>8} {'mismatch kl':>11} {'|dlogp|':>8}"
+    )
+    for name, r in runs.items():
+        print(
+            f"{name:8} {r['steps']:5d} {r['step_s']:7.2f} {r['generate_s']:7.2f} {r['rollout_tokens_per_s']:8.0f} "
+            f"{r['update_s']:8.2f} {r['mismatch_kl']:11.2e} {r['logprob_abs_diff']:8.4f}"
+        )
+    print(f"det_a vs det_b over {steps} steps: {out['repeatable']}\ncost (deterministic / normal): {cost}")
+    if a.summary:
+        with open(a.summary) as f:
+            summary = json.load(f)
+        where = {"gpu": out["gpu"], "date": out["date"], "sources": [os.path.basename(a.out)]}
+        summary["deterministic_rollout_cost"] = {
+            "value": cost,
+            **where,
+            "what": "--deterministic-rollout over a normal run, same seed and settings, side by side on one GPU "
+            "(bench/run_deterministic.sh, SmolLM2 on addition): medians a step after the first; tokens/s below 1 "
+            "and seconds above 1 are its cost",
+        }
+        summary["deterministic_mismatch_kl"] = {
+            "value": mismatch["mismatch_kl"],
+            "logprob_abs_diff": mismatch["logprob_abs_diff"],
+            "repeatable": out["repeatable"]["samples_identical"] and out["repeatable"]["metrics_identical"],
+            **where,
+            "what": "median rollout/mismatch_kl (k3 KL(sampler || trainer)) with and without --deterministic-rollout, "
+            "the trainer's kernels as they are; repeatable: two deterministic runs' samples and metrics equal",
+        }
+        with open(a.summary, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
 def main(a: Args):
+    if a.kind == "deterministic":
+        return deterministic(a)
     if a.kind == "rm":
         return rm(a)
     if a.kind == "variants":

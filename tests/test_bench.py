@@ -2,6 +2,7 @@
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -282,3 +283,77 @@ def test_variants_report_one_row_per_run_and_the_summary_key(tmp_path):
     s = json.loads(summary.read_text())
     assert s["other"] == {"value": 1} and s["variants"]["value"] == {"addition": {"add_grpo": 0.5}}
     assert s["variants"]["sources"] == ["variants.json"]
+
+
+def fake_deterministic_run(folder, deterministic, step_s, kl, completions, loss=0.5, steps=3):
+    """A run_deterministic.sh run folder: `steps` steps (step 1 slow: warm-up), a few samples a step."""
+    os.makedirs(folder)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for step in range(1, steps + 1):
+            row = {
+                "step": step,
+                "train/loss": loss / step,
+                "rollout/reward_mean": 0.25 * step,
+                "rollout/mismatch_kl": kl * step,
+                "rollout/logprob_abs_diff": 10 * kl,
+                "rollout/mismatch_ratio_max": 1.5,
+                "perf/step_s": 99.0 if step == 1 else step_s * (1 + 0.01 * deterministic * step),  # seconds vary
+                "perf/rollout_tokens_per_s": 1000.0 / step_s,
+                "time/generate": step_s / 2,
+                "time/logprob": 0.5,
+                "time/update": 1.0,
+            }
+            f.write(json.dumps(row) + "\n")
+    with open(os.path.join(folder, "samples.jsonl"), "w") as f:
+        for step in range(1, steps + 1):
+            for c in completions:
+                f.write(json.dumps({"step": step, "reward": 1.0, "answer": "3", "completion": f"{c} {step}"}) + "\n")
+    json.dump(
+        {"world_size": 1, "gpu": "NVIDIA H100 80GB HBM3", "date": "d", "command": "c", "torch": "t"},
+        open(os.path.join(folder, "run_info.json"), "w"),
+    )
+    json.dump({"deterministic_rollout": deterministic, "steps": 3}, open(os.path.join(folder, "args.json"), "w"))
+
+
+def test_deterministic_report_compares_the_two_runs_and_prices_the_mode(tmp_path):
+    """bench/report.py deterministic on hand-made folders: det_a and det_b equal but for seconds (repeatable), the
+    normal run's samples differ; cost = the deterministic runs' medians over the normal run's (step 1 left out); the
+    summary gets both keys. A det_b that drifts at step 3 is named there; steps past the others' are not compared."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "bench", "report.py"))
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    runs = tmp_path / "runs"
+    fake_deterministic_run(runs / "normal", False, 4.0, 2e-3, ["a", "b"])
+    fake_deterministic_run(runs / "det_a", True, 5.0, 1e-3, ["c", "d"])
+    fake_deterministic_run(runs / "det_b", True, 5.0, 1e-3, ["c", "d"], steps=4)  # one step more: not compared
+    (runs / "attention_check.txt").write_text("attention list matches SGLang 0.5.16's")
+    summary, out = tmp_path / "summary.json", tmp_path / "det.json"
+    summary.write_text(json.dumps({"other": {"value": 1}}))
+    report.main(report.Args(kind="deterministic", run_dir=str(runs), out=str(out), summary=str(summary)))
+    r = json.loads(out.read_text())
+    assert r["repeatable"] == {
+        "steps_compared": 3,
+        "sample_rows_compared": 6,
+        "samples_identical": True,
+        "metrics_identical": True,
+        "first_difference": None,
+    }
+    assert r["normal_vs_det_a"]["first_difference"].startswith("step 1: rollout/logprob_abs_diff 0.02 vs 0.01")
+    assert r["runs"]["det_a"]["step_s"] == statistics.median([5.0 * 1.02, 5.0 * 1.03])  # step 1 left out
+    assert r["cost"]["rollout_tokens_per_s_ratio"] == 0.8 and r["cost"]["generate_s_ratio"] == 1.25
+    assert r["mismatch"]["mismatch_kl"] == {"normal": 4e-3, "deterministic": 2e-3}  # medians of the steps
+    assert r["attention_check"].startswith("attention list matches")
+    s = json.loads(summary.read_text())
+    assert s["other"] == {"value": 1} and s["deterministic_rollout_cost"]["value"] == r["cost"]
+    assert s["deterministic_mismatch_kl"]["repeatable"] is True
+    assert s["deterministic_mismatch_kl"]["sources"] == ["det.json"]
+    with open(runs / "det_b" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    rows[2]["train/loss"] += 1e-9
+    (runs / "det_b" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    report.main(report.Args(kind="deterministic", run_dir=str(runs), out=str(out)))
+    r = json.loads(out.read_text())
+    assert not r["repeatable"]["metrics_identical"] and r["repeatable"]["samples_identical"]
+    assert r["repeatable"]["first_difference"].startswith("step 3: train/loss 0.1666")

@@ -955,15 +955,17 @@ def test_gspo_defaults_to_its_papers_objective_a_mean_per_sequence(monkeypatch):
     assert variant_defaults(Args()).loss_agg == "token-mean"
 
 
-def test_the_samplers_log_probs_under_top_p_are_the_full_distributions_as_the_trainers(tiny_model_dir):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_samplers_log_probs_under_top_p_are_the_full_distributions_as_the_trainers(tiny_model_dir, deterministic):
     """--top-p < 1 samples from the nucleus, but the HF engine reports log_softmax(logits / T) of the whole
     vocabulary, as the trainer computes it and as SGLang 0.5.16 does (its sampler returns log(softmax(logits / T))
     before the top-p filter, which sorts a copy): TIS/MIS compare one quantity on either engine. The nucleus'
-    own (renormalized) log-prob is larger, and every sampled token lies inside the nucleus."""
+    own (renormalized) log-prob is larger, and every sampled token lies inside the nucleus (--deterministic-rollout's
+    per-sample sampling too)."""
     from rollout import HFEngine, Sampling, stop_token_ids
     from transformers import AutoTokenizer
 
-    engine = HFEngine(tiny_model_dir)
+    engine = HFEngine(tiny_model_dir, deterministic=deterministic)
     stop = stop_token_ids(AutoTokenizer.from_pretrained(tiny_model_dir), tiny_model_dir)
     prompt, T, top_p = [5, 17, 42, 9], 0.7, 0.5
     out = engine.generate(

@@ -89,6 +89,7 @@ def test_grpo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
         "--eval-before-train",
         "--eval-samples",
         "3",
+        "--deterministic-rollout",  # the HF engine: each sample from its own seed (tests/test_deterministic.py)
     )
     train, evals = metrics(tmp_path)
     assert [r["step"] for r in train] == [1, 2, 3]
