@@ -16,6 +16,7 @@ spanning the group's k GPUs, the others have `engine=None` and send their prompt
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import math
@@ -52,6 +53,19 @@ class SGLangOptions:
     prefill_cuda_graph: bool = False
     load_format: str = "dummy"  # "dummy": weights only from the sync; "auto": read the checkpoint
     log_level: str = "error"
+    lora_rank: int = 0  # > 0: LoRA served (--lora-sync adapter), adapters up to this rank on `lora_targets`
+    lora_targets: tuple[str, ...] = ()  # the adapted layers' names (lora.check_lora), SGLang's --lora-target-modules
+
+    def lora_flags(self) -> dict:
+        """SGLang's LoRA settings for --lora-sync adapter (none without): the policy's adapter in every batch."""
+        if not self.lora_rank:
+            return {}
+        return dict(
+            enable_lora=True,
+            max_lora_rank=self.lora_rank,
+            lora_target_modules=list(self.lora_targets),
+            max_loras_per_batch=2,  # SGLang counts the base model as one
+        )
 
 
 def graph_batch(requests: int, given: int | None) -> int | None:
@@ -108,6 +122,7 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
                 log_level=o.log_level,
                 cuda_graph_backend_prefill=None if o.prefill_cuda_graph else "disabled",
                 custom_sigquit_handler=quit_while_starting,
+                **o.lora_flags(),
             )  # a failed scheduler's SIGQUIT ends the start, not the process
         except BaseException as e:  # Ctrl-C during start-up, or a failed start: stop what was started
             engine.processes = [p for p in multiprocessing.active_children() if p not in before]
@@ -150,23 +165,43 @@ def run_without_signals(target, *args, **kwargs):
 
 class HFEngine:
     """A plain-transformers stand-in for sglang.Engine (CPU runs, tests, notebooks). Like SGLang it
-    holds its own unsharded copy of the model: weights arrive only through `update_weights_from_tensor`."""
+    holds its own unsharded copy of the model: weights arrive only through `update_weights_from_tensor`, an adapter
+    through `load_lora_adapter_from_tensors`, applied to the requests that name it (lora_path) as in SGLang."""
 
     def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, seed: int = 0):
         from transformers import AutoModelForCausalLM  # lazy
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        self.model, self.dtype = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval(), dtype
         self.params = dict(self.model.named_parameters())
         self.released: set[str] = set()  # kept by memory.release/resume, as for sglang.Engine
         self.seed = seed
         self.processes = []  # it runs in this process (SGLang's Engine: its scheduler and detokenizer)
         self.loop = asyncio.new_event_loop()  # drives multi-turn episodes, as SGLang's Engine.loop
+        self.lora_name = None  # the adapter loaded (load_lora_adapter_from_tensors)
 
     def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True):
         for name, tensor in named_tensors:
             if name not in self.params:
                 raise KeyError(f"weight sync sent {name!r}, which the generation model does not have")
             self.params[name].data.copy_(tensor)
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict, config_dict: dict, load_format=None):
+        """SGLang's call: the adapter's tensors under PEFT's names, its adapter_config.json as a dict."""
+        from lora import apply_lora, load_adapter, lora_modules  # lazy
+
+        if self.lora_name is not None:
+            return {"success": False, "error_message": f"adapter {self.lora_name!r} is loaded: unload it first"}
+        if not lora_modules(self.model):  # the first adapter: LoRA layers on the engine's copy, as SGLang's enable_lora
+            apply_lora(
+                self.model, config_dict["r"], config_dict["lora_alpha"], config_dict["target_modules"], self.dtype
+            )
+        load_adapter(self.model, tensors)
+        self.lora_name = lora_name
+        return {"success": True}
+
+    def unload_lora_adapter(self, lora_name: str):
+        self.lora_name = None if lora_name == self.lora_name else self.lora_name
+        return {"success": True}
 
     def flush_cache(self):
         pass
@@ -178,11 +213,21 @@ class HFEngine:
         pass
 
     @torch.no_grad()
-    def generate(self, input_ids, sampling_params, return_logprob=False):
-        """Batched HF generate with left padding; returns SGLang-shaped outputs."""
+    def generate(self, input_ids, sampling_params, return_logprob=False, lora_path=None):
+        """Batched HF generate with left padding; returns SGLang-shaped outputs. lora_path: the adapter each request
+        names (one for the batch here), None: the base model, as SGLang."""
+        from lora import adapter_off  # lazy
+
         sp = sampling_params[0]  # one setting for the batch; per-request seeds -> one seed per call
         if self.released & {"weights", "kv_cache"}:
             raise RuntimeError(f"generate while {sorted(self.released)} are released")
+        name = lora_path[0] if lora_path else None
+        if name is not None and name != self.lora_name:
+            raise ValueError(f"a request names LoRA adapter {name!r}, which is not loaded")
+        with adapter_off(self.model) if name is None else contextlib.nullcontext():
+            return self.sample(input_ids, sp, return_logprob)
+
+    def sample(self, input_ids, sp, return_logprob):
         stop_ids, pad = sp["stop_token_ids"], sp["stop_token_ids"][0]
         P = max(len(p) for p in input_ids)
         ids = torch.tensor([[pad] * (P - len(p)) + p for p in input_ids])  # [B, P]
@@ -216,10 +261,10 @@ class HFEngine:
             results.append({"output_ids": row[:n], "meta_info": meta})
         return results
 
-    async def async_generate(self, input_ids, sampling_params, return_logprob=False):
+    async def async_generate(self, input_ids, sampling_params, return_logprob=False, lora_path=None):
         """One request, as SGLang's Engine.async_generate (here it runs at once: on the CPU, one
         episode generates while the others wait for their tools)."""
-        return self.generate([input_ids], [sampling_params], return_logprob)[0]
+        return self.generate([input_ids], [sampling_params], return_logprob, [lora_path] if lora_path else None)[0]
 
     def shutdown(self):
         pass
@@ -378,7 +423,10 @@ def run_requests(
 ) -> list[Sample]:
     if tool_use is None:
         outputs = engine.generate(
-            input_ids=prompts, sampling_params=[sampling.params(s) for s in seeds], return_logprob=True
+            input_ids=prompts,
+            sampling_params=[sampling.params(s) for s in seeds],
+            return_logprob=True,
+            **adapter_named(engine, len(prompts)),
         )
         return [read_output(prompt, out, sampling, tokenizer) for prompt, out in zip(prompts, outputs)]
     # the engine's own event loop drives the episodes (SGLang's Engine owns one)
@@ -457,6 +505,13 @@ class Pending:
         return samples
 
 
+def adapter_named(engine, n: int | None) -> dict:
+    """The LoRA adapter every request must name once lora.sync_adapter loaded one (--lora-sync adapter): a request
+    that names none generates with the base model, silently. `n` requests (None: one, as async_generate takes it)."""
+    name = getattr(engine, "adapter", None)
+    return {} if name is None else {"lora_path": name if n is None else [name] * n}
+
+
 def read_output(prompt: list[int], out: dict, sampling: Sampling, tokenizer=None) -> Sample:
     """An engine's output for one request (SGLang's shape) -> a Sample of the tokens it sampled."""
     finish = out["meta_info"]["finish_reason"]
@@ -514,7 +569,10 @@ async def episode(engine, prompt: list[int], seed: int, *, sampling: Sampling, t
             "max_new_tokens": sampling.max_new_tokens - len(sample.response_ids),
         }
         out = await engine.async_generate(
-            input_ids=prompt + sample.response_ids, sampling_params=params, return_logprob=True
+            input_ids=prompt + sample.response_ids,
+            sampling_params=params,
+            return_logprob=True,
+            **adapter_named(engine, None),
         )
         turn_out = read_output(prompt, out, sampling, tok)
         sample.response_ids += turn_out.response_ids
