@@ -65,6 +65,7 @@ class SGLangOptions:
             max_lora_rank=self.lora_rank,
             lora_target_modules=list(self.lora_targets),
             max_loras_per_batch=2,  # SGLang counts the base model as one
+            lora_strict_loading=True,  # adapter tensors that fit no layer: an error, not skipped with a warning
         )
 
 

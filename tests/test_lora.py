@@ -70,7 +70,7 @@ def step(model, optimizer, seed):
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(loss)
+    return loss.item()
 
 
 def adapter(model) -> dict:
@@ -363,7 +363,11 @@ def test_sglang_is_started_with_lora_for_the_adapter_way(tmp_path):
 
     options = SGLangOptions(lora_rank=8, lora_targets=("q_proj", "v_proj"))
     assert options.lora_flags() == dict(
-        enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "v_proj"], max_loras_per_batch=2
+        enable_lora=True,
+        max_lora_rank=8,
+        lora_target_modules=["q_proj", "v_proj"],
+        max_loras_per_batch=2,
+        lora_strict_loading=True,
     )
     assert SGLangOptions().lora_flags() == {}
     _, [process] = launch_servers(
@@ -377,7 +381,10 @@ def test_sglang_is_started_with_lora_for_the_adapter_way(tmp_path):
     )
     process.wait(30)
     line = open(process.log).read()
-    assert "--enable-lora --max-lora-rank 8 --lora-target-modules q_proj v_proj --max-loras-per-batch 2" in line
+    assert (
+        "--enable-lora --max-lora-rank 8 --lora-target-modules q_proj v_proj --max-loras-per-batch 2 --lora-strict-loading"
+        in line
+    )
 
 
 # ----------------------------------------------------------------------------------------------
