@@ -620,7 +620,7 @@ def lora(a: Args):
     end), sync (seconds merge vs adapter). Never a number that was not measured: a part that is missing is left out."""
     out, summary = {"command": a.command, "note": a.note}, {}
     acc = {}
-    for name in ("full", "r1", "r8", "r32"):
+    for name in ("full", "r1", "r8", "r32", "r8a"):  # r8a: rank 8 with --lora-sync adapter
         path = os.path.join(a.run_dir, "acc", name)
         if not os.path.isfile(os.path.join(path, "metrics.jsonl")):
             continue
@@ -630,6 +630,7 @@ def lora(a: Args):
             "model": os.path.basename(args["model"].rstrip("/")),
             "lora_rank": args.get("lora_rank", 0),
             "lora_alpha": args.get("lora_alpha") if args.get("lora_rank") else None,
+            "lora_sync": args.get("lora_sync") if args.get("lora_rank") else None,
             "lr": args["lr"],
             "steps": len(train),
             "of_steps": args["steps"],
@@ -674,7 +675,7 @@ def lora(a: Args):
             fig, ax = subplots(1, 2, figsize=(11, 4))
             for n, r in acc.items():
                 label = "full fine-tuning" if not r["lora_rank"] else f"LoRA rank {r['lora_rank']}"
-                label += f", lr {r['lr']:g}"
+                label += f", lr {r['lr']:g}" + (", adapter sync" if r["lora_sync"] == "adapter" else "")
                 ax[0].plot([p[0] for p in r["eval_curve"]], [p[1] for p in r["eval_curve"]], "o-", label=label)
                 pts = eval_by_time(read_metrics(os.path.join(a.run_dir, "acc", n, "metrics.jsonl")))
                 ax[1].plot([p[1] for p in pts], [p[2] for p in pts], "o-", label=label)
