@@ -213,7 +213,7 @@ class Args:
     (SGLang with LoRA on: the base once, then the adapter alone each step, and every request names it)"""
     lora_gap_ratio: float = 3.0
     """the run fails when the sampler-trainer log-prob gap exceeds this x its first step's + 0.01: the engine does not
-    hold the trained weights (lora.GapCheck); 0: no check"""
+    hold the trained weights (lora.GapCheck); 0: no check (nor with --async-rollout, one update stale by design)"""
     # --- PPO
     gamma: float = 1.0
     """discount per token in GAE"""
@@ -922,7 +922,8 @@ def main(args: Args):
         eval_redone=start_step < args.steps and eval_due(start_step),
     )
     last_saved, nonfinite = start_step, NonFinite(args.max_nonfinite_steps)
-    gap_check = GapCheck(args.lora_gap_ratio if args.lora_rank else 0)  # the engine holds the trained weights
+    # the engine holds the trained weights (not checked with --async-rollout: its samples are one update old by design)
+    gap_check = GapCheck(args.lora_gap_ratio if args.lora_rank and not args.async_rollout else 0)
 
     def save(step: int, sampler_state: dict, kl_coef: float):
         nonlocal last_saved
