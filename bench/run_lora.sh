@@ -86,9 +86,9 @@ b7() {
   common=(--model "$m" --prompts-per-step 16 --group-size 8 --max-new-tokens 128 --micro-batch-size 8
           --gradient-checkpointing --sglang-mem-fraction "${MEM_7B:-0.5}" --eval-every 0 --save-every -1)
   grep -q "=== exit 0 ok" "$OUTDIR/7b/lora.log" 2>/dev/null || run 7b lora 420 "${common[@]}" --steps 5 --lr 1e-5 --lora-rank 8 --lora-sync adapter
-  grep -q "=== exit" "$OUTDIR/7b/full_offload.log" 2>/dev/null || run 7b full_offload 300 "${common[@]}" --steps 2 --lr 1e-6 --offload
+  grep -q "=== exit" "$OUTDIR/7b/full_offload.log" 2>/dev/null || run 7b full_offload 360 "${common[@]}" --steps 2 --lr 1e-6 --offload
   if grep -q "=== exit 0 ok" "$OUTDIR/7b/full_offload.log" && ! grep -q "=== exit" "$OUTDIR/7b/full.log" 2>/dev/null; then
-    run 7b full 300 "${common[@]}" --steps 2 --lr 1e-6  # --offload fit: does it without?
+    run 7b full 360 "${common[@]}" --steps 2 --lr 1e-6  # --offload fit: does it without?
   fi
   grep -h "^=== exit\|^step " "$OUTDIR"/7b/*.log | cut -c1-150
   pack 7b
