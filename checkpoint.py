@@ -7,8 +7,10 @@
 
 Layout of one checkpoint, `out_dir/checkpoints/step_000100/`:
     model/          Hugging Face folder (bf16 safetensors + config + tokenizer): loads in transformers and SGLang
+    adapter/        (--lora-rank) the policy's adapter alone, PEFT's format; model/ is then the merged model
     critic/         (PPO) the value model, as a Hugging Face token-classification folder
-    state/          fp32 weights + optimizer state, sharded (torch.distributed.checkpoint): for resume
+    state/          fp32 weights + optimizer state, sharded (torch.distributed.checkpoint): for resume (with LoRA
+                    the adapter's and its optimizer's only: the frozen base comes from --model again)
     trainer.pt      step, data position, LR schedule, anything the script adds
     rng_rank{r}.pt  each rank's RNG states
     manifest.json   every file above with its size and a CRC-32 of each 256 MiB piece: --resume checks them
@@ -40,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from lora import is_lora, merged_state_dict, save_adapter
 from preflight import RENAMED, InputError, RunFailed, as_flags
 
 
@@ -121,6 +124,8 @@ HOW_IT_RUNS = {
     "rollout_sync_backend",
     "rollout_sync_address",
     "sync_bucket_mb",
+    "lora_sync",
+    "lora_gap_ratio",
 }
 
 
@@ -173,11 +178,16 @@ def checkpoint_to_resume(run_dir: str, resume: bool, args=None) -> str | None:
     return None
 
 
-def save_hf_model(model, tokenizer, path: str, dtype: torch.dtype = torch.bfloat16):
+def save_hf_model(model, tokenizer, path: str, dtype: torch.dtype = torch.bfloat16, adapter_path: str | None = None):
     """Gather the FSDP2 model's full weights (a collective: every rank calls this) and write a
-    Hugging Face folder from rank 0."""
+    Hugging Face folder from rank 0. A LoRA model: the merged weights there (lora.merged_state_dict), and with
+    `adapter_path` its adapter alone in PEFT's format (lora.save_adapter)."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
+        if is_lora(model):
+            if adapter_path:
+                save_adapter(model, adapter_path, full)
+            full = merged_state_dict(model, full)
         model.save_pretrained(path, state_dict={k: v.to(dtype) for k, v in full.items()})
         config_path = os.path.join(path, "config.json")
         with open(config_path) as f:
@@ -188,6 +198,19 @@ def save_hf_model(model, tokenizer, path: str, dtype: torch.dtype = torch.bfloat
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
     dist.barrier()
+
+
+def trained_state(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
+    """The sharded state dicts of what trains (get_state_dict's) and the options that read them back. A model with
+    frozen parameters (a LoRA policy's base) keeps its trained ones only: the base is --model's, loaded again on
+    resume, and 15 GB of a 7B base a checkpoint need not write (a tied embedding, frozen, named twice, dropped too)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    options = StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    if frozen:
+        trained = {name for name, p in model.named_parameters() if p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k in trained}
+    return model_sd, optim_sd, options
 
 
 def save_checkpoint(out_dir: str, step: int, stateful: dict, hf_models: dict, tokenizer, state: dict, keep: int = 2):
@@ -227,11 +250,11 @@ def write_checkpoint(tmp: str, stateful: dict, hf_models: dict, tokenizer, state
         os.makedirs(tmp)
     dist.barrier()
     for folder, model in hf_models.items():
-        save_hf_model(model, tokenizer, os.path.join(tmp, folder))
+        adapter = os.path.join(tmp, "adapter") if folder == "model" else None  # the policy's: PEFT's format
+        save_hf_model(model, tokenizer, os.path.join(tmp, folder), adapter_path=adapter)
     sharded = {}
     for name, (model, optimizer) in stateful.items():
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        sharded[f"{name}_model"], sharded[f"{name}_optim"] = model_sd, optim_sd
+        sharded[f"{name}_model"], sharded[f"{name}_optim"], _ = trained_state(model, optimizer)
     dcp.save(sharded, checkpoint_id=os.path.join(tmp, "state"))  # each rank writes its own shards
     torch.save(
         {
@@ -375,14 +398,17 @@ def load_checkpoint(path: str, stateful: dict) -> dict:
     state = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
     if state["world_size"] != dist.get_world_size():  # the scripts meet this earlier, in checkpoint_to_resume
         raise ValueError(f"{path} was saved by {state['world_size']} ranks and this run has {dist.get_world_size()}")
-    sharded = {}
+    sharded, options = {}, {}
     for name, (model, optimizer) in stateful.items():
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        sharded[f"{name}_model"], sharded[f"{name}_optim"] = model_sd, optim_sd
-    dcp.load(sharded, checkpoint_id=os.path.join(path, "state"))
+        sharded[f"{name}_model"], sharded[f"{name}_optim"], options[name] = trained_state(model, optimizer)
+    dcp.load(sharded, checkpoint_id=os.path.join(path, "state"))  # a key the checkpoint lacks fails here
     for name, (model, optimizer) in stateful.items():
         set_state_dict(
-            model, optimizer, model_state_dict=sharded[f"{name}_model"], optim_state_dict=sharded[f"{name}_optim"]
+            model,
+            optimizer,
+            model_state_dict=sharded[f"{name}_model"],
+            optim_state_dict=sharded[f"{name}_optim"],
+            options=options[name],
         )
     rng = torch.load(os.path.join(path, f"rng_rank{dist.get_rank()}.pt"), weights_only=False)
     random.setstate(rng["python"])

@@ -69,6 +69,7 @@ from fsdp import (
     skip_schedule,
     token_logprobs,
 )
+from lora import GapCheck, adapter_off, apply_lora, check_lora, lora_rules, trainable
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import (
     check_context,
@@ -198,6 +199,20 @@ class Args:
     """passes over each rollout batch"""
     seed: int = 0
     """seeds data order, sampling and initialization"""
+    # --- LoRA (README: LoRA)
+    lora_rank: int = 0
+    """> 0: train a LoRA adapter of this rank (fp32, AdamW) on the base frozen in bf16 (lora.py); 0: full fine-tuning.
+    For RL even rank 1 learns as full fine-tuning does, at ~10x its --lr ('LoRA Without Regret')"""
+    lora_alpha: float = 32.0
+    """the adapter's scale is lora_alpha / lora_rank"""
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    """linear layers that get an adapter: all-linear (every one of the decoder layers, MLP too), or names (q_proj v_proj)"""
+    lora_sync: Literal["merge", "adapter"] = "merge"
+    """how the engine gets the adapter: merge (W + alpha/r B A as weights: any engine or server); adapter (SGLang with
+    LoRA on: the base once, then the adapter alone each step, and every request names it)"""
+    lora_gap_ratio: float = 3.0
+    """the run fails when the sampler-trainer log-prob gap exceeds this x its first step's + 0.01: the engine does not
+    hold the trained weights (lora.GapCheck); 0: no check (nor with --async-rollout, one update stale by design)"""
     # --- GRPO (README: GRPO variants)
     advantage: Literal["grpo", "rloo", "reinforce++"] = "grpo"
     """grpo: reward minus its group's mean, over the group's std (--scale-rewards); rloo: minus the mean of the other
@@ -768,6 +783,7 @@ def check_args(args: Args, world_size: int):
                 "reward model scores once per step, after generation: it can't refill groups)",
             ),
             ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
+            *lora_rules(a, given_flags(sys.argv[1:])),  # rank >= 0, alpha > 0, the other --lora-* with a rank only
         ]
     )
 
@@ -826,6 +842,8 @@ def main(args: Args):
     resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
     engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
     tokenizer, context_len = check_model(args.model, rollout_tp=args.rollout_tp, generates=True)  # bad input: one line
+    adapter = args.lora_rank > 0 and args.lora_sync == "adapter"  # --lora-sync adapter: SGLang serves the adapter
+    lora_targets = check_lora(args.model, args.lora_rank, args.lora_targets, sglang=adapter and engine_kind != "hf")
     rm_tokenizer, rm_template, rm_max_len = check_reward_model(
         args.reward_model,
         args.reward_model_template,  # None: none
@@ -922,6 +940,8 @@ def main(args: Args):
         disable_cuda_graph=args.sglang_disable_cuda_graph,
         prefill_cuda_graph=args.sglang_prefill_cuda_graph,
         deterministic=args.deterministic_rollout,
+        lora_rank=args.lora_rank if adapter else 0,
+        lora_targets=tuple(lora_targets),
     )
     if server:  # rank 0 speaks to the servers for all ranks, as one TP group's owner
         tp = tp_group(world_size)
@@ -945,6 +965,8 @@ def main(args: Args):
                 sync_address=args.rollout_sync_address,
                 batch=per_engine,
                 deterministic=args.deterministic_rollout,
+                lora_rank=args.lora_rank if adapter else 0,
+                adapter_dir=os.path.join(run_dir, "adapter_sync"),
             )
             if rank == 0
             else None
@@ -963,10 +985,14 @@ def main(args: Args):
 
     # ---- models: policy (fp32 masters, `dtype` compute) and, only if beta > 0, the reference ------
     t0 = time.time()
-    policy = load_model(args.model, device, torch.float32, args.gradient_checkpointing, args.attn_implementation)
+    masters = torch.bfloat16 if args.lora_rank else torch.float32  # LoRA: the base frozen in bf16, the adapter fp32
+    policy = load_model(args.model, device, masters, args.gradient_checkpointing, args.attn_implementation)
+    apply_lora(policy, args.lora_rank, args.lora_alpha, lora_targets)  # rank 0: nothing (lora.py)
     shard_model(policy, param_dtype=dtype, compile=args.compile)
     ref = None
-    if args.beta > 0:
+    if args.beta > 0 and args.lora_rank:
+        ref = policy  # ALGO: the policy with its adapter off (lora.adapter_off) is the reference: no second copy
+    elif args.beta > 0:
         ref = load_model(args.model, device, dtype, attn_implementation=args.attn_implementation).eval()
         shard_model(ref, param_dtype=None, compile=args.compile)
     rm = load_reward_model(args.reward_model, device, dtype, args.attn_implementation) if args.reward_model else None
@@ -979,7 +1005,7 @@ def main(args: Args):
     )  # how it reads a conversation
     # fused: no temporaries (foreach allocates sqrt(v) for every parameter at once: +4 B/param, 28 GiB at 7B)
     optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True
+        trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True
     )
     total_optimizer_steps = args.steps * args.epochs * args.num_minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -993,6 +1019,7 @@ def main(args: Args):
         bucket_bytes=args.sync_bucket_mb * 2**20,
         tp_group=tp.process_group if engine_kind == "sglang" else None,
         dtype=dtype if engine_kind == "hf" else torch.bfloat16,
+        adapter=adapter,
     )  # the engine's dtype: SGLang computes in bf16
     # for MFU (fsdp.mfu): the GPU's peak FLOP/s (None on a CPU or a GPU not in fsdp's table), the policy's size
     peak, n_params = (
@@ -1032,6 +1059,8 @@ def main(args: Args):
         eval_redone=start_step < args.steps and eval_due(start_step),
     )
     last_saved, nonfinite = start_step, NonFinite(args.max_nonfinite_steps)
+    # the engine holds the trained weights (not checked with --async-rollout: its samples are one update old by design)
+    gap_check = GapCheck(args.lora_gap_ratio if args.lora_rank and not args.async_rollout else 0)
 
     def save(step: int, sampler_state: dict):
         nonlocal last_saved
@@ -1225,9 +1254,10 @@ def main(args: Args):
                     max_tokens,
                 )
                 if ref is not None:
-                    batch.ref_logprobs = batch_logprobs(
-                        ref, batch, args.micro_batch_size, args.temperature, device, max_tokens=max_tokens
-                    )
+                    with adapter_off(ref):  # a LoRA policy as its own reference: the base (no-op for a reference model)
+                        batch.ref_logprobs = batch_logprobs(
+                            ref, batch, args.micro_batch_size, args.temperature, device, max_tokens=max_tokens
+                        )
             # ALGO: the sampler's log-probs vs the trainer's (old_logprobs), on the model's tokens: logged, and corrected
             weight, keep, touched = rollout_correction(
                 batch.old_logprobs,
@@ -1241,6 +1271,7 @@ def main(args: Args):
             metrics.update(
                 mismatch_stats(batch, touched)
             )  # logprob gap (the sync check), KL, largest ratio (rollout.py)
+            gap_check(metrics["rollout/logprob_abs_diff"], step)  # --lora-rank: a stale engine ends the run
 
             # -- 5. advantages
             group_ids = torch.tensor([s.group_id for s in flat]).view(-1, args.group_size)  # [groups, G]
@@ -1323,8 +1354,9 @@ def main(args: Args):
                 metrics["perf/logprob_mfu"] = mfu(
                     2 * n_params * (1 + (ref is not None)), real_tokens, mem.seconds["logprob"], peak, world_size
                 )
+                per_token = 4 if args.lora_rank else 6  # LoRA: no weight gradients of the frozen base (4N, not 6N)
                 metrics["perf/update_mfu"] = mfu(
-                    6 * n_params, real_tokens * args.epochs, mem.seconds["update"], peak, world_size
+                    per_token * n_params, real_tokens * args.epochs, mem.seconds["update"], peak, world_size
                 )
 
         # -- 7. metrics, log, checkpoint

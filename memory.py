@@ -15,6 +15,10 @@ A step, as the GPU memory sees it ("multi-stage awake"):
       7. reload            training params and optimizer state -> GPU (offload)
     [log-probs, update]
 
+With --lora-sync adapter (wake_up's `adapter`) the engine keeps its weights, the base, from the first sync on (it
+holds no copy elsewhere: released, they would be gone): 2. resumes nothing after the first step, 3. sends the
+adapter alone (lora.sync_adapter), 6. frees the KV cache and graphs only (`engine.kept`).
+
 Rules: never resume a region that was not released; always empty PyTorch's cache before a resume
 (memory PyTorch keeps cached is memory SGLang cannot map). Each phase records its seconds and the
 GPU memory it ended with and peaked at, as the training process and the whole device see it.
@@ -29,6 +33,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.distributed as dist
 
+from lora import engine_weights, sync_adapter
 
 ALL_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory regions
 GiB = 1024**3
@@ -49,10 +54,12 @@ def wake_up(
     bucket_bytes: int = 512 * 2**20,
     tp_group=None,
     dtype: torch.dtype = torch.bfloat16,
+    adapter: bool = False,
 ):
     """Training state -> rollout. `models` are all training-side FSDP2 models (policy, reference,
     critic); `optimizers` their optimizers. `engine` is None on non-owner ranks of a TP group;
-    `tp_group`: that group, when it shares an in-process SGLang engine (see sync_weights); `dtype`: the engine's."""
+    `tp_group`: that group, when it shares an in-process SGLang engine (see sync_weights); `dtype`: the engine's;
+    `adapter`: a LoRA policy's adapter goes to the engine as an adapter (the base once), not merged (sync_weights)."""
     with mem.phase("free_grads"):
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
@@ -60,9 +67,9 @@ def wake_up(
             for opt in optimizers:
                 move_optimizer(opt, "cpu")
     with mem.phase("resume_weights"):
-        resume(engine, ["weights"])
+        resume(engine, ["weights"])  # kept ones (--lora-sync adapter's base) are there already
     with mem.phase("sync_weights"):
-        sync_weights(policy, engine, bucket_bytes, tp_group=tp_group, dtype=dtype)
+        sync_weights(policy, engine, bucket_bytes, tp_group=tp_group, dtype=dtype, adapter=adapter)
     with mem.phase("offload_model"):
         if offload:
             for model in models:
@@ -89,21 +96,33 @@ def sleep(engine, *, models: list, optimizers: list, offload: bool, mem: "Memory
 
 
 @torch.no_grad()
-def sync_weights(model, engine, bucket_bytes: int = 512 * 2**20, tp_group=None, dtype: torch.dtype = torch.bfloat16):
+def sync_weights(
+    model,
+    engine,
+    bucket_bytes: int = 512 * 2**20,
+    tp_group=None,
+    dtype: torch.dtype = torch.bfloat16,
+    adapter: bool = False,
+):
     """Push the FSDP2 model's weights into the engine, in buckets of about `bucket_bytes`.
 
     Every rank all-gathers every parameter (`full_tensor()` is a collective: all ranks, same order); ranks that own an
     engine hand it the full tensors in `dtype` (SGLang: bf16) by CUDA IPC, no copy through the CPU. Buckets bound the
     extra memory to one bucket of gathered weights. The prefix cache holds KV of the old weights: flushed at the end.
+    A LoRA policy (lora.engine_weights): each adapted weight merged, W + alpha/r B A, as it is gathered, so any
+    engine takes it; with `adapter`, the base weights go once, then the adapter alone each time (lora.sync_adapter).
 
     `tp_group` (--rollout-tp k, one SGLang engine over the group's GPUs): SGLang's TP worker i opens the copy
     rank i gathered, on its own GPU. Given only the owner's, every worker opened GPU 0's memory: 1.05 s
     against 0.32 s per sync at 1.5B on 2 H200s (bench/results/sync_tp2_1p5b_h200x2.json).
     """
+    if adapter and getattr(model, "engine_has_base", False):  # the engine kept the base: the adapter is new
+        sync_adapter(model, engine, dtype)
+        if engine is not None:
+            engine.flush_cache()
+        return
     bucket, size = [], 0
-    for name, param in model.named_parameters():
-        full = param.detach().to(dtype)  # cast the shard first: bf16 gathers half the bytes
-        full = full.full_tensor() if hasattr(full, "full_tensor") else full
+    for name, full in engine_weights(model, dtype, merge=not adapter):
         if engine is None and tp_group is None:
             continue  # it only helps gather
         bucket.append((name, full))
@@ -113,6 +132,11 @@ def sync_weights(model, engine, bucket_bytes: int = 512 * 2**20, tp_group=None, 
             bucket, size = [], 0
     if bucket:
         _send(bucket, engine, tp_group)
+    if adapter:  # the base is there: kept from now on (release leaves it), the adapter follows
+        model.engine_has_base = True
+        if engine is not None:
+            engine.kept = {"weights"}
+        sync_adapter(model, engine, dtype)
     if engine is not None:
         engine.flush_cache()
 
@@ -141,9 +165,11 @@ def ipc_handle(tensor: torch.Tensor) -> bytes:
 
 
 def release(engine, tags):
-    """SGLang frees `tags` (its scheduler must be idle: call between generations)."""
-    if engine is not None:
-        engine.release_memory_occupation(tags=list(tags))
+    """SGLang frees `tags` (its scheduler must be idle: call between generations), but those it keeps
+    (`engine.kept`: --lora-sync adapter's base weights, which exist nowhere else on the engine)."""
+    tags = [t for t in tags if t not in getattr(engine, "kept", ())]
+    if engine is not None and tags:
+        engine.release_memory_occupation(tags=tags)
         engine.released = getattr(engine, "released", set()) | set(tags)
     empty_cache()
 
@@ -151,6 +177,7 @@ def release(engine, tags):
 def resume(engine, tags):
     """Give SGLang `tags` back. Every rank empties its cache first, and the barrier makes sure all
     have, because with tensor parallelism the engine's memory spans the whole group's GPUs."""
+    tags = [t for t in tags if t not in getattr(engine, "kept", ())]  # never released (release)
     if engine is not None:
         not_released = set(tags) - getattr(engine, "released", set())
         if not_released:
@@ -160,7 +187,7 @@ def resume(engine, tags):
     empty_cache()
     if dist.is_initialized():
         dist.barrier()
-    if engine is not None:
+    if engine is not None and tags:
         engine.resume_memory_occupation(tags=list(tags))
         engine.released -= set(tags)
 

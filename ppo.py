@@ -70,6 +70,7 @@ from fsdp import (
     shard_model,
     token_logprobs,
 )
+from lora import GapCheck, adapter_off, apply_lora, check_lora, lora_rules, trainable
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from preflight import (
     check_context,
@@ -78,6 +79,7 @@ from preflight import (
     check_model,
     engine_count,
     friendly_errors,
+    given_flags,
     package_rules,
     parse_args,
     sampling_rules,
@@ -202,6 +204,20 @@ class Args:
     """passes over each rollout batch"""
     seed: int = 0
     """seeds data order, sampling and initialization"""
+    # --- LoRA (README: LoRA)
+    lora_rank: int = 0
+    """> 0: train LoRA adapters of this rank (fp32, AdamW) on bases frozen in bf16 (lora.py): the actor's, and the
+    critic's body its own (its value head trained whole, in fp32); 0: full fine-tuning"""
+    lora_alpha: float = 32.0
+    """the adapters' scale is lora_alpha / lora_rank"""
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    """linear layers that get an adapter: all-linear (every one of the decoder layers, MLP too), or names (q_proj v_proj)"""
+    lora_sync: Literal["merge", "adapter"] = "merge"
+    """how the engine gets the actor's adapter: merge (W + alpha/r B A as weights: any engine or server); adapter
+    (SGLang with LoRA on: the base once, then the adapter alone each step, and every request names it)"""
+    lora_gap_ratio: float = 3.0
+    """the run fails when the sampler-trainer log-prob gap exceeds this x its first step's + 0.01: the engine does not
+    hold the trained weights (lora.GapCheck); 0: no check (nor with --async-rollout, one update stale by design)"""
     # --- PPO
     gamma: float = 1.0
     """discount per token in GAE"""
@@ -638,6 +654,7 @@ def check_args(args: Args, world_size: int):
             ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
             *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
             ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
+            *lora_rules(a, given_flags(sys.argv[1:])),  # rank >= 0, alpha > 0, the other --lora-* with a rank only
         ]
     )
 
@@ -674,6 +691,17 @@ def main(args: Args):
     )
     if args.critic_model:
         check_model(args.critic_model, "--critic-model", with_tokenizer=False)
+    adapter = args.lora_rank > 0 and args.lora_sync == "adapter"  # --lora-sync adapter: SGLang serves the adapter
+    lora_targets = check_lora(args.model, args.lora_rank, args.lora_targets, sglang=adapter and engine_kind != "hf")
+    from transformers import AutoModelForTokenClassification  # lazy: keeps `import ppo` fast
+
+    critic_targets = check_lora(
+        args.critic_model or args.model,
+        args.lora_rank,
+        args.lora_targets,
+        "--critic-model",
+        AutoModelForTokenClassification,
+    )
     stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     sampling = Sampling(
@@ -763,6 +791,8 @@ def main(args: Args):
         disable_cuda_graph=args.sglang_disable_cuda_graph,
         prefill_cuda_graph=args.sglang_prefill_cuda_graph,
         deterministic=args.deterministic_rollout,
+        lora_rank=args.lora_rank if adapter else 0,
+        lora_targets=tuple(lora_targets),
     )
     if server:  # rank 0 speaks to the servers for all ranks, as one TP group's owner
         tp = tp_group(world_size)
@@ -786,6 +816,8 @@ def main(args: Args):
                 sync_address=args.rollout_sync_address,
                 batch=per_engine,
                 deterministic=args.deterministic_rollout,
+                lora_rank=args.lora_rank if adapter else 0,
+                adapter_dir=os.path.join(run_dir, "adapter_sync"),
             )
             if rank == 0
             else None
@@ -804,12 +836,14 @@ def main(args: Args):
 
     # ---- models: actor and critic (fp32 masters, `dtype` compute), the reference only if KL is on -
     t0 = time.time()
-    from transformers import AutoModelForTokenClassification  # lazy: keeps `import ppo` fast
-
-    policy = load_model(args.model, device, torch.float32, args.gradient_checkpointing, args.attn_implementation)
+    masters = torch.bfloat16 if args.lora_rank else torch.float32  # LoRA: the bases frozen in bf16, adapters fp32
+    policy = load_model(args.model, device, masters, args.gradient_checkpointing, args.attn_implementation)
+    apply_lora(policy, args.lora_rank, args.lora_alpha, lora_targets)  # rank 0: nothing (lora.py)
     shard_model(policy, param_dtype=dtype, compile=args.compile)
     ref = None
-    if args.kl_coef > 0 or args.adaptive_kl:
+    if (args.kl_coef > 0 or args.adaptive_kl) and args.lora_rank:
+        ref = policy  # ALGO: the actor with its adapter off (lora.adapter_off) is the reference: no second copy
+    elif args.kl_coef > 0 or args.adaptive_kl:
         ref = load_model(args.model, device, dtype, attn_implementation=args.attn_implementation).eval()
         shard_model(ref, param_dtype=None, compile=args.compile)
     rm = load_reward_model(args.reward_model, device, dtype, args.attn_implementation) if args.reward_model else None
@@ -824,7 +858,7 @@ def main(args: Args):
     critic = load_model(
         args.critic_model or args.model,
         device,
-        torch.float32,
+        masters,
         args.gradient_checkpointing,
         args.attn_implementation,
         AutoModelForTokenClassification,
@@ -833,13 +867,15 @@ def main(args: Args):
     )
     for p in critic.score.parameters():  # ALGO: values start at 0 rather than at noise
         torch.nn.init.zeros_(p)
+    apply_lora(critic, args.lora_rank, args.lora_alpha, critic_targets)  # LoRA: the critic's body an adapter of its own
+    critic.score.float().requires_grad_(True)  # its head is new: trained whole, in fp32 (full fine-tuning: as it was)
     shard_model(critic, param_dtype=dtype, compile=args.compile)
     # fused: no temporaries (foreach allocates sqrt(v) for every parameter at once: +4 B/param)
     optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True
+        trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True
     )
     critic_optimizer = torch.optim.AdamW(
-        critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True
+        trainable(critic), lr=args.critic_lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True
     )
     total_optimizer_steps = args.steps * args.epochs * args.num_minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -860,6 +896,7 @@ def main(args: Args):
         bucket_bytes=args.sync_bucket_mb * 2**20,
         tp_group=tp.process_group if engine_kind == "sglang" else None,
         dtype=dtype if engine_kind == "hf" else torch.bfloat16,
+        adapter=adapter,
     )  # the engine's dtype: SGLang computes in bf16
     kl_coef = args.kl_coef
     # for MFU (fsdp.mfu): the GPU's peak FLOP/s (None on a CPU or a GPU not in fsdp's table), the models' sizes
@@ -900,6 +937,8 @@ def main(args: Args):
         eval_redone=start_step < args.steps and eval_due(start_step),
     )
     last_saved, nonfinite = start_step, NonFinite(args.max_nonfinite_steps)
+    # the engine holds the trained weights (not checked with --async-rollout: its samples are one update old by design)
+    gap_check = GapCheck(args.lora_gap_ratio if args.lora_rank and not args.async_rollout else 0)
 
     def save(step: int, sampler_state: dict, kl_coef: float):
         nonlocal last_saved
@@ -1062,9 +1101,10 @@ def main(args: Args):
                 max_tokens,
             )
             if ref is not None:
-                batch.ref_logprobs = batch_logprobs(
-                    ref, batch, args.micro_batch_size, args.temperature, device, max_tokens=max_tokens
-                )
+                with adapter_off(ref):  # a LoRA actor as its own reference: the base (no-op for a reference model)
+                    batch.ref_logprobs = batch_logprobs(
+                        ref, batch, args.micro_batch_size, args.temperature, device, max_tokens=max_tokens
+                    )
             batch.values = batch_forward(
                 lambda mb: token_values(critic, mb.input_ids, mb.attention_mask, max_tokens > 0),
                 batch,
@@ -1073,6 +1113,7 @@ def main(args: Args):
                 max_tokens=max_tokens,
             )  # [B, T-1], a field of ppo.py's own
         metrics.update(mismatch_stats(batch))  # sampler vs trainer: the sync check, KL, largest ratio (rollout.py)
+        gap_check(metrics["rollout/logprob_abs_diff"], step)  # --lora-rank: a stale engine ends the run
 
         # -- 5. rewards per token (score on the last token, KL penalty on each), GAE, whitening
         mask = batch.response_mask
@@ -1222,7 +1263,7 @@ def main(args: Args):
             n_forward = n_policy * (1 + (ref is not None)) + n_critic  # log-prob phase: actor, reference, critic
             metrics["perf/logprob_mfu"] = mfu(2 * n_forward, real_tokens, mem.seconds["logprob"], peak, world_size)
             metrics["perf/update_mfu"] = mfu(
-                6 * (n_policy * update_actor + n_critic),
+                (4 if args.lora_rank else 6) * (n_policy * update_actor + n_critic),  # LoRA: no base weight gradients
                 real_tokens * args.epochs,
                 mem.seconds["update"],
                 peak,

@@ -16,6 +16,7 @@ spanning the group's k GPUs, the others have `engine=None` and send their prompt
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import math
@@ -53,6 +54,20 @@ class SGLangOptions:
     load_format: str = "dummy"  # "dummy": weights only from the sync; "auto": read the checkpoint
     log_level: str = "error"
     deterministic: bool = False  # SGLang's deterministic inference (--deterministic-rollout); the HF engine's too
+    lora_rank: int = 0  # > 0: LoRA served (--lora-sync adapter), adapters up to this rank on `lora_targets`
+    lora_targets: tuple[str, ...] = ()  # the adapted layers' names (lora.check_lora), SGLang's --lora-target-modules
+
+    def lora_flags(self) -> dict:
+        """SGLang's LoRA settings for --lora-sync adapter (none without): the policy's adapter in every batch."""
+        if not self.lora_rank:
+            return {}
+        return dict(
+            enable_lora=True,
+            max_lora_rank=self.lora_rank,
+            lora_target_modules=list(self.lora_targets),
+            max_loras_per_batch=2,  # SGLang counts the base model as one
+            lora_strict_loading=True,  # adapter tensors that fit no layer: an error, not skipped with a warning
+        )
 
 
 def graph_batch(requests: int, given: int | None) -> int | None:
@@ -116,6 +131,7 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
                 cuda_graph_backend_prefill=None if o.prefill_cuda_graph else "disabled",
                 enable_deterministic_inference=o.deterministic,
                 custom_sigquit_handler=quit_while_starting,
+                **o.lora_flags(),
             )  # a failed scheduler's SIGQUIT ends the start, not the process
         except BaseException as e:  # Ctrl-C during start-up, or a failed start: stop what was started
             engine.processes = [p for p in multiprocessing.active_children() if p not in before]
@@ -161,25 +177,45 @@ class HFEngine:
     holds its own unsharded copy of the model: weights arrive only through `update_weights_from_tensor`.
     It generates ROWS requests at a time (its logits, [rows, tokens, vocab] in fp32, stay bounded).
     `deterministic` (--deterministic-rollout): each request samples from its own seed (GumbelNoise), so a sample does
-    not depend on the batch it is in nor its place there; the same seeds again give the same tokens."""
+    not depend on the batch it is in nor its place there; the same seeds again give the same tokens. An adapter
+    arrives through `load_lora_adapter_from_tensors`, applied to the requests that name it (lora_path) as in SGLang."""
 
     ROWS = 64
 
     def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, seed: int = 0, deterministic: bool = False):
         from transformers import AutoModelForCausalLM  # lazy
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        self.model, self.dtype = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval(), dtype
         self.params = dict(self.model.named_parameters())
         self.released: set[str] = set()  # kept by memory.release/resume, as for sglang.Engine
         self.seed, self.deterministic = seed, deterministic
         self.processes = []  # it runs in this process (SGLang's Engine: its scheduler and detokenizer)
         self.loop = asyncio.new_event_loop()  # drives multi-turn episodes, as SGLang's Engine.loop
+        self.lora_name = None  # the adapter loaded (load_lora_adapter_from_tensors)
 
     def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True):
         for name, tensor in named_tensors:
             if name not in self.params:
                 raise KeyError(f"weight sync sent {name!r}, which the generation model does not have")
             self.params[name].data.copy_(tensor)
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict, config_dict: dict, load_format=None):
+        """SGLang's call: the adapter's tensors under PEFT's names, its adapter_config.json as a dict."""
+        from lora import apply_lora, load_adapter, lora_modules  # lazy
+
+        if self.lora_name is not None:
+            return {"success": False, "error_message": f"adapter {self.lora_name!r} is loaded: unload it first"}
+        if not lora_modules(self.model):  # the first adapter: LoRA layers on the engine's copy, as SGLang's enable_lora
+            apply_lora(
+                self.model, config_dict["r"], config_dict["lora_alpha"], config_dict["target_modules"], self.dtype
+            )
+        load_adapter(self.model, tensors)
+        self.lora_name = lora_name
+        return {"success": True}
+
+    def unload_lora_adapter(self, lora_name: str):
+        self.lora_name = None if lora_name == self.lora_name else self.lora_name
+        return {"success": True}
 
     def flush_cache(self):
         pass
@@ -190,12 +226,19 @@ class HFEngine:
     def resume_memory_occupation(self, tags=None):
         pass
 
-    def generate(self, input_ids, sampling_params, return_logprob=False):
-        """Batched HF generate with left padding, ROWS requests at a time; returns SGLang-shaped outputs."""
+    def generate(self, input_ids, sampling_params, return_logprob=False, lora_path=None):
+        """Batched HF generate with left padding, ROWS requests at a time; returns SGLang-shaped outputs. lora_path: the
+        adapter each request names (one for the batch here), None: the base model, as SGLang."""
+        from lora import adapter_off  # lazy
+
         if self.released & {"weights", "kv_cache"}:
             raise RuntimeError(f"generate while {sorted(self.released)} are released")
+        name = lora_path[0] if lora_path else None
+        if name is not None and name != self.lora_name:
+            raise ValueError(f"a request names LoRA adapter {name!r}, which is not loaded")
         rows = [slice(i, i + self.ROWS) for i in range(0, len(input_ids), self.ROWS)]
-        return [out for r in rows for out in self.generate_rows(input_ids[r], sampling_params[r], return_logprob)]
+        with adapter_off(self.model) if name is None else contextlib.nullcontext():
+            return [out for r in rows for out in self.generate_rows(input_ids[r], sampling_params[r], return_logprob)]
 
     @torch.no_grad()
     def generate_rows(self, input_ids, sampling_params, return_logprob):
@@ -248,10 +291,10 @@ class HFEngine:
             results.append({"output_ids": row[:n], "meta_info": meta})
         return results
 
-    async def async_generate(self, input_ids, sampling_params, return_logprob=False):
+    async def async_generate(self, input_ids, sampling_params, return_logprob=False, lora_path=None):
         """One request, as SGLang's Engine.async_generate (here it runs at once: on the CPU, one
         episode generates while the others wait for their tools)."""
-        return self.generate([input_ids], [sampling_params], return_logprob)[0]
+        return self.generate([input_ids], [sampling_params], return_logprob, [lora_path] if lora_path else None)[0]
 
     def shutdown(self):
         pass
@@ -426,7 +469,10 @@ def run_requests(
 ) -> list[Sample]:
     if tool_use is None:
         outputs = engine.generate(
-            input_ids=prompts, sampling_params=[sampling.params(s) for s in seeds], return_logprob=True
+            input_ids=prompts,
+            sampling_params=[sampling.params(s) for s in seeds],
+            return_logprob=True,
+            **adapter_named(engine, len(prompts)),
         )
         return [read_output(prompt, out, sampling, tokenizer) for prompt, out in zip(prompts, outputs)]
     # the engine's own event loop drives the episodes (SGLang's Engine owns one)
@@ -505,6 +551,13 @@ class Pending:
         return samples
 
 
+def adapter_named(engine, n: int | None) -> dict:
+    """The LoRA adapter every request must name once lora.sync_adapter loaded one (--lora-sync adapter): a request
+    that names none generates with the base model, silently. `n` requests (None: one, as async_generate takes it)."""
+    name = getattr(engine, "adapter", None)
+    return {} if name is None else {"lora_path": name if n is None else [name] * n}
+
+
 def read_output(prompt: list[int], out: dict, sampling: Sampling, tokenizer=None) -> Sample:
     """An engine's output for one request (SGLang's shape) -> a Sample of the tokens it sampled."""
     finish = out["meta_info"]["finish_reason"]
@@ -562,7 +615,10 @@ async def episode(engine, prompt: list[int], seed: int, *, sampling: Sampling, t
             "max_new_tokens": sampling.max_new_tokens - len(sample.response_ids),
         }
         out = await engine.async_generate(
-            input_ids=prompt + sample.response_ids, sampling_params=params, return_logprob=True
+            input_ids=prompt + sample.response_ids,
+            sampling_params=params,
+            return_logprob=True,
+            **adapter_named(engine, None),
         )
         turn_out = read_output(prompt, out, sampling, tok)
         sample.response_ids += turn_out.response_ids

@@ -24,6 +24,10 @@ update). The trainer's rank 0 and every server's TP ranks form one group; rank 0
     `update_weights_from_tensor(bucket)` announces the bucket's names, dtypes and shapes to each
     server (/update_weights_from_distributed), then broadcasts it as one flat byte tensor, which
     the servers' ranks receive and load. memory.sync_weights drives it as it drives sglang.Engine.
+
+With --lora-sync adapter the base weights go that way once; each adapter after them is written to `adapter_dir`
+(PEFT's format) and each server loads it from there (/load_lora_adapter): that folder must be one the servers
+read at the same path (this machine, or a shared file system). The servers run with --enable-lora.
 """
 
 import asyncio
@@ -157,6 +161,8 @@ class ServerEngine:
         processes: list | None = None,
         batch: int = 0,
         deterministic: bool = False,
+        lora_rank: int = 0,
+        adapter_dir: str | None = None,
     ):
         """Wait for every server, refuse one that serves another model than `model`; with
         `sync_backend` ('nccl', 'gloo', 'auto': NCCL on GPUs, gloo on CPUs) form the weight-update
@@ -164,8 +170,11 @@ class ServerEngine:
         first server). `processes`: the servers' own processes where this job started them
         (launch_servers), one per URL: stop.EngineWatch watches them, stop_engine stops them, and
         they are stopped here if the start fails. `batch`: the samples each server decodes at once (check_graphs).
-        `deterministic` (--deterministic-rollout): refuse a server without SGLang's deterministic inference."""
+        `deterministic` (--deterministic-rollout): refuse a server without SGLang's deterministic inference.
+        `lora_rank` > 0: every server must serve LoRA adapters of that rank (--lora-sync adapter), written to
+        `adapter_dir`."""
         self.urls = [u.rstrip("/") for u in urls]
+        self.lora_rank, self.adapter_dir, self.loaded_adapters = lora_rank, adapter_dir, 0
         self.timeout_s = timeout_s
         self.processes = processes or []  # the user's servers: none; their timeouts do the watch's job
         self.loop = asyncio.new_event_loop()  # drives multi-turn episodes (rollout.episode), as SGLang's Engine's
@@ -196,6 +205,7 @@ class ServerEngine:
         check_graphs(self.urls, infos, batch)
         if deterministic:
             check_deterministic(self.urls, infos)
+        check_lora(self.urls, infos, self.lora_rank)
         if sync_backend == "auto":
             sync_backend = "nccl" if torch.cuda.is_available() else "gloo"
         if sync_backend == "nccl":
@@ -204,9 +214,14 @@ class ServerEngine:
         self.group = self.join_weight_sync(infos, sync_backend, sync_address) if sync_backend else None
 
     def generate(
-        self, input_ids: list[list[int]], sampling_params: list[dict], return_logprob: bool = False
+        self,
+        input_ids: list[list[int]],
+        sampling_params: list[dict],
+        return_logprob: bool = False,
+        lora_path: list[str] | None = None,
     ) -> list[dict]:
-        """A batch, split into one contiguous part per URL, the parts sent concurrently."""
+        """A batch, split into one contiguous part per URL, the parts sent concurrently. lora_path: each request's
+        adapter (--lora-sync adapter), as sglang.Engine's."""
         n, k = len(input_ids), len(self.urls)
         bounds = [n * i // k for i in range(k + 1)]
         parts = [(url, lo, hi) for url, lo, hi in zip(self.urls, bounds, bounds[1:]) if hi > lo]
@@ -219,6 +234,7 @@ class ServerEngine:
                     "input_ids": input_ids[lo:hi],
                     "sampling_params": sampling_params[lo:hi],
                     "return_logprob": return_logprob,
+                    **({"lora_path": lora_path[lo:hi]} if lora_path else {}),
                 },
                 self.timeout_s,
             )
@@ -226,11 +242,14 @@ class ServerEngine:
         ]
         return [out for f in futures for out in f.result()]
 
-    async def async_generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = False) -> dict:
+    async def async_generate(
+        self, input_ids: list[int], sampling_params: dict, return_logprob: bool = False, lora_path: str | None = None
+    ) -> dict:
         """One request (one turn of an episode), on the next URL; the event loop stays free meanwhile."""
         url = self.urls[self._next % len(self.urls)]
         self._next += 1
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
+        payload |= {"lora_path": lora_path} if lora_path else {}
         return await asyncio.wrap_future(in_thread(post, url, "/generate", payload, self.timeout_s), loop=self.loop)
 
     def join_weight_sync(self, infos: list[dict], backend: str, address: str | None):
@@ -364,6 +383,40 @@ class ServerEngine:
 
             wait([in_thread(_abort_process_group, group)], timeout=5)
 
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict, config_dict: dict, load_format=None):
+        """sglang.Engine's call, through the disk: the adapter written to adapter_dir/lora_name (PEFT's format), then
+        each server loads it from there (/load_lora_adapter). A server that refuses it: ServerError, its own words."""
+        from safetensors.torch import save_file  # lazy
+
+        if not self.loaded_adapters:  # a server that outlived its last trainer may hold one of this name
+            for url in self.urls:
+                try:
+                    post(url, "/unload_lora_adapter", {"lora_name": lora_name}, self.timeout_s)
+                except ServerError:
+                    pass  # none: as expected
+        folder = os.path.join(self.adapter_dir, lora_name)
+        os.makedirs(folder, exist_ok=True)
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+            os.path.join(folder, "adapter_model.safetensors"),
+        )
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            json.dump(config_dict, f)
+        for url in self.urls:
+            post(
+                url,
+                "/load_lora_adapter",
+                {"lora_name": lora_name, "lora_path": os.path.abspath(folder)},
+                self.timeout_s,
+            )
+        self.loaded_adapters += 1
+        return {"success": True}
+
+    def unload_lora_adapter(self, lora_name: str):
+        for url in self.urls:
+            post(url, "/unload_lora_adapter", {"lora_name": lora_name}, self.timeout_s)
+        return {"success": True}
+
     def flush_cache(self):
         """The prefix cache holds KV computed with the old weights."""
         for url in self.urls:
@@ -451,8 +504,14 @@ def launch_servers(
         "--cuda-graph-backend-prefill": None if options.prefill_cuda_graph else "disabled",
         "--enable-deterministic-inference": options.deterministic,
         "--log-level": "warning",
+        **{f"--{k.replace('_', '-')}": v for k, v in options.lora_flags().items()},  # --lora-sync adapter
     }
-    args = [str(x) for k, v in flags.items() if v not in (None, False) for x in ((k,) if v is True else (k, v))]
+    args = [
+        str(x)
+        for k, v in flags.items()
+        if v not in (None, False)
+        for x in ((k,) if v is True else (k, *v) if isinstance(v, list) else (k, v))
+    ]
     urls, processes = [], []
     os.makedirs(log_dir, exist_ok=True)
     for first in gpus[::tp_size]:
@@ -566,6 +625,18 @@ def check_nccl_memory(urls: list[str], infos: list[dict]):
             f"they start too: export the same value there, or the first sync fails",
             flush=True,
         )
+
+
+def check_lora(urls: list[str], infos: list[dict], rank: int):
+    """--lora-sync adapter: each server serves LoRA adapters of `rank` (its /server_info: enable_lora, max_lora_rank);
+    a server that does not is bad input, named with the flags it needs."""
+    for url, info in zip(urls, infos):
+        if rank and not (info.get("enable_lora") and (info.get("max_lora_rank") or 0) >= rank):
+            raise ServerError(
+                f"rollout server {url} serves no LoRA adapter of rank {rank} (enable_lora {info.get('enable_lora')}, "
+                f"max_lora_rank {info.get('max_lora_rank')}): start it with --enable-lora --max-lora-rank {rank} "
+                f"--lora-target-modules <the adapted layers>, or train with --lora-sync merge"
+            )
 
 
 def check_graphs(urls: list[str], infos: list[dict], batch: int):

@@ -12,6 +12,8 @@
         --png bench/results/variants_addition.png --summary bench/results/summary.json    # run_variants.sh's; --task tools
     python bench/report.py deterministic runs/det --out bench/results/deterministic_smollm2_h100.json \
         --summary bench/results/summary.json                                             # run_deterministic.sh's
+    python bench/report.py lora runs/lora --out bench/results/lora_h100.json --png bench/results/lora_addition_h100.png \
+        --summary bench/results/summary.json                                              # run_lora.sh's three parts
 """
 
 import json
@@ -31,13 +33,14 @@ from plot import draw, plot_metric, read_metrics, subplots  # noqa: E402  (the r
 @dataclass
 class Args:
     kind: tyro.conf.Positional[
-        Literal["arith", "memory", "scaling", "tools", "server", "rm", "variants", "deterministic"]
+        Literal["arith", "memory", "scaling", "tools", "server", "rm", "variants", "deterministic", "lora"]
     ]
     """arith: accuracy summary + curve; memory: per-phase memory and time; scaling: tokens/s by GPU count;
     tools: accuracy and tool use with and without tools; server: colocate vs server vs async (run_server.sh);
     rm: run_rm.sh's pairs, reward model and GRPO against it;
     variants: the policy losses, advantages and corrections of one task side by side (run_variants.sh);
-    deterministic: --deterministic-rollout twice and a normal run, same seed (run_deterministic.sh)"""
+    deterministic: --deterministic-rollout twice and a normal run, same seed (run_deterministic.sh);
+    lora: full fine-tuning vs LoRA ranks on addition, a 7B shape on one GPU, sync seconds merge vs adapter (run_lora.sh)"""
     run_dir: tyro.conf.Positional[str]
     """the run folder grpo.py / ppo.py wrote (scaling, tools: the folder holding run_scaling.sh's or run_tools.sh's runs)"""
     out: str
@@ -61,7 +64,8 @@ class Args:
     on addition with 4 updates a batch (the ratios move off 1: the clip ranges act)"""
     summary: str | None = None
     """variants: bench/results/summary.json, whose key `variants` gets this task's final accuracies (deterministic:
-    `deterministic_rollout_cost`, `deterministic_mismatch_kl`)"""
+    `deterministic_rollout_cost`, `deterministic_mismatch_kl`; lora: lora_acc_vs_full, lora_7b_one_gpu_peak_gib,
+    lora_sync_s)"""
 
 
 def memory_summary(train):
@@ -596,6 +600,183 @@ def variants(a: Args):
             json.dump(summary, f, indent=1)
 
 
+def peak_gib(train, which: str = "device_peak") -> float | None:
+    """The most GiB any phase of any step reached: `device_peak` (the whole GPU: SGLang's processes too; beside other
+    runs on the GPU, theirs too) or `peak` (this training process's own tensors). None: not logged (a CPU run)."""
+    device = which == "device_peak"  # "_peak_gib" ends "_device_peak_gib" too
+    values = [
+        v
+        for r in train
+        for k, v in r.items()
+        if k.startswith("memory/") and k.endswith(f"_{which}_gib") and (device or not k.endswith("_device_peak_gib"))
+    ]
+    return max(values) if values else None
+
+
+def run_end(log: str) -> str:
+    """run_lora.sh's last '=== exit RC STATUS SECONDS' line of a run's log: ok, oom, fail(RC); 'not run' without."""
+    ends = [line.split() for line in open(log)] if os.path.isfile(log) else []
+    ends = [x for x in ends if x[:2] == ["===", "exit"]]
+    return ends[-1][3] if ends and len(ends[-1]) > 3 else ("not run" if not ends else f"exit {ends[-1][2]}")
+
+
+def lora(a: Args):
+    """run_lora.sh's parts, those present: acc (full fine-tuning vs LoRA ranks, held-out accuracy by updates on one
+    figure, peak memory, step seconds), 7b (a 7B shape on one GPU: LoRA's memory and seconds by phase, full fine-tuning's
+    end), sync (seconds merge vs adapter). Never a number that was not measured: a part that is missing is left out."""
+    out, summary = {"command": a.command, "note": a.note}, {}
+    acc = {}
+    for name in ("full", "r1", "r8", "r32", "r8a"):  # r8a: rank 8 with --lora-sync adapter
+        path = os.path.join(a.run_dir, "acc", name)
+        if not os.path.isfile(os.path.join(path, "metrics.jsonl")):
+            continue
+        train, evals, info, args = load(path)
+        evals, timed = sorted(evals, key=lambda r: r["step"]), train[1:] or train  # step 1: start-up's warm-up
+        acc[name] = {
+            "model": os.path.basename(args["model"].rstrip("/")),
+            "lora_rank": args.get("lora_rank", 0),
+            "lora_alpha": args.get("lora_alpha") if args.get("lora_rank") else None,
+            "lora_sync": args.get("lora_sync") if args.get("lora_rank") else None,
+            "lr": args["lr"],
+            "steps": len(train),
+            "of_steps": args["steps"],
+            "samples_per_step": args["prompts_per_step"] * args["group_size"],
+            "final_eval_after": evals[-1]["step"] if evals else None,
+            "final_strict_acc": evals[-1]["eval/strict_acc"] if evals else None,
+            "eval_curve": [
+                [r["step"], round(r["eval/strict_acc"], 4), round(r["eval/flexible_acc"], 4)] for r in evals
+            ],
+            "median_step_s": statistics.median(r["perf/step_s"] for r in timed) if timed else None,
+            "update_s_mean": statistics.mean(r.get("time/update", 0.0) for r in timed) if timed else None,
+            "training_process_peak_gib": peak_gib(train, "peak"),
+            "logprob_abs_diff_max": max((r["rollout/logprob_abs_diff"] for r in train), default=None),
+            "gpu": info["gpu"],
+            "date": info["date"],
+            "command": info["command"],
+        }
+    if acc:
+        out["acc"] = {
+            "runs": acc,
+            "columns": {"eval_curve": ["updates", "strict acc (greedy, held out)", "flexible acc"]},
+        }
+        done = {
+            n: r["final_strict_acc"]
+            for n, r in acc.items()
+            if r["steps"] == r["of_steps"] and r["final_strict_acc"] is not None
+        }
+        summary["lora_acc_vs_full"] = {
+            "value": done,
+            "gpu": acc[next(iter(acc))]["gpu"],
+            "date": max(r["date"] for r in acc.values()),
+            "what": "final held-out strict accuracy (greedy, 256 prompts) after the runs' steps, SmolLM2-135M-Instruct on "
+            "addition, side by side on one GPU: full fine-tuning vs LoRA rank 1, 8, 32 at 10x its lr, alpha 32, every linear layer",
+        }
+        print(f"{'run':5} {'rank':>4} {'lr':>7} {'steps':>5} {'final strict':>12} {'s/step':>7} {'peak GiB':>8}")
+        for n, r in acc.items():
+            strict = "-" if r["final_strict_acc"] is None else f"{r['final_strict_acc']:.3f}"
+            step_s = "-" if r["median_step_s"] is None else f"{r['median_step_s']:.2f}"
+            peak = "-" if r["training_process_peak_gib"] is None else f"{r['training_process_peak_gib']:.2f}"
+            print(f"{n:5} {r['lora_rank']:4d} {r['lr']:7.0e} {r['steps']:5d} {strict:>12} {step_s:>7} {peak:>8}")
+        if a.png:
+            fig, ax = subplots(1, 2, figsize=(11, 4))
+            for n, r in acc.items():
+                label = "full fine-tuning" if not r["lora_rank"] else f"LoRA rank {r['lora_rank']}"
+                label += f", lr {r['lr']:g}" + (", adapter sync" if r["lora_sync"] == "adapter" else "")
+                ax[0].plot([p[0] for p in r["eval_curve"]], [p[1] for p in r["eval_curve"]], "o-", label=label)
+                pts = eval_by_time(read_metrics(os.path.join(a.run_dir, "acc", n, "metrics.jsonl")))
+                ax[1].plot([p[1] for p in pts], [p[2] for p in pts], "o-", label=label)
+            ax[0].set_xlabel("updates"), ax[1].set_xlabel("training seconds (sum of step times, side by side)")
+            for x in ax:
+                x.set_ylabel("held-out strict accuracy (greedy)"), x.set_ylim(0, 1), x.legend()
+            first = acc[next(iter(acc))]
+            fig.suptitle(f"{first['model']} on addition: full fine-tuning vs LoRA, side by side on one {first['gpu']}")
+            fig.tight_layout()
+            fig.savefig(a.png, dpi=110)
+    b7 = {}
+    for name in ("lora", "full_offload", "full"):
+        path, log = os.path.join(a.run_dir, "7b", name), os.path.join(a.run_dir, "7b", f"{name}.log")
+        if not os.path.isfile(log):
+            continue
+        entry = {"end": run_end(log)}
+        if os.path.isfile(os.path.join(path, "metrics.jsonl")) and os.path.isfile(os.path.join(path, "run_info.json")):
+            train, _, info, args = load(path)
+            entry.update(
+                lora_rank=args.get("lora_rank", 0),
+                offload=args["offload"],
+                mem_fraction=args["sglang_mem_fraction"],
+                steps=len(train),
+                of_steps=args["steps"],
+                gpu=info["gpu"],
+                date=info["date"],
+                command=info["command"],
+            )
+            if train:
+                entry.update(
+                    device_peak_gib=peak_gib(train),
+                    training_process_peak_gib=peak_gib(train, "peak"),
+                    median_step_s=statistics.median(r["perf/step_s"] for r in (train[1:] or train)),
+                    **memory_summary(train),
+                )
+        b7[name] = entry
+    if b7:
+        out["7b"] = b7
+        lora_run = b7.get("lora", {})
+        if lora_run.get("device_peak_gib") is not None:
+            summary["lora_7b_one_gpu_peak_gib"] = {
+                "value": round(lora_run["device_peak_gib"], 2),
+                "training_process_peak_gib": round(lora_run["training_process_peak_gib"], 2),
+                "median_step_s": round(lora_run["median_step_s"], 2),
+                "full_fine_tuning": {n: r["end"] for n, r in b7.items() if n != "lora"},
+                "gpu": lora_run["gpu"],
+                "date": lora_run["date"],
+                "what": "the whole GPU's peak GiB (SGLang's processes too) over every phase of 5 GRPO steps of a Qwen2.5-7B-"
+                "shaped model (random weights) with LoRA rank 8 on one GPU; full fine-tuning of it on the same GPU: how it ended",
+            }
+        for n, r in b7.items():
+            print(
+                f"7b {n:13} {r['end']:8} "
+                + (
+                    f"peak {r['device_peak_gib'] or '-'} GiB, {r['median_step_s']:.1f} s a step"
+                    if "median_step_s" in r
+                    else ""
+                )
+            )
+    sync = {}
+    for shape in ("1p5b", "7b"):
+        path = os.path.join(a.run_dir, "sync", f"lora_sync_{shape}.json")
+        if os.path.isfile(path):
+            sync[shape] = json.load(open(path))
+    if sync:
+        out["sync"] = sync
+        summary["lora_sync_s"] = {
+            "value": {shape: {way: round(x, 4) for way, x in r["sync_s"].items()} for shape, r in sync.items()},
+            "first_adapter_sync_s": {shape: round(r["first_sync_s"]["adapter"], 3) for shape, r in sync.items()},
+            "gpu": sync[next(iter(sync))]["gpu"],
+            "date": max(r["date"] for r in sync.values()),
+            "what": "median seconds of one weight sync of a LoRA policy (rank 8, every linear layer) to an in-process "
+            "SGLang engine on the same GPU: merge (every weight, adapted ones merged as they are gathered) vs adapter (the "
+            "adapter alone; the base went once, first_adapter_sync_s)",
+        }
+        for shape, r in sync.items():
+            print(
+                f"sync {shape}: merge {r['sync_s']['merge']:.3f} s, adapter {r['sync_s']['adapter']:.3f} s, gaps {r['gap']}"
+            )
+    if not (acc or b7 or sync):
+        raise SystemExit(f"{a.run_dir}: no acc/, 7b/ or sync/ results of bench/run_lora.sh")
+    out["gpu"] = "; ".join(
+        sorted({r["gpu"] for r in [*acc.values(), *sync.values(), *[x for x in b7.values() if "gpu" in x]]})
+    )
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=2)
+    if a.summary:
+        with open(a.summary) as f:
+            whole = json.load(f)
+        for key, entry in summary.items():
+            whole[key] = {**entry, "sources": [os.path.basename(a.out)]}
+        with open(a.summary, "w") as f:
+            json.dump(whole, f, indent=1)
+
+
 DETERMINISTIC_RUNS = ("normal", "det_a", "det_b")
 NOT_REPEATABLE = ("time/", "perf/", "memory/")  # seconds, throughput, memory: every other metric must repeat
 
@@ -730,6 +911,8 @@ def deterministic(a: Args):
 def main(a: Args):
     if a.kind == "deterministic":
         return deterministic(a)
+    if a.kind == "lora":
+        return lora(a)
     if a.kind == "rm":
         return rm(a)
     if a.kind == "variants":

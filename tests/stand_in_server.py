@@ -19,7 +19,8 @@ process, so a test that syncs runs the stand-in in a process of its own, as a re
     python tests/stand_in_server.py MODEL_DIR [--port P]     # prints "ready <url>" once it listens
 
 server.launch_servers(..., command=(sys.executable, "tests/stand_in_server.py")) starts it as it starts
-SGLang's launcher (the flags it does not know are ignored).
+SGLang's launcher (the flags it does not know are ignored). `lora_rank` > 0 (--max-lora-rank): it serves a LoRA
+adapter as SGLang does (/load_lora_adapter from a PEFT folder, /unload_lora_adapter, `lora_path` in /generate).
 """
 
 import json
@@ -52,12 +53,14 @@ class StandInServer:
         sync_fail_at: int = 0,
         sync_hang_at: int = 0,
         health_check_s: float = 20.0,
+        lora_rank: int = 0,
     ):
         self.engine, self.starting, self.delay_s = HFEngine(model_dir, seed=seed), starting, delay_s
         self.sync_fail_at, self.sync_hang_at, self.health_check_s = sync_fail_at, sync_hang_at, health_check_s
         self.buckets, self.stuck = 0, threading.Event()
         self.requests = []  # the /generate payloads received
         self.info = {"model_path": model_dir, "tp_size": 1, "dp_size": 1}  # /server_info (SGLang's has many more)
+        self.info |= {"enable_lora": bool(lora_rank), "max_lora_rank": lora_rank or None}
         self.group, self.syncs = None, 0
         self.events = []  # ["generate", prompts, weight version] and ["flush", version]: GET /stand_in_events
         stand_in = self
@@ -106,6 +109,8 @@ class StandInServer:
                     return self.answer(200, {"success": True, "message": "joined"})
                 if self.path == "/update_weights_from_distributed":
                     return self.answer(*stand_in.receive(payload))
+                if self.path in ("/load_lora_adapter", "/unload_lora_adapter"):
+                    return self.answer(*stand_in.adapter(self.path, payload))
                 if self.path == "/flush_cache":  # once per weight sync: the weights' version
                     stand_in.events.append(["flush", sum(e[0] == "flush" for e in stand_in.events) + 1])
                     return self.answer(200, "Cache flushed.")
@@ -119,10 +124,12 @@ class StandInServer:
                 batch = isinstance(payload["input_ids"][0], list)
                 ids = payload["input_ids"] if batch else [payload["input_ids"]]
                 params = payload["sampling_params"] if batch else [payload["sampling_params"]]
+                loras = payload.get("lora_path") or [None] * len(ids)
+                loras = loras if isinstance(loras, list) else [loras]
                 with GENERATE:  # each request alone, with its own seed, as SGLang samples it
                     outs = [
-                        stand_in.engine.generate([p], [sp], payload.get("return_logprob", False))[0]
-                        for p, sp in zip(ids, params)
+                        stand_in.engine.generate([p], [sp], payload.get("return_logprob", False), lora and [lora])[0]
+                        for p, sp, lora in zip(ids, params, loras)
                     ]
                 self.answer(200, outs if batch else outs[0])
 
@@ -163,6 +170,23 @@ class StandInServer:
         self.syncs += 1
         return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
+    def adapter(self, path: str, payload: dict) -> tuple[int, dict]:
+        """SGLang's /load_lora_adapter (a PEFT folder on this machine) and /unload_lora_adapter: 400 on a failure."""
+        from safetensors.torch import load_file
+
+        if not self.info["enable_lora"]:
+            return 400, {"success": False, "error_message": "LoRA is not enabled. Please set `--enable-lora`"}
+        with GENERATE:
+            if path == "/unload_lora_adapter":
+                result = self.engine.unload_lora_adapter(payload["lora_name"])
+            else:
+                with open(os.path.join(payload["lora_path"], "adapter_config.json")) as f:
+                    config = json.load(f)
+                tensors = load_file(os.path.join(payload["lora_path"], "adapter_model.safetensors"))
+                result = self.engine.load_lora_adapter_from_tensors(payload["lora_name"], tensors, config)
+        self.events.append(["lora", path, payload["lora_name"]])
+        return (200 if result["success"] else 400), result
+
     def start(self) -> "StandInServer":
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
         return self
@@ -181,6 +205,7 @@ if __name__ == "__main__":  # python tests/stand_in_server.py MODEL_DIR [--port 
     parser.add_argument("--sync-fail-at", type=int, default=0)
     parser.add_argument("--sync-hang-at", type=int, default=0)
     parser.add_argument("--health-check-s", type=float, default=20.0)
+    parser.add_argument("--max-lora-rank", type=int, default=0)
     cli, rest = parser.parse_known_args()  # the rest of launch_servers' flags mean nothing on a CPU
     server = StandInServer(
         cli.model_path or rest[0],
@@ -188,6 +213,7 @@ if __name__ == "__main__":  # python tests/stand_in_server.py MODEL_DIR [--port 
         sync_fail_at=cli.sync_fail_at,
         sync_hang_at=cli.sync_hang_at,
         health_check_s=cli.health_check_s,
+        lora_rank=cli.max_lora_rank,
     )
     print(f"ready {server.url}", flush=True)
     server.http.serve_forever()

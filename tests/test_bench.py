@@ -357,3 +357,74 @@ def test_deterministic_report_compares_the_two_runs_and_prices_the_mode(tmp_path
     r = json.loads(out.read_text())
     assert not r["repeatable"]["metrics_identical"] and r["repeatable"]["samples_identical"]
     assert r["repeatable"]["first_difference"].startswith("step 3: train/loss 0.1666")
+
+
+def fake_lora_run(folder, rank, evals, step_s, peak, of_steps=3, gpu="H"):
+    """A run_lora.sh run folder: steps with their seconds and memory, evaluations at `evals` (step -> strict acc)."""
+    os.makedirs(folder)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for step, s in enumerate(step_s, 1):
+            row = {"step": step, "train/loss": 0.0, "perf/step_s": s, "time/update": s / 2}
+            row |= {
+                "rollout/logprob_abs_diff": 0.03,
+                "memory/update_peak_gib": peak,
+                "memory/update_device_peak_gib": 2 * peak,
+            }
+            f.write(json.dumps(row) + "\n")
+        for step, acc in evals.items():
+            f.write(json.dumps({"step": step, "eval/strict_acc": acc, "eval/flexible_acc": acc}) + "\n")
+    json.dump({"gpu": gpu, "date": "d", "command": "c"}, open(os.path.join(folder, "run_info.json"), "w"))
+    args = {"model": "/m/SmolLM2-135M-Instruct", "lora_rank": rank, "lora_alpha": 32.0, "lr": 1e-4 if rank else 1e-5}
+    args |= {"steps": of_steps, "prompts_per_step": 16, "group_size": 8, "offload": False, "sglang_mem_fraction": 0.5}
+    json.dump(args, open(os.path.join(folder, "args.json"), "w"))
+
+
+def test_lora_report_of_run_lora_parts(tmp_path):
+    """report.py lora: the accuracy runs (final strict accuracy of finished runs, median step seconds after step 1,
+    the training process's peak), the 7B runs' ends from run_lora.sh's exit lines (an out-of-memory run has no metrics),
+    the sync seconds; the three summary keys; a part not there is left out, never made up."""
+    root = tmp_path / "lora"
+    fake_lora_run(root / "acc" / "full", 0, {0: 0.0, 3: 0.75}, [9.0, 2.0, 4.0], 3.0)
+    fake_lora_run(root / "acc" / "r8", 8, {0: 0.0, 3: 0.5}, [9.0, 1.0, 1.0], 1.5)
+    fake_lora_run(root / "acc" / "r1", 1, {0: 0.0}, [9.0], 1.5)  # stopped after 1 of 3 steps: no final accuracy
+    fake_lora_run(root / "7b" / "lora", 8, {}, [30.0, 10.0, 12.0], 40.0, of_steps=3)
+    (root / "7b" / "lora.log").write_text("=== 2026 lora\nstep 1/3 | ...\n=== exit 0 ok 200s\n")
+    (root / "7b" / "full_offload.log").write_text(
+        "=== 2026 full_offload\ntorch.OutOfMemoryError: ...\n=== exit 1 oom 90s\n"
+    )
+    os.makedirs(root / "sync")
+    sync = {
+        "gpu": "H",
+        "date": "d",
+        "sync_s": {"merge": 1.2, "adapter": 0.05},
+        "first_sync_s": {"merge": 2, "adapter": 1.3},
+    }
+    (root / "sync" / "lora_sync_7b.json").write_text(json.dumps({**sync, "gap": {"merge": 0.01}}))
+    summary, out, png = tmp_path / "summary.json", tmp_path / "lora.json", tmp_path / "lora.png"
+    summary.write_text(json.dumps({"other": {"value": 1}}))
+    cmd = [
+        sys.executable,
+        "bench/report.py",
+        "lora",
+        str(root),
+        "--out",
+        str(out),
+        "--png",
+        str(png),
+        "--summary",
+        str(summary),
+    ]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    r = json.loads(out.read_text())
+    full, r8 = r["acc"]["runs"]["full"], r["acc"]["runs"]["r8"]
+    assert (full["final_strict_acc"], full["median_step_s"], full["training_process_peak_gib"]) == (0.75, 3.0, 3.0)
+    assert (r8["lora_rank"], r8["lr"], r8["median_step_s"]) == (8, 1e-4, 1.0) and r8["eval_curve"][-1] == [3, 0.5, 0.5]
+    assert r["7b"]["lora"]["end"] == "ok" and r["7b"]["lora"]["device_peak_gib"] == 80.0
+    assert r["7b"]["full_offload"] == {"end": "oom"} and "full" not in r["7b"]  # not run: no log
+    assert r["sync"]["7b"]["sync_s"] == {"merge": 1.2, "adapter": 0.05} and "1p5b" not in r["sync"]
+    s = json.loads(summary.read_text())
+    assert s["other"] == {"value": 1} and s["lora_acc_vs_full"]["value"] == {"full": 0.75, "r8": 0.5}  # r1 unfinished
+    assert s["lora_7b_one_gpu_peak_gib"]["value"] == 80.0
+    assert s["lora_7b_one_gpu_peak_gib"]["full_fine_tuning"] == {"full_offload": "oom"}
+    assert s["lora_sync_s"]["value"] == {"7b": {"merge": 1.2, "adapter": 0.05}}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -177,7 +177,7 @@ def test_offload_moves_every_model_and_optimizer_while_generating():
     import memory  # record what sync_weights and move_optimizer (tested on their own) are asked to do
 
     real = memory.sync_weights, memory.move_optimizer
-    memory.sync_weights = lambda model, engine, bucket_bytes, tp_group, dtype: events.append(("sync", ""))
+    memory.sync_weights = lambda model, engine, bucket_bytes, tp_group, dtype, adapter: events.append(("sync", ""))
     memory.move_optimizer = lambda opt, device: events.append((opt.name, str(device)))
     try:
         wake_up(engine, policy=policy, models=models, optimizers=optimizers, offload=True, mem=MemoryLog())

@@ -336,6 +336,8 @@ def test_existing_run_is_not_overwritten(trained_tiny_model_dir, tmp_path):
         (["--group-size", "1"], "--group-size 1"),
         (["--prompts-per-step", "3"], "--prompts-per-step 3 must be >= 1 and divide by the 2 ranks"),
         (["--dataset", "no/such/file.jsonl"], "no/such/file.jsonl"),
+        (["--lora-rank", "-1"], "--lora-rank -1 must be >= 0"),
+        (["--lora-rank", "4", "--lora-targets", "qkv"], "--lora-targets qkv match no linear layer of --model"),
     ],
 )
 def test_bad_input_fails_clearly_and_writes_nothing(tiny_model_dir, tmp_path, extra, message):
@@ -395,9 +397,15 @@ def test_ppo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
 
 
 def test_ppo_torchrun_two_ranks(trained_tiny_model_dir, tmp_path):
+    """Two gloo ranks, offload, with --lora-rank (issue 42): the actor's adapter, the critic's own and its head
+    trained, the reference the actor's adapter off, the engine's weights merged."""
     run_grpo(
         trained_tiny_model_dir,
         tmp_path,
+        "--lora-rank",
+        "4",
+        "--lr",
+        "1e-3",
         "--steps",
         "3",
         "--eval-every",
@@ -421,6 +429,8 @@ def test_ppo_torchrun_two_ranks(trained_tiny_model_dir, tmp_path):
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(r["rollout/logprob_abs_diff"] < 0.05 for r in train)
     assert any(r["train/kl_per_response"] != 0 for r in train[1:])
+    assert all(r["critic/grad_norm"] > 0 for r in train)  # the critic's adapter and head train
+    assert {"adapter", "critic", "model"} <= set(os.listdir(tmp_path / "r" / "checkpoints" / "step_000003"))
 
 
 def test_evaluate_script_on_a_checkpoint(trained_tiny_model_dir, tmp_path):
