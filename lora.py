@@ -285,7 +285,9 @@ class GapCheck:
             raise RunFailed(
                 f"step {step}: the sampler-trainer log-prob gap {gap:.3g} is over {self.ratio:g}x its level at the "
                 f"first step ({self.level:.3g}) + {GAP_FLOOR}: the engine is not generating with the trained weights "
-                f"(a weight or adapter sync that did not arrive); --lora-gap-ratio 0 turns this check off"
+                f"(a weight or adapter sync that did not arrive; with --lora-sync merge also an update finer than bf16's "
+                f"step at the base weights, lost when merged: --lora-sync adapter keeps it); --lora-gap-ratio 0 turns "
+                f"this check off"
             )
 
 
@@ -311,7 +313,7 @@ def lora_rules(a, given: set[str]) -> list[tuple[str, object, bool, str]]:
             "--lora-sync",
             a.lora_sync,
             a.lora_sync == "merge" or not a.rollout_tp > 1,
-            "merge with --rollout-tp > 1 (an adapter over TP workers is not tested here)",
+            "merge with --rollout-tp > 1: pass --lora-sync merge (an adapter over TP workers is not tested here)",
         ),
     ]
 

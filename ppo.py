@@ -212,9 +212,10 @@ class Args:
     """the adapters' scale is lora_alpha / lora_rank"""
     lora_targets: tuple[str, ...] = ("all-linear",)
     """linear layers that get an adapter: all-linear (every one of the decoder layers, MLP too), or names (q_proj v_proj)"""
-    lora_sync: Literal["merge", "adapter"] = "merge"
-    """how the engine gets the actor's adapter: merge (W + alpha/r B A as weights: any engine or server); adapter
-    (SGLang with LoRA on: the base once, then the adapter alone each step, and every request names it)"""
+    lora_sync: Literal["merge", "adapter"] = "adapter"
+    """how the engine gets the adapter: adapter (SGLang with LoRA on: the base once, then the adapter alone each step,
+    every request names it); merge (W + alpha/r B A as bf16 weights: any engine or server, --rollout-tp > 1 too, but an
+    update finer than bf16's step at W is lost in the rounding: README, LoRA)"""
     lora_gap_ratio: float = 3.0
     """the run fails when the sampler-trainer log-prob gap exceeds this x its first step's + 0.01: the engine does not
     hold the trained weights (lora.GapCheck); 0: no check (nor with --async-rollout, one update stale by design)"""

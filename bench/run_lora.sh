@@ -2,14 +2,15 @@
 # Issue 42: LoRA on ONE GPU (bench/results/lora_*). Three parts, each sized for one call of the GPU machine (~9 min):
 #   acc   SmolLM2-135M-Instruct on addition, STEPS (60) steps, four runs side by side: full fine-tuning at LR (1e-5,
 #         today's runs') and LoRA rank 1, 8, 32 at LORA_LR (1e-4: ~10x, as "LoRA Without Regret"), alpha 32, every
-#         linear layer, the adapter merged into SGLang's weights (RUNS="... r8a": rank 8 with --lora-sync adapter too);
+#         linear layer, SGLang serving the adapter (--lora-sync adapter, the default; a name ending in m, e.g. r8m: the
+#         adapter merged into SGLang's weights, --lora-sync merge; in a: adapter, named);
 #         --eval-every 20 on 256 held-out prompts; SGLang at MEM (0.1) each, launched 20 s apart;
 #         PROMPTS x GROUP (16 x 8) samples of at most MAX_NEW (128) tokens a step (run_variants.sh: 32 x 8 x 256, 7-13 s
 #         a step three at once: 60 steps would not fit a call); with DEADLINE each run saves and stops in time, and the
 #         same command continues them (--resume) while OUTDIR is there
 #   7b    a Qwen2.5-7B-shaped model (random weights): LoRA rank 8 with --lora-sync adapter (SGLang serves the adapter,
 #         the base synced once), 5 steps (memory and seconds by phase), then full
-#         fine-tuning of it, 2 steps, with --offload (the least memory it takes) and, if that fits, without; each under
+#         fine-tuning of it, 2 steps, and where that does not fit, with --offload in the time DEADLINE leaves; each under
 #         `timeout` (an out-of-memory end is a result: its log says so, and `run` prints oom)
 #   sync  bench/lora_sync_bench.py at 1.5B and 7B shapes: sync seconds, merge vs adapter (SGLang with LoRA on)
 #   all   the three in order (a part already done is skipped)
@@ -63,8 +64,9 @@ acc() {
     [ "$(left)" -lt 150 ] && break  # too little time to start and train
     while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done
     local flags=(--lr "${LR:-1e-5}") resume=() limit=()
-    [ "$name" != full ] && flags=(--lr "${LORA_LR:-1e-4}" --lora-rank "$(echo "${name#r}" | tr -d a)")
+    [ "$name" != full ] && flags=(--lr "${LORA_LR:-1e-4}" --lora-rank "$(echo "${name#r}" | tr -d am)")
     [ "${name%a}" != "$name" ] && flags+=(--lora-sync adapter)  # r8a: rank 8, SGLang serving the adapter
+    [ "${name%m}" != "$name" ] && flags+=(--lora-sync merge)    # r8m: rank 8, merged into the engine's weights
     [ -d "$OUTDIR/acc/$name" ] && resume=(--resume)  # stopped before its first checkpoint: from step 0
     [ -n "$DEADLINE" ] && limit=(timeout -s TERM -k 60 "$(left)")  # SIGTERM: it saves the finished steps, exits
     echo "=== $(date -u +%FT%TZ) $name ${resume[*]}" >> "$OUTDIR/acc/$name.log"
@@ -86,9 +88,11 @@ b7() {
   common=(--model "$m" --prompts-per-step 16 --group-size 8 --max-new-tokens 128 --micro-batch-size 8
           --gradient-checkpointing --sglang-mem-fraction "${MEM_7B:-0.5}" --eval-every 0 --save-every -1)
   grep -q "=== exit 0 ok" "$OUTDIR/7b/lora.log" 2>/dev/null || run 7b lora 420 "${common[@]}" --steps 5 --lr 1e-5 --lora-rank 8 --lora-sync adapter
-  grep -q "=== exit" "$OUTDIR/7b/full_offload.log" 2>/dev/null || run 7b full_offload 360 "${common[@]}" --steps 2 --lr 1e-6 --offload
-  if grep -q "=== exit 0 ok" "$OUTDIR/7b/full_offload.log" && ! grep -q "=== exit" "$OUTDIR/7b/full.log" 2>/dev/null; then
-    run 7b full 360 "${common[@]}" --steps 2 --lr 1e-6  # --offload fit: does it without?
+  grep -q "=== exit" "$OUTDIR/7b/full.log" 2>/dev/null || run 7b full 300 "${common[@]}" --steps 2 --lr 1e-6
+  # full fine-tuning that did not fit: what --offload costs, in the time left (DEADLINE)
+  if ! grep -q "=== exit 0 ok" "$OUTDIR/7b/full.log" && ! grep -q "=== exit" "$OUTDIR/7b/full_offload.log" 2>/dev/null \
+    && [ "$(left)" -gt 240 ]; then
+    run 7b full_offload $(( $(left) > 390 ? 360 : $(left) - 30 )) "${common[@]}" --steps 2 --lr 1e-6 --offload
   fi
   grep -h "^=== exit\|^step " "$OUTDIR"/7b/*.log | cut -c1-150
   pack 7b

@@ -423,7 +423,10 @@ def test_lora_report_of_run_lora_parts(tmp_path):
     assert r["7b"]["full_offload"] == {"end": "oom"} and "full" not in r["7b"]  # not run: no log
     assert r["sync"]["7b"]["sync_s"] == {"merge": 1.2, "adapter": 0.05} and "1p5b" not in r["sync"]
     s = json.loads(summary.read_text())
-    assert s["other"] == {"value": 1} and s["lora_acc_vs_full"]["value"] == {"full": 0.75, "r8": 0.5}  # r1 unfinished
+    assert s["other"] == {"value": 1} and s["lora_acc_vs_full"]["value"] == {
+        "full": {"strict": 0.75, "flexible": 0.75},
+        "r8": {"strict": 0.5, "flexible": 0.5},
+    }  # r1 unfinished
     assert s["lora_7b_one_gpu_peak_gib"]["value"] == 80.0
     assert s["lora_7b_one_gpu_peak_gib"]["full_fine_tuning"] == {"full_offload": "oom"}
     assert s["lora_sync_s"]["value"] == {"7b": {"merge": 1.2, "adapter": 0.05}}
