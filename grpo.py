@@ -748,6 +748,7 @@ def check_args(args: Args, world_size: int):
                 ),
                 deterministic=a.deterministic_rollout,
                 attention_backend=a.sglang_attention_backend,
+                rollout_tp=a.rollout_tp,
             ),  # K, T, the eval batch; --deterministic-rollout's attention
             ("--eval-top-p", a.eval_top_p, 0 < a.eval_top_p <= 1, "in (0, 1]"),
             ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
@@ -931,7 +932,12 @@ def main(args: Args):
     engines = engine_count(
         world_size, args.rollout_tp, (len(args.rollout_url) or args.rollout_gpus // args.rollout_tp) * server
     )
-    per_engine = max(args.prompts_per_step * args.group_size, args.num_eval_prompts * args.eval_samples) // engines
+    # decode graphs up to the samples an engine gets at once: a step's, or an evaluation's up to 1024 (beyond, the few
+    # large evaluations decode without graphs rather than every start capturing thousands of batch sizes)
+    per_engine = max(
+        args.prompts_per_step * args.group_size // engines,
+        min(args.num_eval_prompts * args.eval_samples // engines, 1024),
+    )
     sglang = SGLangOptions(
         mem_fraction=args.sglang_mem_fraction,
         tp_size=args.rollout_tp,

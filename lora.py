@@ -312,7 +312,7 @@ def lora_rules(a, given: set[str]) -> list[tuple[str, object, bool, str]]:
         (
             "--lora-sync",
             a.lora_sync,
-            a.lora_sync == "merge" or not a.rollout_tp > 1,
+            not rank or a.lora_sync == "merge" or not a.rollout_tp > 1,
             "merge with --rollout-tp > 1: pass --lora-sync merge (an adapter over TP workers is not tested here)",
         ),
     ]

@@ -159,19 +159,22 @@ def sampling_rules(
     engines: int,
     deterministic: bool,
     attention_backend: str,
+    rollout_tp: int = 1,
 ) -> list[tuple[str, object, bool, str]]:
-    """check_flags' rules for sampled evaluation (an evaluation sends each engine its share of the held-out prompts x K
-    at once: beyond ENGINE_BATCH the samples don't fit the engine's batch) and for --deterministic-rollout (SGLang's
-    mode runs on DETERMINISTIC_ATTENTION only: any other backend is an error of SGLang's start, after the imports)."""
+    """check_flags' rules for sampled evaluation (each engine gets its share of the held-out prompts x K in calls of
+    ENGINE_BATCH at most; with --rollout-tp > 1 in one call, as the group's ranks must make the same calls: there the
+    samples must fit the engine's batch) and for --deterministic-rollout (SGLang's mode runs on DETERMINISTIC_ATTENTION
+    only: any other backend is an error of SGLang's start, after the imports)."""
     K, T, fits = eval_samples, eval_temperature, ENGINE_BATCH * max(engines, 1) // max(num_eval_prompts, 1)
     return [
         ("--eval-samples", K, 0 <= K <= 1024, ">= 0 (0: greedy only) and at most 1024"),
         (
             "--eval-samples",
             K,
-            not 0 <= K <= 1024 or K <= fits,
-            f"at most {fits} with --num-eval-prompts {num_eval_prompts} on {engines} engine(s): an evaluation sends "
-            f"each engine its prompts x K samples at once, and an SGLang engine runs {ENGINE_BATCH} at most",
+            not 0 <= K <= 1024 or K <= fits or rollout_tp == 1,
+            f"at most {fits} with --num-eval-prompts {num_eval_prompts} on {engines} engine(s) of --rollout-tp "
+            f"{rollout_tp}: a TP group evaluates its prompts x K samples at once, and an SGLang engine runs "
+            f"{ENGINE_BATCH} at most",
         ),
         (
             "--eval-temperature",

@@ -418,20 +418,27 @@ def generate_groups(
     tokenizer=None,
     tp: TPGroup | None = None,
     tool_use: "ToolUse | None" = None,
+    max_requests: int = 4096,
 ) -> list[list[Sample]]:
     """k samples of each prompt, the j-th with seed seed_for(seeds[i], j) (`seeds`: one a prompt, e.g. from its index
-    among the held-out prompts: the same samples on any number of ranks), as [prompt][k] (pass@k and maj@k's input)."""
-    ids = [p for p in prompt_ids for _ in range(k)]
-    samples = generate(
-        engine,
-        ids,
-        [seed_for(s, j) for s in seeds for j in range(k)],
-        sampling=sampling,
-        tokenizer=tokenizer,
-        tp=tp,
-        tool_use=tool_use,
-    )
-    return [samples[i : i + k] for i in range(0, len(samples), k)]
+    among the held-out prompts: the same samples on any number of ranks), as [prompt][k] (pass@k and maj@k's input).
+    At most `max_requests` a call (SGLang 0.5.16 runs up to 4096 at once; GSM8K's 1319 test prompts x 16 are 21k),
+    in one call with a TP group (its ranks must make as many calls: preflight.sampling_rules caps K there)."""
+    per_call = len(prompt_ids) if tp is not None else max(max_requests // max(k, 1), 1)  # prompts a call
+    groups = []
+    for lo in range(0, len(prompt_ids), per_call):
+        ids = [p for p in prompt_ids[lo : lo + per_call] for _ in range(k)]
+        samples = generate(
+            engine,
+            ids,
+            [seed_for(s, j) for s in seeds[lo : lo + per_call] for j in range(k)],
+            sampling=sampling,
+            tokenizer=tokenizer,
+            tp=tp,
+            tool_use=tool_use,
+        )
+        groups += [samples[i : i + k] for i in range(0, len(samples), k)]
+    return groups
 
 
 def send(

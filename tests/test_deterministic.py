@@ -116,11 +116,6 @@ def test_a_users_server_without_deterministic_inference_is_refused(tiny_model_di
         ({"eval_temperature": -0.5}, "--eval-temperature -0.5 must be >= 0"),
         ({"eval_samples": 4, "eval_temperature": 0.0}, "--eval-temperature 0.0 must be > 0 with --eval-samples"),
         (
-            {"eval_samples": 32, "num_eval_prompts": 256},
-            "--eval-samples 32 must be at most 16 with --num-eval-prompts 256 on 1 engine(s): an evaluation sends each "
-            "engine its prompts x K samples at once, and an SGLang engine runs 4096 at most",
-        ),
-        (
             {"deterministic_rollout": True, "sglang_attention_backend": "torch_native"},
             "--sglang-attention-backend torch_native must be one of ascend, fa3, fa4, flashinfer, triton with "
             "--deterministic-rollout",
@@ -142,7 +137,44 @@ def test_bad_sampling_flags_are_one_line(flags, message):
         with pytest.raises(InputError, match="^" + re.escape(message)):
             evaluate.main(evaluate.Args(model="no-model", **ours))
     grpo.check_args(grpo.Args(eval_samples=16, num_eval_prompts=256, deterministic_rollout=True), world_size=1)
-    grpo.check_args(grpo.Args(eval_samples=32, num_eval_prompts=256), world_size=2)  # 4096 each on 2 engines
+    grpo.check_args(grpo.Args(eval_samples=32, num_eval_prompts=1319), world_size=1)  # 42k: in calls of 4096
+
+
+def test_a_tp_group_evaluates_in_one_call_so_its_k_must_fit():
+    """With --rollout-tp > 1 the group's ranks make one generate call each (a chunked evaluation could make them
+    differ): prompts x K beyond an engine's 4096 requests is refused in one line; without TP it runs in chunks."""
+    import grpo
+    import ppo
+
+    message = (
+        "--eval-samples 32 must be at most 16 with --num-eval-prompts 256 on 1 engine(s) of --rollout-tp 2: a TP group "
+        "evaluates its prompts x K samples at once, and an SGLang engine runs 4096 at most"
+    )
+    for script in (grpo, ppo):
+        with pytest.raises(InputError, match="^" + re.escape(message)):
+            script.check_args(script.Args(eval_samples=32, num_eval_prompts=256, rollout_tp=2), world_size=2)
+
+
+def test_generate_groups_sends_at_most_max_requests_a_call_with_the_same_seeds():
+    """Hand-computed: 5 prompts x K=4 with max_requests 8: calls of 2, 2 and 1 prompts (8, 8, 4 requests); each
+    sample keeps the seed it has in one call (seed_for(prompt's seed, j)), so chunking changes no sample."""
+    from data import seed_for
+    from rollout import Sampling, generate_groups
+
+    calls = []
+
+    class Engine:
+        def generate(self, input_ids, sampling_params, return_logprob=False, **_):
+            calls.append([p["sampling_seed"] for p in sampling_params])
+            meta = {"finish_reason": {"type": "stop"}, "output_token_logprobs": [(-0.5, 7, None)]}
+            return [{"output_ids": [7], "meta_info": meta} for _ in input_ids]
+
+    sampling = Sampling(max_new_tokens=4, stop_ids=[7], temperature=1.0)
+    groups = generate_groups(
+        Engine(), [[1], [2], [3], [4], [5]], 4, seeds=[10, 11, 12, 13, 14], sampling=sampling, max_requests=8
+    )
+    assert [len(c) for c in calls] == [8, 8, 4] and [len(g) for g in groups] == [4] * 5
+    assert sum(calls, []) == [seed_for(s, j) for s in (10, 11, 12, 13, 14) for j in range(4)]
 
 
 def test_deterministic_rollout_on_another_attention_is_one_line_before_anything_loads(tmp_path):
