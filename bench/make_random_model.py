@@ -9,6 +9,8 @@ are the tokenizer's, so random generations almost always run to the length limit
 for memory. `--stop-tokens K` adds K more stop ids (generation_config.json's eos_token_id): a random model samples
 near-uniformly over its vocabulary V, so each token ends a sample with probability ~K/V and the lengths are
 geometric, mean ~V/K, the longest of n samples ~(V/K) ln n: a thin long tail, as a reasoning model's lengths have.
+Checked: the 1.5B shape with 380 ids, mean 406 (bench/results/server_tail_1p5b_h200x4.json); the SmolLM2 shape
+with 200 ids fell into repeats instead (48 samples on a CPU: 31 ran to 1500 tokens): look at the lengths first.
 
     python bench/make_random_model.py --shape 1.5b --tokenizer $SMOLLM2 --stop-tokens 400 --out /tmp/models/tail
 """
