@@ -384,6 +384,211 @@ CORRECTION_CONSOLE = [
 ]
 
 # ----------------------------------------------------------------------------------------------
+# Flags: each checked before anything loads, and the defaults that depend on other flags
+
+
+def check_args(args: Args, world_size: int):
+    """Bad input fails here, before anything is loaded or written."""
+    per_rank = args.prompts_per_step // world_size * args.group_size
+    a, server = args, args.rollout_mode == "server"
+    local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count()
+    check_flags(
+        [  # (flag, value, holds, what it must be)
+            ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
+            (
+                "--prompts-per-step",
+                a.prompts_per_step,
+                a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
+                f">= 1 and divide by the {world_size} ranks",
+            ),
+            ("--group-size", a.group_size, a.group_size >= 2, ">= 2: GRPO compares completions of one prompt"),
+            ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
+            ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
+            ("--lr", a.lr, a.lr > 0, "> 0"),
+            ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
+            ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
+            ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
+            ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
+            (
+                "--max-tokens-per-micro-batch",
+                a.max_tokens_per_micro_batch,
+                a.max_tokens_per_micro_batch >= 0,
+                ">= 0 (0: off)",
+            ),
+            ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
+            (
+                "--num-minibatches",
+                a.num_minibatches,
+                a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
+                f">= 1 and divide the {per_rank} samples per rank",
+            ),
+            ("--beta", a.beta, a.beta >= 0, ">= 0"),
+            (
+                "--kl-estimator",
+                a.kl_estimator,
+                a.kl_estimator != "k1" or a.beta == 0 or a.kl_in_reward,
+                "k2 or k3 in the "
+                "loss (--beta > 0): k1's gradient there is that of log p, zero in expectation; k1 belongs in the reward (--kl-in-reward)",
+            ),
+            ("--temperature", a.temperature, a.temperature > 0, "> 0"),
+            ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
+            (
+                "--scale-rewards",
+                a.scale_rewards,
+                a.scale_rewards or a.advantage == "grpo",
+                "with --advantage grpo (rloo and reinforce++ divide by no group's std)",
+            ),
+            ("--clip-low", a.clip_low, 0 <= a.clip_low <= 1, "in [0, 1] (1: no lower bound)"),
+            ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
+            (
+                "--sapo-tau",
+                a.sapo_tau,
+                a.sapo_tau is None or (0 < min(a.sapo_tau) <= max(a.sapo_tau) < math.inf and a.policy_loss == "sapo"),
+                "POS NEG, finite and > 0, with --policy-loss sapo",
+            ),
+            (
+                "--tis-cap",
+                a.tis_cap,
+                a.tis_cap is None or a.tis_cap > 0 or (a.tis_cap == 0 and a.rollout_correction != "tis"),
+                "> 0 (0: no tis with --async-rollout, which turns it on)",
+            ),
+            (
+                "--tis-cap",
+                a.tis_cap,
+                a.tis_cap is None
+                or a.tis_cap == 0
+                or a.rollout_correction == "tis"
+                or (a.rollout_correction == "auto" and a.async_rollout),
+                "given with --rollout-correction tis or --async-rollout only",
+            ),
+            (
+                "--correction-bounds",
+                a.correction_bounds,
+                a.correction_bounds is None
+                or (
+                    0 <= a.correction_bounds[0] <= 1 <= a.correction_bounds[1] < math.inf
+                    and a.rollout_correction in ("mis", "icepop", "seq-mask")
+                ),
+                "LO HI with 0 <= LO <= 1 <= HI < inf, with --rollout-correction mis, icepop or seq-mask",
+            ),
+            ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
+            ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
+            ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, ">= 1"),
+            ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
+            (
+                "--rollout-tp",
+                a.rollout_tp,
+                a.rollout_tp >= 1
+                and (not a.rollout_url or a.rollout_tp == 1)
+                and (server or world_size % a.rollout_tp == local_ranks % a.rollout_tp == 0),
+                f"a divisor of the {local_ranks} ranks "
+                f"of each node (one engine's GPUs are on one node: torchrun --nproc_per_node a multiple of it)"
+                if not server
+                else "1 with --rollout-url (the server's own --tp-size counts); with --rollout-gpus, each server's GPUs",
+            ),
+            (
+                "--rollout-url",
+                a.rollout_url,
+                all(u.startswith("http") for u in a.rollout_url)
+                and (bool(a.rollout_url) != (a.rollout_gpus > 0) if server else not a.rollout_url),
+                "http://HOST:PORT of each "
+                "server, with --rollout-mode server; that mode takes these or --rollout-gpus k (servers this job starts), not both",
+            ),
+            (
+                "--rollout-gpus",
+                a.rollout_gpus,
+                a.rollout_gpus == 0
+                or (server and a.rollout_gpus % a.rollout_tp == 0 and local_ranks + a.rollout_gpus <= gpus),
+                f"with --rollout-mode server, a multiple of --rollout-tp, at most the "
+                f"{gpus} GPUs of this node less its {local_ranks} training ranks (torchrun --nproc_per_node {gpus - a.rollout_gpus})",
+            ),
+            ("--rollout-timeout", a.rollout_timeout, a.rollout_timeout > 0, "> 0"),
+            (
+                "--async-rollout",
+                a.async_rollout,
+                not a.async_rollout or (server and not a.dynamic_sampling),
+                "with --rollout-mode server, without --dynamic-sampling (its refills wait on this step's rewards)",
+            ),
+            ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
+            ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
+            ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
+            ("--eval-samples", a.eval_samples, 0 <= a.eval_samples <= 1024, ">= 0 (0: greedy only) and at most 1024"),
+            (
+                "--eval-temperature",
+                a.eval_temperature,
+                a.eval_temperature > 0 or not a.eval_samples,
+                "> 0 with --eval-samples (at 0 every sample is the greedy answer)",
+            ),
+            ("--eval-top-p", a.eval_top_p, 0 < a.eval_top_p <= 1, "in (0, 1]"),
+            ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
+            ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
+            ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
+            (
+                "--tools",
+                a.tools,
+                all(t in TOOLS for t in a.tools.split(",") if t),
+                f"a comma-separated list of {', '.join(TOOLS)}",
+            ),
+            (
+                "--system-prompt",
+                a.system_prompt,
+                not (a.system_prompt and a.tools),
+                "without --tools (the tools bring their own system "
+                "prompt and worked calls; put your instructions in --prompt-template)",
+            ),
+            template_rule(a.prompt_template),  # {prompt}, and no other placeholder (data.py)
+            ("--max-turns", a.max_turns, a.max_turns >= 1, ">= 1"),
+            ("--max-tool-reply-tokens", a.max_tool_reply_tokens, a.max_tool_reply_tokens >= 1, ">= 1"),
+            ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
+            ("--tool-timeout-s", a.tool_timeout_s, a.tool_timeout_s > 0, "> 0"),
+            ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
+            *package_rules(a),  # --track needs wandb, --attn-implementation flash_attention_2 flash-attn
+            ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
+            ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
+            *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
+            (
+                "--dynamic-sampling",
+                a.dynamic_sampling,
+                not (a.dynamic_sampling and a.reward_model),
+                "without --reward-model (the "
+                "reward model scores once per step, after generation: it can't refill groups)",
+            ),
+            ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
+        ]
+    )
+
+
+def variant_defaults(args: Args) -> Args:
+    """The defaults that depend on other flags, for the flags not given on the command line: each policy loss's clip
+    range and each correction's bounds (VARIANT_DEFAULTS), and tis with --async-rollout, as before --rollout-correction."""
+    correction = args.rollout_correction
+    if correction == "auto":
+        correction = "tis" if args.async_rollout and args.tis_cap != 0 else "none"
+    defaults = {"tis_cap": 2.0, **VARIANT_DEFAULTS.get(args.policy_loss, {}), **VARIANT_DEFAULTS.get(correction, {})}
+    given = given_flags(sys.argv[1:])
+    return replace(args, rollout_correction=correction, **{k: v for k, v in defaults.items() if k not in given})
+
+
+def variant_line(args: Args) -> str:
+    """The variant in force after variant_defaults, for the console. With one update a batch the old log-probs come
+    from the weights the loss sees: every ratio is 1, nothing clips, and ppo-clip, gspo, cispo and sapo take one step."""
+    correction = args.rollout_correction
+    if correction == "tis":
+        correction += f" (cap {args.tis_cap:g})"
+    elif correction != "none":  # mis, icepop, seq-mask
+        correction += " (bounds {:g} {:g})".format(*args.correction_bounds)
+    gate = (
+        "tau {:g} / {:g}".format(*args.sapo_tau)
+        if args.policy_loss == "sapo"
+        else f"clip {args.clip_low:g} / {args.clip_high:g}"
+    )
+    line = f"algorithm: advantage {args.advantage} | policy loss {args.policy_loss} ({gate}, {args.loss_agg}) | rollout correction {correction}"
+    if args.epochs * args.num_minibatches == 1:
+        line += " | one update a batch: every ratio 1, nothing clips (--num-minibatches N: the policy losses differ)"
+    return line
+
+
+# ----------------------------------------------------------------------------------------------
 # ALGO: the GRPO pieces, pure functions of tensors (tests/test_grpo_math.py checks them by hand)
 
 ADVANTAGE_EPS = 1e-6  # added to a group's reward std: a group of near-equal rewards stays finite
@@ -590,205 +795,63 @@ def grpo_loss(
     return loss, stats
 
 
-def check_args(args: Args, world_size: int):
-    """Bad input fails here, before anything is loaded or written."""
-    per_rank = args.prompts_per_step // world_size * args.group_size
-    a, server = args, args.rollout_mode == "server"
-    local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count()
-    check_flags(
-        [  # (flag, value, holds, what it must be)
-            ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
-            (
-                "--prompts-per-step",
-                a.prompts_per_step,
-                a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
-                f">= 1 and divide by the {world_size} ranks",
-            ),
-            ("--group-size", a.group_size, a.group_size >= 2, ">= 2: GRPO compares completions of one prompt"),
-            ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
-            ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
-            ("--lr", a.lr, a.lr > 0, "> 0"),
-            ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
-            ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
-            ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
-            ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
-            (
-                "--max-tokens-per-micro-batch",
-                a.max_tokens_per_micro_batch,
-                a.max_tokens_per_micro_batch >= 0,
-                ">= 0 (0: off)",
-            ),
-            ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
-            (
-                "--num-minibatches",
-                a.num_minibatches,
-                a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
-                f">= 1 and divide the {per_rank} samples per rank",
-            ),
-            ("--beta", a.beta, a.beta >= 0, ">= 0"),
-            (
-                "--kl-estimator",
-                a.kl_estimator,
-                a.kl_estimator != "k1" or a.beta == 0 or a.kl_in_reward,
-                "k2 or k3 in the "
-                "loss (--beta > 0): k1's gradient there is that of log p, zero in expectation; k1 belongs in the reward (--kl-in-reward)",
-            ),
-            ("--temperature", a.temperature, a.temperature > 0, "> 0"),
-            ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
-            (
-                "--scale-rewards",
-                a.scale_rewards,
-                a.scale_rewards or a.advantage == "grpo",
-                "with --advantage grpo (rloo and reinforce++ divide by no group's std)",
-            ),
-            ("--clip-low", a.clip_low, 0 <= a.clip_low <= 1, "in [0, 1] (1: no lower bound)"),
-            ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
-            (
-                "--sapo-tau",
-                a.sapo_tau,
-                a.sapo_tau is None or (0 < min(a.sapo_tau) <= max(a.sapo_tau) < math.inf and a.policy_loss == "sapo"),
-                "POS NEG, finite and > 0, with --policy-loss sapo",
-            ),
-            (
-                "--tis-cap",
-                a.tis_cap,
-                a.tis_cap is None or a.tis_cap > 0 or (a.tis_cap == 0 and a.rollout_correction != "tis"),
-                "> 0 (0: no tis with --async-rollout, which turns it on)",
-            ),
-            (
-                "--tis-cap",
-                a.tis_cap,
-                a.tis_cap is None
-                or a.tis_cap == 0
-                or a.rollout_correction == "tis"
-                or (a.rollout_correction == "auto" and a.async_rollout),
-                "given with --rollout-correction tis or --async-rollout only",
-            ),
-            (
-                "--correction-bounds",
-                a.correction_bounds,
-                a.correction_bounds is None
-                or (
-                    0 <= a.correction_bounds[0] <= 1 <= a.correction_bounds[1] < math.inf
-                    and a.rollout_correction in ("mis", "icepop", "seq-mask")
-                ),
-                "LO HI with 0 <= LO <= 1 <= HI < inf, with --rollout-correction mis, icepop or seq-mask",
-            ),
-            ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
-            ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
-            ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, ">= 1"),
-            ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
-            (
-                "--rollout-tp",
-                a.rollout_tp,
-                a.rollout_tp >= 1
-                and (not a.rollout_url or a.rollout_tp == 1)
-                and (server or world_size % a.rollout_tp == local_ranks % a.rollout_tp == 0),
-                f"a divisor of the {local_ranks} ranks "
-                f"of each node (one engine's GPUs are on one node: torchrun --nproc_per_node a multiple of it)"
-                if not server
-                else "1 with --rollout-url (the server's own --tp-size counts); with --rollout-gpus, each server's GPUs",
-            ),
-            (
-                "--rollout-url",
-                a.rollout_url,
-                all(u.startswith("http") for u in a.rollout_url)
-                and (bool(a.rollout_url) != (a.rollout_gpus > 0) if server else not a.rollout_url),
-                "http://HOST:PORT of each "
-                "server, with --rollout-mode server; that mode takes these or --rollout-gpus k (servers this job starts), not both",
-            ),
-            (
-                "--rollout-gpus",
-                a.rollout_gpus,
-                a.rollout_gpus == 0
-                or (server and a.rollout_gpus % a.rollout_tp == 0 and local_ranks + a.rollout_gpus <= gpus),
-                f"with --rollout-mode server, a multiple of --rollout-tp, at most the "
-                f"{gpus} GPUs of this node less its {local_ranks} training ranks (torchrun --nproc_per_node {gpus - a.rollout_gpus})",
-            ),
-            ("--rollout-timeout", a.rollout_timeout, a.rollout_timeout > 0, "> 0"),
-            (
-                "--async-rollout",
-                a.async_rollout,
-                not a.async_rollout or (server and not a.dynamic_sampling),
-                "with --rollout-mode server, without --dynamic-sampling (its refills wait on this step's rewards)",
-            ),
-            ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
-            ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
-            ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
-            ("--eval-samples", a.eval_samples, 0 <= a.eval_samples <= 1024, ">= 0 (0: greedy only) and at most 1024"),
-            (
-                "--eval-temperature",
-                a.eval_temperature,
-                a.eval_temperature > 0 or not a.eval_samples,
-                "> 0 with --eval-samples (at 0 every sample is the greedy answer)",
-            ),
-            ("--eval-top-p", a.eval_top_p, 0 < a.eval_top_p <= 1, "in (0, 1]"),
-            ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
-            ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
-            ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
-            (
-                "--tools",
-                a.tools,
-                all(t in TOOLS for t in a.tools.split(",") if t),
-                f"a comma-separated list of {', '.join(TOOLS)}",
-            ),
-            (
-                "--system-prompt",
-                a.system_prompt,
-                not (a.system_prompt and a.tools),
-                "without --tools (the tools bring their own system "
-                "prompt and worked calls; put your instructions in --prompt-template)",
-            ),
-            template_rule(a.prompt_template),  # {prompt}, and no other placeholder (data.py)
-            ("--max-turns", a.max_turns, a.max_turns >= 1, ">= 1"),
-            ("--max-tool-reply-tokens", a.max_tool_reply_tokens, a.max_tool_reply_tokens >= 1, ">= 1"),
-            ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
-            ("--tool-timeout-s", a.tool_timeout_s, a.tool_timeout_s > 0, "> 0"),
-            ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
-            *package_rules(a),  # --track needs wandb, --attn-implementation flash_attention_2 flash-attn
-            ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
-            ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
-            *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
-            (
-                "--dynamic-sampling",
-                a.dynamic_sampling,
-                not (a.dynamic_sampling and a.reward_model),
-                "without --reward-model (the "
-                "reward model scores once per step, after generation: it can't refill groups)",
-            ),
-            ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
-        ]
-    )
-
-
-def variant_defaults(args: Args) -> Args:
-    """The defaults that depend on other flags, for the flags not given on the command line: each policy loss's clip
-    range and each correction's bounds (VARIANT_DEFAULTS), and tis with --async-rollout, as before --rollout-correction."""
-    correction = args.rollout_correction
-    if correction == "auto":
-        correction = "tis" if args.async_rollout and args.tis_cap != 0 else "none"
-    defaults = {"tis_cap": 2.0, **VARIANT_DEFAULTS.get(args.policy_loss, {}), **VARIANT_DEFAULTS.get(correction, {})}
-    given = given_flags(sys.argv[1:])
-    return replace(args, rollout_correction=correction, **{k: v for k, v in defaults.items() if k not in given})
-
-
-def variant_line(args: Args) -> str:
-    """The variant in force after variant_defaults, for the console. With one update a batch the old log-probs come
-    from the weights the loss sees: every ratio is 1, nothing clips, and ppo-clip, gspo, cispo and sapo take one step."""
-    correction = args.rollout_correction
-    if correction == "tis":
-        correction += f" (cap {args.tis_cap:g})"
-    elif correction != "none":  # mis, icepop, seq-mask
-        correction += " (bounds {:g} {:g})".format(*args.correction_bounds)
-    gate = (
-        "tau {:g} / {:g}".format(*args.sapo_tau)
-        if args.policy_loss == "sapo"
-        else f"clip {args.clip_low:g} / {args.clip_high:g}"
-    )
-    line = f"algorithm: advantage {args.advantage} | policy loss {args.policy_loss} ({gate}, {args.loss_agg}) | rollout correction {correction}"
-    if args.epochs * args.num_minibatches == 1:
-        line += " | one update a batch: every ratio 1, nothing clips (--num-minibatches N: the policy losses differ)"
-    return line
+def update(policy, optimizer, scheduler, batch, args: Args, *, step: int, device, rank: int = 0) -> dict:
+    """The update on one rollout batch: --epochs passes, each shuffled and cut into --num-minibatches mini-batches
+    (one optimizer step each), each mini-batch in micro-batches whose gradients add up (--micro-batch-size rows, or
+    packed to --max-tokens-per-micro-batch tokens); the loss is grpo_loss's (--policy-loss: ppo-clip, gspo, cispo,
+    sapo). batch: this rank's [B, T-1] fields, advantages and loss mask set. Returns the train/ metrics, all ranks'."""
+    policy.train()
+    totals = {
+        k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
+        for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens")
+    }
+    grad_norms, lengths = [], batch.attention_mask.sum(-1)  # [B] real tokens
+    max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
+    for epoch in range(args.epochs):
+        shuffle = torch.Generator().manual_seed(seed_for(args.seed, "update", step, epoch))
+        order = torch.randperm(len(batch), generator=shuffle)
+        for mini in order.tensor_split(args.num_minibatches):  # the rows of one optimizer step: as many
+            # as the LR schedule counts, also when dynamic sampling shrank the batch (6 rows: 2, 2, 1, 1)
+            # global counts, once per mini-batch: every rank normalizes by the whole mini-batch
+            num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
+            num_seqs = float(all_reduce((batch.loss_mask[mini].sum(-1) > 0).sum()))  # filtered rows don't count
+            mbs = micro_batches(mini, lengths, args.micro_batch_size, max_tokens)  # as many on every rank
+            for rows in progress(mbs, f"update {epoch + 1}/{args.epochs}", rank):
+                mb = batch.select(rows).to(device)  # [b, t] fields
+                logp, entropy = token_logprobs(
+                    policy, mb.input_ids, mb.attention_mask, args.temperature, with_entropy=True, packed=max_tokens > 0
+                )  # [b, t-1] each
+                loss, stats = grpo_loss(
+                    logp,
+                    entropy,
+                    mb,
+                    policy_loss=args.policy_loss,
+                    clip_low=args.clip_low,
+                    clip_high=args.clip_high,
+                    kl_coef=0.0 if args.kl_in_reward else args.beta,
+                    kl_estimator=args.kl_estimator,
+                    loss_agg=args.loss_agg,
+                    sapo_tau=args.sapo_tau,
+                    num_seqs=num_seqs,
+                    num_tokens=num_tokens,
+                    max_len=args.max_new_tokens,
+                )
+                loss.backward()
+                for k, v in stats.items():
+                    totals[k] += v
+            grad_norms.append(clip_and_step(policy, optimizer, scheduler, args.max_grad_norm))
+    totals = all_reduce_dict(totals)  # a CPU-GPU sync point, once per step
+    tokens = totals["tokens"].clamp(min=1)
+    return {
+        "train/loss": totals["loss"] / (args.epochs * args.num_minibatches),
+        "train/clip_frac": totals["clip_frac"] / tokens,
+        "train/kl": totals["kl"] / tokens,
+        "train/entropy": totals["entropy"] / tokens,
+        "train/approx_kl": totals["approx_kl"] / tokens,
+        "train/grad_norm": sum(grad_norms) / len(grad_norms),
+        "train/lr": scheduler.get_last_lr()[0],
+        "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1236,67 +1299,12 @@ def main(args: Args):
             adv = advantages(rewards, args.advantage, args.scale_rewards).view(-1)  # [B]
             batch.advantages = adv[:, None] * batch.response_mask  # [B, T-1]
 
-            # -- 6. update: epochs x mini-batches of policy-loss steps (PPO-clip, GSPO or CISPO)
-            policy.train()
-            totals = {
-                k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
-                for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens")
-            }
-            grad_norms = []
+            # -- 6. update: epochs x mini-batches x micro-batches of grpo_loss, an optimizer step per mini-batch
             with mem.phase("update"):
-                for epoch in range(args.epochs):
-                    shuffle = torch.Generator().manual_seed(seed_for(args.seed, "update", step, epoch))
-                    order = torch.randperm(len(batch), generator=shuffle)
-                    for mini in order.tensor_split(args.num_minibatches):  # the rows of one optimizer step: as many
-                        # as the LR schedule counts, also when dynamic sampling shrank the batch (6 rows: 2, 2, 1, 1)
-                        # global counts, once per mini-batch: every rank normalizes by the whole mini-batch
-                        num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
-                        num_seqs = float(
-                            all_reduce((batch.loss_mask[mini].sum(-1) > 0).sum())
-                        )  # filtered rows don't count
-                        mbs = micro_batches(mini, lengths, args.micro_batch_size, max_tokens)  # as many on every rank
-                        for rows in progress(mbs, f"update {epoch + 1}/{args.epochs}", rank):
-                            mb = batch.select(rows).to(device)  # [b, t] fields
-                            logp, entropy = token_logprobs(
-                                policy,
-                                mb.input_ids,
-                                mb.attention_mask,
-                                args.temperature,
-                                with_entropy=True,
-                                packed=max_tokens > 0,
-                            )  # [b, t-1] each
-                            loss, stats = grpo_loss(
-                                logp,
-                                entropy,
-                                mb,
-                                policy_loss=args.policy_loss,
-                                clip_low=args.clip_low,
-                                clip_high=args.clip_high,
-                                kl_coef=0.0 if args.kl_in_reward else args.beta,
-                                kl_estimator=args.kl_estimator,
-                                loss_agg=args.loss_agg,
-                                sapo_tau=args.sapo_tau,
-                                num_seqs=num_seqs,
-                                num_tokens=num_tokens,
-                                max_len=args.max_new_tokens,
-                            )
-                            loss.backward()
-                            for k, v in stats.items():
-                                totals[k] += v
-                        grad_norms.append(clip_and_step(policy, optimizer, scheduler, args.max_grad_norm))
-
-            totals = all_reduce_dict(totals)  # a CPU-GPU sync point, once per step
-            tokens, real_tokens = totals["tokens"].clamp(min=1), float(all_reduce(lengths.sum()))
+                metrics.update(update(policy, optimizer, scheduler, batch, args, step=step, device=device, rank=rank))
+            real_tokens = float(all_reduce(lengths.sum()))
             metrics.update(
                 {
-                    "train/loss": totals["loss"] / (args.epochs * args.num_minibatches),
-                    "train/clip_frac": totals["clip_frac"] / tokens,
-                    "train/kl": totals["kl"] / tokens,
-                    "train/entropy": totals["entropy"] / tokens,
-                    "train/approx_kl": totals["approx_kl"] / tokens,
-                    "train/grad_norm": sum(grad_norms) / len(grad_norms),
-                    "train/lr": scheduler.get_last_lr()[0],
-                    "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms),
                     "perf/tokens_per_s": real_tokens / (time.time() - t_step),
                     "perf/rank_tokens_max_over_mean": float(all_reduce(lengths.sum(), dist.ReduceOp.MAX))
                     * world_size
