@@ -384,128 +384,7 @@ CONSOLE = (
 IF_NOT_0 = [TRUNC, ("kl", "train/kl_per_response", ".2g", "KL(actor || reference) per response (where not 0)"), CLIP]
 
 # ----------------------------------------------------------------------------------------------
-# ALGO: the PPO pieces, pure functions of tensors (tests/test_ppo_math.py checks them by hand)
-
-KL_EXP_CLAMP = 20.0  # k3's exponent is clamped to +-this: one outlier token can't overflow
-
-
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(policy || ref) from samples of the policy. [B, T] -> [B, T]"""
-    log_ratio = logp - ref_logp
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":  # unbiased and always >= 0
-        neg = (-log_ratio).clamp(-KL_EXP_CLAMP, KL_EXP_CLAMP)
-        return torch.exp(neg) - 1 - neg
-    raise ValueError(f"KL estimator {estimator!r} is unknown; use k1, k2 or k3")
-
-
-def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
-    """The episode's score lands on its last response token; every response token pays kl_coef * KL.
-    scores [B], kl and mask [B, T] -> rewards [B, T]."""
-    rewards = -kl_coef * kl * mask
-    last = (mask * torch.arange(mask.shape[1])).argmax(-1)  # position of each row's last response token
-    rewards[torch.arange(len(scores)), last] += scores * (mask.sum(-1) > 0)
-    return rewards
-
-
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
-    """Generalized advantage estimation over the response tokens of each row. [B, T] -> advantages, returns.
-
-    A reverse scan over positions; outside the response (prompt, padding) nothing changes, so each
-    row's last response token sees next value 0: the episode ends there.
-    """
-    advantages = torch.zeros_like(rewards)
-    last_gae = torch.zeros(rewards.shape[0])
-    next_value = torch.zeros(rewards.shape[0])
-    for t in reversed(range(rewards.shape[1])):
-        m = mask[:, t] > 0
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last_gae = torch.where(m, delta + gamma * lam * last_gae, last_gae)
-        next_value = torch.where(m, values[:, t], next_value)
-        advantages[:, t] = last_gae * m
-    return advantages, (advantages + values) * mask
-
-
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce=lambda t: t, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the entries where mask is 1; `reduce` sums over ranks. Zero elsewhere."""
-    n = float(reduce(mask.sum()))
-    mean = float(reduce((x * mask).sum())) / n
-    var = float(reduce(((x - mean) ** 2 * mask).sum())) / n
-    return (x - mean) / math.sqrt(var + eps) * mask
-
-
-def clipped_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: float):
-    """PPO-clip per token: max(-A r, -A clip(r, 1-clip_low, 1+clip_high)). Returns (loss, clipped), [B, T]."""
-    ratio = torch.exp(logp - old_logp)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
-
-
-def clipped_value_loss(values, old_values, returns, clip: float):
-    """0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = old V + clip(V - old V, +-clip). Returns (loss, clipped), [B, T]."""
-    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
-    unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped_values - returns) ** 2
-    return 0.5 * torch.maximum(unclipped_loss, clipped_loss), clipped_loss > unclipped_loss
-
-
-def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False) -> torch.Tensor:
-    """The critic's value of each state: values[:, t] is read at token t, before input_ids[:, t+1]
-    is chosen, so it lines up with token_logprobs. [B, T-1], fp32. `packed`: as token_logprobs'."""
-    with warnings.catch_warnings():  # FSDP2 warns that the head's output is a view: harmless, nothing here is in-place
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        out, _, unpack = forward_tokens(critic, input_ids, attention_mask, packed)  # [B, T, 1] or [1, N, 1]
-    return unpack(out[:, :-1, 0].float())
-
-
-def actor_loss(
-    logp,
-    entropy,
-    mb,
-    *,
-    clip_low: float,
-    clip_high: float,
-    entropy_coef: float,
-    num_tokens: float,
-    tis_cap: float = 0.0,
-):
-    """One micro-batch's actor loss: PPO-clip on the GAE advantages minus entropy_coef * entropy,
-    token-mean over the whole mini-batch (num_tokens counts all ranks: see grpo.py's `aggregate`).
-    tis_cap > 0: the clipped term weighted by min(p_old / p_sampler, tis_cap) (grpo.py's grpo_loss).
-    logp, entropy [b, t]: the actor now. Returns (loss, sums over loss tokens for the metrics)."""
-    m = mb.loss_mask  # [b, t]
-    token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, clip_low, clip_high)  # [b, t]
-    stats = {
-        "clip_frac": (clipped.float() * m).sum(),
-        "entropy": (entropy.detach() * m).sum(),
-        "approx_kl": (kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum(),
-    }
-    if tis_cap > 0:
-        weight = torch.exp(mb.old_logprobs - mb.rollout_logprobs).nan_to_num(nan=0.0)  # [b, t]; a NaN log-prob weighs 0
-        token_loss = token_loss * weight.clamp(max=tis_cap)  # both log-probs are constants: no gradient through it
-        stats.update(
-            tis_weight=(weight.clamp(max=tis_cap) * m).sum(), tis_capped=((weight > tis_cap).float() * m).sum()
-        )
-    loss = ((token_loss - entropy_coef * entropy) * m).sum() / num_tokens
-    return loss, {"loss": loss.detach(), **stats}
-
-
-def critic_loss(values, mb, *, value_clip: float, num_tokens: float):
-    """One micro-batch's critic loss: clipped value loss against the GAE returns, token-mean over
-    the whole mini-batch. values [b, t]: the critic now. Returns (loss, sums for the metrics)."""
-    m = mb.loss_mask  # [b, t]
-    value_loss, clipped = clipped_value_loss(values, mb.values, mb.returns, value_clip)  # [b, t]
-    loss = (value_loss * m).sum() / num_tokens
-    return loss, {"value_loss": loss.detach(), "value_clip_frac": (clipped.float() * m).sum(), "tokens": m.sum()}
-
-
-def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: int, n: int) -> float:
-    """Ziegler et al.: proportional control of the KL coefficient, error clipped to +-20%."""
-    error = min(max(kl / target - 1, -0.2), 0.2)
-    return coef * (1 + error * n / horizon)
+# Flags: each checked before anything loads
 
 
 def check_args(args: Args, world_size: int):
@@ -629,6 +508,225 @@ def check_args(args: Args, world_size: int):
             ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
         ]
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# ALGO: the PPO pieces, pure functions of tensors (tests/test_ppo_math.py checks them by hand)
+
+KL_EXP_CLAMP = 20.0  # k3's exponent is clamped to +-this: one outlier token can't overflow
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref) from samples of the policy. [B, T] -> [B, T]"""
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":  # unbiased and always >= 0
+        neg = (-log_ratio).clamp(-KL_EXP_CLAMP, KL_EXP_CLAMP)
+        return torch.exp(neg) - 1 - neg
+    raise ValueError(f"KL estimator {estimator!r} is unknown; use k1, k2 or k3")
+
+
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """The episode's score lands on its last response token; every response token pays kl_coef * KL.
+    scores [B], kl and mask [B, T] -> rewards [B, T]."""
+    rewards = -kl_coef * kl * mask
+    last = (mask * torch.arange(mask.shape[1])).argmax(-1)  # position of each row's last response token
+    rewards[torch.arange(len(scores)), last] += scores * (mask.sum(-1) > 0)
+    return rewards
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    """Generalized advantage estimation over the response tokens of each row. [B, T] -> advantages, returns.
+
+    A reverse scan over positions; outside the response (prompt, padding) nothing changes, so each
+    row's last response token sees next value 0: the episode ends there.
+    """
+    advantages = torch.zeros_like(rewards)
+    last_gae = torch.zeros(rewards.shape[0])
+    next_value = torch.zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        m = mask[:, t] > 0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last_gae = torch.where(m, delta + gamma * lam * last_gae, last_gae)
+        next_value = torch.where(m, values[:, t], next_value)
+        advantages[:, t] = last_gae * m
+    return advantages, (advantages + values) * mask
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce=lambda t: t, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the entries where mask is 1; `reduce` sums over ranks. Zero elsewhere."""
+    n = float(reduce(mask.sum()))
+    mean = float(reduce((x * mask).sum())) / n
+    var = float(reduce(((x - mean) ** 2 * mask).sum())) / n
+    return (x - mean) / math.sqrt(var + eps) * mask
+
+
+def clipped_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: float):
+    """PPO-clip per token: max(-A r, -A clip(r, 1-clip_low, 1+clip_high)). Returns (loss, clipped), [B, T]."""
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def clipped_value_loss(values, old_values, returns, clip: float):
+    """0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = old V + clip(V - old V, +-clip). Returns (loss, clipped), [B, T]."""
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(unclipped_loss, clipped_loss), clipped_loss > unclipped_loss
+
+
+def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False) -> torch.Tensor:
+    """The critic's value of each state: values[:, t] is read at token t, before input_ids[:, t+1]
+    is chosen, so it lines up with token_logprobs. [B, T-1], fp32. `packed`: as token_logprobs'."""
+    with warnings.catch_warnings():  # FSDP2 warns that the head's output is a view: harmless, nothing here is in-place
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        out, _, unpack = forward_tokens(critic, input_ids, attention_mask, packed)  # [B, T, 1] or [1, N, 1]
+    return unpack(out[:, :-1, 0].float())
+
+
+def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: int, n: int) -> float:
+    """Ziegler et al.: proportional control of the KL coefficient, error clipped to +-20%."""
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    return coef * (1 + error * n / horizon)
+
+
+def actor_loss(
+    logp,
+    entropy,
+    mb,
+    *,
+    clip_low: float,
+    clip_high: float,
+    entropy_coef: float,
+    num_tokens: float,
+    tis_cap: float = 0.0,
+):
+    """One micro-batch's actor loss: PPO-clip on the GAE advantages minus entropy_coef * entropy,
+    token-mean over the whole mini-batch (num_tokens counts all ranks: see grpo.py's `aggregate`).
+    tis_cap > 0: the clipped term weighted by min(p_old / p_sampler, tis_cap) (grpo.py's grpo_loss).
+    logp, entropy [b, t]: the actor now. Returns (loss, sums over loss tokens for the metrics)."""
+    m = mb.loss_mask  # [b, t]
+    token_loss, clipped = clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, clip_low, clip_high)  # [b, t]
+    stats = {
+        "clip_frac": (clipped.float() * m).sum(),
+        "entropy": (entropy.detach() * m).sum(),
+        "approx_kl": (kl_penalty(mb.old_logprobs, logp.detach(), "k3") * m).sum(),
+    }
+    if tis_cap > 0:
+        weight = torch.exp(mb.old_logprobs - mb.rollout_logprobs).nan_to_num(nan=0.0)  # [b, t]; a NaN log-prob weighs 0
+        token_loss = token_loss * weight.clamp(max=tis_cap)  # both log-probs are constants: no gradient through it
+        stats.update(
+            tis_weight=(weight.clamp(max=tis_cap) * m).sum(), tis_capped=((weight > tis_cap).float() * m).sum()
+        )
+    loss = ((token_loss - entropy_coef * entropy) * m).sum() / num_tokens
+    return loss, {"loss": loss.detach(), **stats}
+
+
+def critic_loss(values, mb, *, value_clip: float, num_tokens: float):
+    """One micro-batch's critic loss: clipped value loss against the GAE returns, token-mean over
+    the whole mini-batch. values [b, t]: the critic now. Returns (loss, sums for the metrics)."""
+    m = mb.loss_mask  # [b, t]
+    value_loss, clipped = clipped_value_loss(values, mb.values, mb.returns, value_clip)  # [b, t]
+    loss = (value_loss * m).sum() / num_tokens
+    return loss, {"value_loss": loss.detach(), "value_clip_frac": (clipped.float() * m).sum(), "tokens": m.sum()}
+
+
+def update(actor, critic, batch, args: Args, *, step: int, device, rank: int = 0, update_actor: bool) -> dict:
+    """The update on one rollout batch: --epochs passes, each shuffled and cut into --num-minibatches mini-batches
+    (one optimizer step each for the critic, and for the actor after --critic-warmup-steps: `update_actor`), each
+    mini-batch in micro-batches whose gradients add up; critic_loss, then actor_loss, on each. batch: this rank's
+    [B, T-1] fields, advantages, returns and values set. actor, critic: (model, optimizer, LR schedule) each. Returns
+    the critic/ and train/ metrics, all ranks'."""
+    (policy, optimizer, scheduler), (critic, critic_optimizer, critic_scheduler) = actor, critic
+    tis_cap = args.tis_cap if args.tis_cap is not None else 2.0 * args.async_rollout  # 0: off
+    policy.train()
+    critic.train()
+    totals = {
+        k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
+        for k in (
+            "loss",
+            "clip_frac",
+            "entropy",
+            "approx_kl",
+            "value_loss",
+            "value_clip_frac",
+            "tokens",
+            "tis_weight",
+            "tis_capped",
+        )
+    }
+    grad_norms, critic_grad_norms, lengths = [], [], batch.attention_mask.sum(-1)  # [B] real tokens
+    max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
+    for epoch in range(args.epochs):
+        shuffle = torch.Generator().manual_seed(seed_for(args.seed, "update", step, epoch))
+        order = torch.randperm(len(batch), generator=shuffle)
+        for mini in order.chunk(args.num_minibatches):  # the rows of one optimizer step
+            # global count, once per mini-batch: every rank normalizes by the whole mini-batch (token-mean)
+            num_tokens = max(float(all_reduce(batch.loss_mask[mini].sum())), 1.0)
+            mbs = micro_batches(mini, lengths, args.micro_batch_size, max_tokens)  # as many on every rank
+            for rows in progress(mbs, f"update {epoch + 1}/{args.epochs}", rank):
+                mb = batch.select(rows).to(device)  # [b, t] fields
+                values = token_values(critic, mb.input_ids, mb.attention_mask, max_tokens > 0)  # [b, t-1]
+                loss, stats = critic_loss(values, mb, value_clip=args.value_clip, num_tokens=num_tokens)
+                loss.backward()
+                for k, v in stats.items():
+                    totals[k] += v
+                if not update_actor:  # the critic's warm-up (--critic-warmup-steps): the actor waits
+                    continue
+                logp, entropy = token_logprobs(
+                    policy,
+                    mb.input_ids,
+                    mb.attention_mask,
+                    args.temperature,
+                    with_entropy=True,
+                    entropy_grad=args.entropy_coef > 0,
+                    packed=max_tokens > 0,
+                )  # [b, t-1] each
+                loss, stats = actor_loss(
+                    logp,
+                    entropy,
+                    mb,
+                    clip_low=args.clip_low,
+                    clip_high=args.clip_high,
+                    entropy_coef=args.entropy_coef,
+                    num_tokens=num_tokens,
+                    tis_cap=tis_cap,
+                )
+                loss.backward()
+                for k, v in stats.items():
+                    totals[k] += v
+            critic_grad_norms.append(clip_and_step(critic, critic_optimizer, critic_scheduler, args.max_grad_norm))
+            if update_actor:
+                grad_norms.append(clip_and_step(policy, optimizer, scheduler, args.max_grad_norm))
+    totals = all_reduce_dict(totals)  # a CPU-GPU sync point, once per step
+    n_opt, tokens = args.epochs * args.num_minibatches, totals["tokens"].clamp(min=1)
+    metrics = {
+        "critic/value_loss": totals["value_loss"] / n_opt,
+        "critic/value_clip_frac": totals["value_clip_frac"] / tokens,
+        "critic/grad_norm": sum(critic_grad_norms) / len(critic_grad_norms),
+        "critic/lr": critic_scheduler.get_last_lr()[0],
+        "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms + critic_grad_norms),
+    }
+    if not update_actor:
+        return metrics | {"train/critic_warmup": 1.0}
+    metrics |= {
+        "train/loss": totals["loss"] / n_opt,
+        "train/clip_frac": totals["clip_frac"] / tokens,
+        "train/entropy": totals["entropy"] / tokens,
+        "train/approx_kl": totals["approx_kl"] / tokens,
+        "train/grad_norm": sum(grad_norms) / len(grad_norms),
+        "train/lr": scheduler.get_last_lr()[0],
+    }
+    if tis_cap:
+        metrics |= {
+            "train/tis_weight": totals["tis_weight"] / tokens,
+            "train/tis_capped_frac": totals["tis_capped"] / tokens,
+        }
+    return metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -833,6 +931,7 @@ def main(args: Args):
     critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
         critic_optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps)
     )
+    actor, value = (policy, optimizer, scheduler), (critic, critic_optimizer, critic_scheduler)  # what update() trains
     # PLUMBING: what the memory phases move around the engine (all of it leaves the GPU with --offload), and the
     # weight sync's buckets and TP group (memory.py)
     phases = dict(
@@ -973,7 +1072,6 @@ def main(args: Args):
         return pending
 
     # ---- the loop ----------------------------------------------------------------------------------
-    tis_cap = args.tis_cap if args.tis_cap is not None else 2.0 * args.async_rollout  # 0: off
     max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
     ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
     console = CONSOLE + TOOLS_LINE * bool(tools) + RM_LINE * bool(rm)
@@ -1098,110 +1196,24 @@ def main(args: Args):
             }
         )
 
-        # -- 6. update: epochs x mini-batches; the critic every step, the actor after the warm-up
+        # -- 6. update: epochs x mini-batches x micro-batches; the critic every step, the actor after the warm-up
         update_actor = step > args.critic_warmup_steps
-        policy.train()
-        critic.train()
-        totals = {
-            k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
-            for k in (
-                "loss",
-                "clip_frac",
-                "entropy",
-                "approx_kl",
-                "value_loss",
-                "value_clip_frac",
-                "tokens",
-                "tis_weight",
-                "tis_capped",
-            )
-        }
-        grad_norms, critic_grad_norms = [], []
         with mem.phase("update"):
-            for epoch in range(args.epochs):
-                shuffle = torch.Generator().manual_seed(seed_for(args.seed, "update", step, epoch))
-                order = torch.randperm(len(batch), generator=shuffle)
-                for mini in order.chunk(args.num_minibatches):  # the rows of one optimizer step
-                    # global count, once per mini-batch: every rank normalizes by the whole mini-batch (token-mean)
-                    num_tokens = max(float(all_reduce(batch.loss_mask[mini].sum())), 1.0)
-                    mbs = micro_batches(mini, lengths, args.micro_batch_size, max_tokens)  # as many on every rank
-                    for rows in progress(mbs, f"update {epoch + 1}/{args.epochs}", rank):
-                        mb = batch.select(rows).to(device)  # [b, t] fields
-                        values = token_values(critic, mb.input_ids, mb.attention_mask, max_tokens > 0)  # [b, t-1]
-                        loss, stats = critic_loss(values, mb, value_clip=args.value_clip, num_tokens=num_tokens)
-                        loss.backward()
-                        if update_actor:
-                            logp, entropy = token_logprobs(
-                                policy,
-                                mb.input_ids,
-                                mb.attention_mask,
-                                args.temperature,
-                                with_entropy=True,
-                                entropy_grad=args.entropy_coef > 0,
-                                packed=max_tokens > 0,
-                            )
-                            loss, actor_stats = actor_loss(
-                                logp,
-                                entropy,
-                                mb,
-                                clip_low=args.clip_low,
-                                clip_high=args.clip_high,
-                                entropy_coef=args.entropy_coef,
-                                num_tokens=num_tokens,
-                                tis_cap=tis_cap,
-                            )
-                            loss.backward()
-                            stats |= actor_stats
-                        for k, v in stats.items():
-                            totals[k] += v
-                    critic_grad_norms.append(
-                        clip_and_step(critic, critic_optimizer, critic_scheduler, args.max_grad_norm)
-                    )
-                    if update_actor:
-                        grad_norms.append(clip_and_step(policy, optimizer, scheduler, args.max_grad_norm))
-        if args.adaptive_kl and math.isfinite(
-            kl_per_response
-        ):  # ALGO: steer the KL coefficient toward the target for the next step
+            train = update(actor, value, batch, args, step=step, device=device, rank=rank, update_actor=update_actor)
+        if args.adaptive_kl and math.isfinite(kl_per_response):  # ALGO: steer the KL coefficient toward the target
             kl_coef = adaptive_kl_coef(
                 kl_coef, kl_per_response, args.target_kl, args.kl_horizon, int(sums["responses"])
             )
-
-        totals = all_reduce_dict(totals)  # a CPU-GPU sync point, once per step
-        n_opt, tokens = args.epochs * args.num_minibatches, totals["tokens"].clamp(min=1)
         real_tokens = float(all_reduce(lengths.sum()))
+        metrics.update(train)
         metrics.update(
             {
-                "critic/value_loss": totals["value_loss"] / n_opt,
-                "critic/value_clip_frac": totals["value_clip_frac"] / tokens,
-                "critic/grad_norm": sum(critic_grad_norms) / len(critic_grad_norms),
-                "critic/lr": critic_scheduler.get_last_lr()[0],
                 "perf/tokens_per_s": real_tokens / (time.time() - t_step),
                 "perf/rank_tokens_max_over_mean": float(all_reduce(lengths.sum(), dist.ReduceOp.MAX))
                 * world_size
                 / real_tokens,  # 1: even
-                "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms + critic_grad_norms),
             }
         )
-        if update_actor:
-            metrics.update(
-                {
-                    "train/loss": totals["loss"] / n_opt,
-                    "train/clip_frac": totals["clip_frac"] / tokens,
-                    "train/entropy": totals["entropy"] / tokens,
-                    "train/approx_kl": totals["approx_kl"] / tokens,
-                    "train/grad_norm": sum(grad_norms) / len(grad_norms),
-                    "train/lr": scheduler.get_last_lr()[0],
-                }
-            )
-            if tis_cap:
-                metrics.update(
-                    {
-                        "train/tis_weight": totals["tis_weight"] / tokens,
-                        "train/tis_capped_frac": totals["tis_capped"] / tokens,
-                    }
-                )
-        else:
-            metrics["train/critic_warmup"] = 1.0
         if peak:  # PLUMBING: model FLOPs utilization of the two phases (fsdp.mfu), on a GPU of known peak only
             n_forward = n_policy * (1 + (ref is not None)) + n_critic  # log-prob phase: actor, reference, critic
             metrics["perf/logprob_mfu"] = mfu(2 * n_forward, real_tokens, mem.seconds["logprob"], peak, world_size)
