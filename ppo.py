@@ -47,7 +47,6 @@ from data import (
     shard,
     source_name,
     task_prompts,
-    template_rule,
 )
 from fsdp import (
     all_reduce,
@@ -75,11 +74,11 @@ from preflight import (
     check_flags,
     check_model,
     friendly_errors,
-    package_rules,
     parse_args,
+    shared_rules,
     size_for_cpu,
 )
-from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
+from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_rewards
 from reward import (
     EVAL_LINE,
     EVAL_TOOLS_LINE,
@@ -122,7 +121,7 @@ from runlog import (
     run_info,
 )
 from server import ServerEngine, launch_servers
-from tools import TOOLS, TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
+from tools import TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
 from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
 
 
@@ -388,124 +387,25 @@ IF_NOT_0 = [TRUNC, ("kl", "train/kl_per_response", ".2g", "KL(actor || reference
 
 
 def check_args(args: Args, world_size: int):
-    """Bad input fails here, before anything is loaded or written."""
-    per_rank = args.prompts_per_step // world_size * args.group_size
+    """Bad input fails here, before anything is loaded or written: PPO's own flags, then the flags every trainer shares
+    (preflight.shared_rules)."""
     a, server = args, args.rollout_mode == "server"
-    local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count()
     check_flags(
         [  # (flag, value, holds, what it must be)
-            ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
-            (
-                "--prompts-per-step",
-                a.prompts_per_step,
-                a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
-                f">= 1 and divide by the {world_size} ranks",
-            ),
             ("--group-size", a.group_size, a.group_size >= 1, ">= 1"),
-            ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
-            ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
-            ("--lr", a.lr, a.lr > 0, "> 0"),
             ("--critic-lr", a.critic_lr, a.critic_lr > 0, "> 0"),
-            ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
-            ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
-            ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
-            ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
-            (
-                "--max-tokens-per-micro-batch",
-                a.max_tokens_per_micro_batch,
-                a.max_tokens_per_micro_batch >= 0,
-                ">= 0 (0: off)",
-            ),
-            ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
-            (
-                "--num-minibatches",
-                a.num_minibatches,
-                a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
-                f">= 1 and divide the {per_rank} samples per rank",
-            ),
             ("--gamma", a.gamma, 0 <= a.gamma <= 1, "in [0, 1]"),
             ("--lam", a.lam, 0 <= a.lam <= 1, "in [0, 1]"),
             ("--kl-coef", a.kl_coef, a.kl_coef >= 0, ">= 0"),
             ("--target-kl", a.target_kl, a.target_kl > 0, "> 0"),
             ("--kl-horizon", a.kl_horizon, a.kl_horizon >= 1, ">= 1"),
-            ("--temperature", a.temperature, a.temperature > 0, "> 0"),
-            ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
             ("--clip-low", a.clip_low, 0 <= a.clip_low < 1, "in [0, 1)"),
-            ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
             ("--value-clip", a.value_clip, a.value_clip > 0, "> 0"),
             ("--entropy-coef", a.entropy_coef, a.entropy_coef >= 0, ">= 0"),
             ("--critic-warmup-steps", a.critic_warmup_steps, a.critic_warmup_steps >= 0, ">= 0"),
-            ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
-            ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
-            ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
-            (
-                "--rollout-tp",
-                a.rollout_tp,
-                a.rollout_tp >= 1
-                and (not a.rollout_url or a.rollout_tp == 1)
-                and (server or world_size % a.rollout_tp == local_ranks % a.rollout_tp == 0),
-                f"a divisor of the {local_ranks} ranks "
-                f"of each node (one engine's GPUs are on one node: torchrun --nproc_per_node a multiple of it)"
-                if not server
-                else "1 with --rollout-url (the server's own --tp-size counts); with --rollout-gpus, each server's GPUs",
-            ),
-            (
-                "--rollout-url",
-                a.rollout_url,
-                all(u.startswith("http") for u in a.rollout_url)
-                and (bool(a.rollout_url) != (a.rollout_gpus > 0) if server else not a.rollout_url),
-                "http://HOST:PORT of each "
-                "server, with --rollout-mode server; that mode takes these or --rollout-gpus k (servers this job starts), not both",
-            ),
-            (
-                "--rollout-gpus",
-                a.rollout_gpus,
-                a.rollout_gpus == 0
-                or (server and a.rollout_gpus % a.rollout_tp == 0 and local_ranks + a.rollout_gpus <= gpus),
-                f"with --rollout-mode server, a multiple of --rollout-tp, at most the "
-                f"{gpus} GPUs of this node less its {local_ranks} training ranks (torchrun --nproc_per_node {gpus - a.rollout_gpus})",
-            ),
-            ("--rollout-timeout", a.rollout_timeout, a.rollout_timeout > 0, "> 0"),
             ("--async-rollout", a.async_rollout, not a.async_rollout or server, "with --rollout-mode server"),
             ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap >= 0, ">= 0"),
-            ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
-            ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
-            ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
-            ("--eval-samples", a.eval_samples, 0 <= a.eval_samples <= 1024, ">= 0 (0: greedy only) and at most 1024"),
-            (
-                "--eval-temperature",
-                a.eval_temperature,
-                a.eval_temperature > 0 or not a.eval_samples,
-                "> 0 with --eval-samples (at 0 every sample is the greedy answer)",
-            ),
-            ("--eval-top-p", a.eval_top_p, 0 < a.eval_top_p <= 1, "in (0, 1]"),
-            ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
-            ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
-            ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
-            (
-                "--tools",
-                a.tools,
-                all(t in TOOLS for t in a.tools.split(",") if t),
-                f"a comma-separated list of {', '.join(TOOLS)}",
-            ),
-            (
-                "--system-prompt",
-                a.system_prompt,
-                not (a.system_prompt and a.tools),
-                "without --tools (the tools bring their own system "
-                "prompt and worked calls; put your instructions in --prompt-template)",
-            ),
-            template_rule(a.prompt_template),  # {prompt}, and no other placeholder (data.py)
-            ("--max-turns", a.max_turns, a.max_turns >= 1, ">= 1"),
-            ("--max-tool-reply-tokens", a.max_tool_reply_tokens, a.max_tool_reply_tokens >= 1, ">= 1"),
-            ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
-            ("--tool-timeout-s", a.tool_timeout_s, a.tool_timeout_s > 0, "> 0"),
-            ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
-            *package_rules(a),  # --track needs wandb, --attn-implementation flash_attention_2 flash-attn
-            ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
-            ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
-            *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
-            ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
+            *shared_rules(a, world_size),
         ]
     )
 
