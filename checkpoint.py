@@ -25,6 +25,7 @@ import os
 import random
 import re
 import shutil
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -217,6 +218,29 @@ def save_checkpoint(out_dir: str, step: int, stateful: dict, hf_models: dict, to
                 shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+class Checkpoints:
+    """A run's saves (save_checkpoint): `due` every `every` steps and after the last (0: only then; -1: never), the
+    newest `keep` kept. In each: `stateful` and `hf_models` as save_checkpoint takes them, and in trainer.pt the step,
+    the data position and `state()`, the script's own (its LR schedules, its args). `last`: the newest one's step."""
+
+    def __init__(
+        self, run_dir: str, *, stateful: dict, hf_models: dict, tokenizer, state, every: int, keep: int, last: int = 0
+    ):
+        self.run_dir, self.stateful, self.hf_models, self.tokenizer = run_dir, stateful, hf_models, tokenizer
+        self.state, self.every, self.keep, self.last = state, every, keep, last
+
+    def due(self, step: int, total: int) -> bool:
+        return self.every >= 0 and ((self.every and step % self.every == 0) or step == total)
+
+    def save(self, step: int, sampler_state: dict):
+        t0 = time.time()
+        state = {"step": step, "sampler": sampler_state, **self.state()}
+        path = save_checkpoint(self.run_dir, step, self.stateful, self.hf_models, self.tokenizer, state, self.keep)
+        self.last = step
+        if dist.get_rank() == 0:
+            print(f"saved {path} ({time.time() - t0:.1f}s)", flush=True)
 
 
 def write_checkpoint(tmp: str, stateful: dict, hf_models: dict, tokenizer, state: dict):

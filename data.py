@@ -674,6 +674,14 @@ class Sample:
     messages: list[dict] | None = None  # multi-turn: the model's turns and the tools' replies as chat messages
 
 
+def label(samples: list[Sample], examples: list[Example]) -> list[Sample]:
+    """Each sample gets its prompt's reference answer, answer kind, source and question as asked (what the reward, the
+    metrics and a reward model read). Returns the samples."""
+    for s, ex in zip(samples, examples):
+        s.answer, s.kind, s.source, s.prompt = ex.answer, ex.kind, ex.source, ex.prompt
+    return samples
+
+
 @dataclass
 class Batch:
     """Padded tensors for a list of samples (right padding).

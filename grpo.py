@@ -21,10 +21,10 @@ right-padded per micro-batch unless --max-tokens-per-micro-batch packs them; one
 import math
 import os
 import random
-import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
+from checkpoint import Checkpoints, checkpoint_to_resume, load_checkpoint
 from data import (
     ADDITION_PROMPT,
     BUILTIN_TASKS,
@@ -43,8 +43,8 @@ from data import (
     PromptSampler,
     collate,
     context_tokens,
+    label,
     seed_for,
-    shard,
     source_name,
     task_prompts,
 )
@@ -66,7 +66,7 @@ from fsdp import (
     skip_schedule,
     token_logprobs,
 )
-from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
+from memory import MemoryLog, sleep, wake_up
 from preflight import (
     check_context,
     check_engine,
@@ -81,29 +81,20 @@ from preflight import (
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_rewards
 from reward import (
     EVAL_LINE,
-    EVAL_TOOLS_LINE,
     REWARD_LINE,
-    correct,
-    eval_stats,
-    format_reward,
     load_reward,
+    reward_fn,
     rollout_stats,
-    sampled_eval_stats,
-    sampled_line,
-    score_all,
+    score_samples,
 )
 from rollout import (
     SGLangOptions,
     Sampling,
-    generate_groups,
-    graph_batch,
     ToolUse,
-    generate,
+    held_out_eval,
     mismatch_stats,
-    send,
-    start_engine,
+    send_prompts,
     stop_token_ids,
-    tp_group,
 )
 from runlog import (
     CLIP,
@@ -113,6 +104,7 @@ from runlog import (
     RunLog,
     StepClock,
     claim_run_dir,
+    eval_due,
     launch_time,
     legend,
     log_line,
@@ -120,9 +112,9 @@ from runlog import (
     progress,
     run_info,
 )
-from server import ServerEngine, launch_servers
+from server import start_rollout
 from tools import TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
-from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
+from stop import NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine, stop_run
 
 
 @dataclass
@@ -788,13 +780,9 @@ def main(args: Args):
     sampling = Sampling(
         max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p
     )
-    greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)  # evaluation
-    sampled = Sampling(
-        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.eval_temperature, top_p=args.eval_top_p
-    )  # --eval-samples
 
-    # ---- ALGO: the task. How a prompt is asked (a template with {prompt}, then the chat template) and
-    # what a completion earns: any (completion, answer) -> float can be the reward (--reward FILE.py:function).
+    # ---- ALGO: the task. How a prompt is asked (a template with {prompt}, then the chat template) and what a
+    # completion earns (reward.reward_fn): any (completion, answer) -> float can be the reward (--reward FILE.py:function)
     template = args.prompt_template  # None: each kind's own (data.py)
     tools_template = template or (ADDITION_PROMPT if set(args.dataset) <= set(BUILTIN_TASKS) else GSM8K_PROMPT)
     context, tool_specs = (
@@ -811,19 +799,12 @@ def main(args: Args):
         if tools
         else None
     )
-    user_reward = load_reward(args.reward) if args.reward else None
-
-    def reward_fn(completion: str, answer: str, kind: str) -> float:
-        """Right by `kind`'s rule (reward.correct: the number after '####', the last \\boxed{}, ...): 1.0; right
-        but not in that format: unformatted_credit. Credit for the format only comes with a right answer,
-        so the policy can't score by emitting '#### <guess>'."""
-        if user_reward is not None:
-            return user_reward(completion, answer)
-        if correct(kind, completion, answer, "strict"):
-            right = 1.0
-        else:
-            right = args.unformatted_credit * correct(kind, completion, answer, "flexible")
-        return right + args.format_weight * format_reward(completion, kind)
+    reward = partial(
+        reward_fn,
+        user_reward=load_reward(args.reward) if args.reward else None,
+        unformatted_credit=args.unformatted_credit,
+        format_weight=args.format_weight,
+    )
 
     # ---- data: before any model loads, so a bad file fails fast --------------------------------------
     check_context(
@@ -858,55 +839,29 @@ def main(args: Args):
     t0 = time.time()
     mem = MemoryLog()
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
-    server = args.rollout_mode == "server"  # the samples each engine or server decodes at once: its CUDA graphs
-    engines = (
-        (len(args.rollout_url) or args.rollout_gpus // args.rollout_tp) if server else world_size // args.rollout_tp
-    )
-    per_engine = max(args.prompts_per_step * args.group_size, args.num_eval_prompts * args.eval_samples) // engines
-    sglang = SGLangOptions(
-        mem_fraction=args.sglang_mem_fraction,
-        tp_size=args.rollout_tp,
-        attention_backend=args.sglang_attention_backend,
-        sampling_backend=args.sglang_sampling_backend,
-        cuda_graph_max_bs=graph_batch(per_engine, args.sglang_cuda_graph_max_bs),
-        disable_cuda_graph=args.sglang_disable_cuda_graph,
-        prefill_cuda_graph=args.sglang_prefill_cuda_graph,
-    )
-    if server:  # rank 0 speaks to the servers for all ranks, as one TP group's owner
-        tp = tp_group(world_size)
-        urls, processes = list(args.rollout_url), None
-        if args.rollout_gpus and rank == 0:  # servers of this job's own, on the last GPUs of rank 0's node
-            urls, processes = launch_servers(
-                args.model,
-                gpus=list(range(torch.cuda.device_count()))[-args.rollout_gpus :],
-                tp_size=args.rollout_tp,
-                seed=args.seed,
-                options=sglang,
-                log_dir=run_dir,
-            )
-        engine = (
-            ServerEngine(
-                urls,
-                processes=processes,
-                model=args.model,
-                timeout_s=args.rollout_timeout,
-                sync_backend=args.rollout_sync_backend,
-                sync_address=args.rollout_sync_address,
-                batch=per_engine,
-            )
-            if rank == 0
-            else None
-        )
-    else:
-        tp = tp_group(args.rollout_tp)
-        engine = (
-            start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang, dtype=dtype)
-            if rank == tp.owner
-            else None
-        )
-    release(engine, ALL_TAGS)  # until the first weight sync
-    watch = EngineWatch(engine, phase=lambda: mem.current)  # a dead engine ends the run
-    dist.barrier()  # no rank loads its model before every engine has measured free memory
+    engine, tp, watch = start_rollout(
+        engine_kind,
+        args.model,
+        samples=max(args.prompts_per_step * args.group_size, args.num_eval_prompts * args.eval_samples),
+        options=SGLangOptions(
+            mem_fraction=args.sglang_mem_fraction,
+            tp_size=args.rollout_tp,
+            attention_backend=args.sglang_attention_backend,
+            sampling_backend=args.sglang_sampling_backend,
+            cuda_graph_max_bs=args.sglang_cuda_graph_max_bs,  # None: sized to each engine's share of `samples`
+            disable_cuda_graph=args.sglang_disable_cuda_graph,
+            prefill_cuda_graph=args.sglang_prefill_cuda_graph,
+        ),
+        seed=args.seed,
+        dtype=dtype,
+        urls=args.rollout_url,
+        gpus=args.rollout_gpus,
+        timeout_s=args.rollout_timeout,
+        sync_backend=args.rollout_sync_backend,
+        sync_address=args.rollout_sync_address,
+        log_dir=run_dir,
+        phase=lambda: mem.current,
+    )  # server.py: the engines on the training GPUs, or SGLang servers; watched
     startup["engine_s"] = time.time() - t0
 
     # ---- models: policy (fp32 masters, `dtype` compute) and, only if beta > 0, the reference ------
@@ -949,7 +904,7 @@ def main(args: Args):
     )
     startup["model_s"] = time.time() - t0
 
-    # ---- resume ----------------------------------------------------------------------------------
+    # ---- resume, and the run's record: checkpoints, metrics, the console ----------------------------
     start_step = 0
     if resume_from:
         state = load_checkpoint(resume_from, {"policy": (policy, optimizer)})
@@ -957,11 +912,6 @@ def main(args: Args):
         scheduler.load_state_dict(state["scheduler"])
         start_step = state["step"]
         print0(f"resumed from {resume_from}: step {start_step}, data epoch {sampler.epoch} index {sampler.index}")
-
-    def eval_due(done: int) -> bool:
-        """Evaluate after `done` updates (at the start of step done + 1)?"""
-        return bool(args.eval_every) and done % args.eval_every == 0 and (done > 0 or args.eval_before_train)
-
     allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
     info = run_info(
         world_size,
@@ -977,92 +927,20 @@ def main(args: Args):
         track=args.track,
         project=args.wandb_project,
         run_name=run_name,
-        eval_redone=start_step < args.steps and eval_due(start_step),
+        eval_redone=start_step < args.steps
+        and eval_due(start_step, every=args.eval_every, before_train=args.eval_before_train),
     )
-    last_saved, nonfinite = start_step, NonFinite(args.max_nonfinite_steps)
-
-    def save(step: int, sampler_state: dict):
-        nonlocal last_saved
-        t0 = time.time()
-        path = save_checkpoint(
-            run_dir,
-            step,
-            {"policy": (policy, optimizer)},
-            {"model": policy},
-            tokenizer,
-            {"step": step, "sampler": sampler_state, "scheduler": scheduler.state_dict(), "args": asdict(args)},
-            args.keep_checkpoints,
-        )
-        last_saved = step
-        print0(f"saved {path} ({time.time() - t0:.1f}s)")
-
-    def stop_now(signum: int, done: int, sampler_state: dict):
-        """Every rank, after agreeing on a signal: engine down, training state back on the GPU, a
-        checkpoint of the finished steps not yet saved (Ctrl-C, preemption), then exit 128 + signum."""
-        stop_engine(engine, watch)
-        sleep(None, device=device, **phases)  # offloaded training state back
-        if args.save_on_signal and args.save_every >= 0 and done > last_saved:
-            save(done, sampler_state)
-        launcher = f"torchrun --nproc_per_node={world_size}" if "RANK" in os.environ else "python"
-        again = f"{launcher} {' '.join(sys.argv)}{'' if args.resume else ' --resume'}"  # no checkpoint: from step 0 (checkpoint_to_resume)
-        mem.close()
-        log.finish()  # curves.png too
-        clock.summary(run_dir, EVAL_LINE, stopped=True)
-        print0(
-            f"stopped by {signal.Signals(signum).name} after step {done}; continue from step {last_saved} with: {again}"
-        )
-        dist.destroy_process_group()
-        raise SystemExit(128 + signum)
-
-    def evaluate(step: int):
-        """Greedy accuracy on the held-out prompts (engine awake), each rank a strided share; with --eval-samples K,
-        K samples a prompt too: avg@K, pass@1..K, maj@K (reward.sampled_eval_stats)."""
-        share = range(rank, len(eval_prompts.ids), world_size)
-        prompt_ids, examples = [eval_prompts.ids[i] for i in share], [eval_prompts.examples[i] for i in share]
-        samples = generate(
-            engine, prompt_ids, [0] * len(share), sampling=greedy, tokenizer=tokenizer, tp=tp, tool_use=tool_use
-        )
-        K, seed = args.eval_samples, seed_for(args.seed, "eval", step, rank)
-        groups = (
-            generate_groups(
-                engine, prompt_ids, K, seed=seed, sampling=sampled, tokenizer=tokenizer, tp=tp, tool_use=tool_use
-            )
-            if K
-            else []
-        )
-        if signum := agreed_signal():  # a signal cut the evaluation short: not logged
-            stop_now(signum, step, ahead.before if ahead else sampler.state_dict())  # not the batch in flight
-        for s, ex in zip(samples + sum(groups, []), examples + [ex for ex in examples for _ in range(K)]):
-            s.answer, s.kind, s.source = ex.answer, ex.kind, ex.source
-        out = eval_stats(samples, sources=eval_prompts.sources)
-        out |= sampled_eval_stats(groups, sources=eval_prompts.sources) if K else {}
-        shown = EVAL_LINE + sampled_line(K) + EVAL_TOOLS_LINE * bool(tools)
-        print0(log_line(f"eval after step {step}", out, shown))
-        log.log({"step": step, **out})
-
-    def send_rollout(step: int, rounds: int, ahead: bool = False):
-        """Draw this rank's prompts and send them to the engine; `.result()` gives the samples. `ahead`:
-        they generate in the background (--async-rollout), with the weights the engine has now."""
-        before = sampler.state_dict()  # the data position before this draw (a checkpoint's, while it generates)
-        prompt_idx = shard(sampler.draw(args.prompts_per_step), rank, world_size)  # this rank's prompts
-        sample_idx = [i for i in prompt_idx for _ in range(args.group_size)]  # each prompt G times in a row
-        seeds = [seed_for(args.seed, "sample", step, rounds, rank, k) for k in range(len(sample_idx))]
-        pending = send(
-            engine,
-            [train_prompts.ids[i] for i in sample_idx],
-            seeds,
-            sampling=sampling,
-            tool_use=tool_use,
-            tokenizer=tokenizer,
-            tp=tp,
-            ahead=ahead,
-        )
-        pending.sample_idx, pending.before, pending.ahead = sample_idx, before, ahead
-        return pending
-
-    # ---- the loop ----------------------------------------------------------------------------------
-    local_prompts = args.prompts_per_step // world_size
-    max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
+    checkpoints = Checkpoints(
+        run_dir,
+        stateful={"policy": (policy, optimizer)},
+        hf_models={"model": policy},
+        tokenizer=tokenizer,
+        state=lambda: {"scheduler": scheduler.state_dict(), "args": asdict(args)},  # in trainer.pt, with step and data
+        every=args.save_every,
+        keep=args.keep_checkpoints,
+        last=start_step,
+    )
+    nonfinite = NonFinite(args.max_nonfinite_steps)
     console = (
         CONSOLE
         + TOOLS_LINE * bool(tools)
@@ -1071,6 +949,50 @@ def main(args: Args):
     )
     print0(legend(console + IF_NOT_0))
     clock = StepClock(total=args.steps, start=start_step, launched=t_launch)  # 'step 3/200 | eta 1:02', the last lines
+    stop_now = partial(  # stop.py: engine down, training state back, the finished steps saved, exit 128 + signal
+        stop_run,
+        engine=engine,
+        watch=watch,
+        phases=phases,
+        device=device,
+        checkpoints=checkpoints,
+        save=args.save_on_signal,
+        mem=mem,
+        log=log,
+        clock=clock,
+        eval_line=EVAL_LINE,
+        resume=args.resume,
+    )
+    evaluate = partial(  # rollout.py: greedy (and --eval-samples) accuracy on the held-out prompts, logged
+        held_out_eval,
+        engine,
+        eval_prompts,
+        log,
+        sampling=sampling,
+        k=args.eval_samples,
+        temperature=args.eval_temperature,
+        top_p=args.eval_top_p,
+        seed=args.seed,
+        tokenizer=tokenizer,
+        tp=tp,
+        tool_use=tool_use,
+    )
+    send_rollout = partial(  # rollout.py: draw this rank's prompts, G samples each, send them to the engine
+        send_prompts,
+        engine,
+        sampler,
+        train_prompts,
+        n=args.prompts_per_step,
+        group_size=args.group_size,
+        sampling=sampling,
+        tokenizer=tokenizer,
+        tp=tp,
+        tool_use=tool_use,
+    )
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    local_prompts = args.prompts_per_step // world_size
+    max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
     ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
     for step in range(start_step + 1, args.steps + 1):
         t_step = time.time()
@@ -1084,28 +1006,21 @@ def main(args: Args):
             with mem.phase("generate"):
                 ahead.result()
         wake_up(engine, policy=policy, **sync, **phases)
-        if eval_due(step - 1):
+        if eval_due(step - 1, every=args.eval_every, before_train=args.eval_before_train):
             with mem.phase("eval"):
-                evaluate(step - 1)  # after step-1 updates
+                if signum := evaluate(step=step - 1):  # after step-1 updates; a signal cut it short: not logged
+                    stop_now(signum, step - 1, sampler_state)
 
         # -- 2. rollout: group_size samples per prompt, scored; dynamic sampling refills dropped groups
         with mem.phase("generate"):
             kept, seen, rounds = [], [], 0
             while True:
-                pending, ahead = ahead or send_rollout(step, rounds), None
-                samples = pending.result()
-                for k, (s, i) in enumerate(zip(samples, pending.sample_idx)):
-                    ex = train_prompts.examples[i]
-                    s.answer, s.kind, s.source, s.prompt = ex.answer, ex.kind, ex.source, ex.prompt
+                pending, ahead = ahead or send_rollout(seeds=(args.seed, "sample", step, rounds)), None
+                samples = label(pending.result(), [train_prompts.examples[i] for i in pending.sample_idx])
+                for k, s in enumerate(samples):
                     s.group_id = (len(seen) + k) // args.group_size  # the same for the G samples of a prompt
-                scored = score_all(
-                    reward_fn,
-                    [(s.text, s.answer, s.kind) for s in samples],
-                    workers=args.reward_workers,
-                    timeout_s=args.reward_timeout_s,
-                )  # in threads, each call within the limit (reward.py)
-                for s, (reward, error) in zip(samples, scored):  # raised, NaN/inf or timed out: 0.0, and why
-                    s.reward, s.reward_error = reward, error
+                # in threads, each call within --reward-timeout-s; one that raised, NaN/inf or timed out: 0.0, and why
+                score_samples(reward, samples, workers=args.reward_workers, timeout_s=args.reward_timeout_s)
                 groups = [
                     samples[g * args.group_size : (g + 1) * args.group_size]
                     for g in range(len(samples) // args.group_size)
@@ -1127,7 +1042,8 @@ def main(args: Args):
         if signum := agreed_signal():  # a signal during generation: stop before anything is trained on
             stop_now(signum, step - 1, sampler_state)
         if args.async_rollout and step < args.steps:  # ALGO: one step off-policy: the next batch is sampled
-            ahead = send_rollout(step + 1, 0, ahead=True)  # by these weights while they are updated below
+            ahead = send_rollout(seeds=(args.seed, "sample", step + 1, 0), ahead=True)  # by these weights, while
+            # they are updated below
 
         # -- 3. SGLang sleeps, training state comes back
         sleep(engine, device=device, **phases)
@@ -1236,15 +1152,16 @@ def main(args: Args):
         if args.log_samples_every and step % args.log_samples_every == 0:
             log.samples(step, seen)
         after = ahead.before if ahead else sampler.state_dict()  # the data position after this step
-        if args.save_every >= 0 and ((args.save_every and step % args.save_every == 0) or step == args.steps):
-            save(step, after)
+        if checkpoints.due(step, args.steps):
+            checkpoints.save(step, after)
         if signum := agreed_signal():
             stop_now(signum, step, after)
 
     # ---- final evaluation and cleanup --------------------------------------------------------------
     if args.eval_every and start_step < args.steps:
         wake_up(engine, policy=policy, **sync, **phases)
-        evaluate(args.steps)
+        if signum := evaluate(step=args.steps):
+            stop_now(signum, args.steps, sampler.state_dict())
     mem.close()
     stop_engine(engine, watch)
     log.finish()

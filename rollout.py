@@ -16,6 +16,7 @@ spanning the group's k GPUs, the others have `engine=None` and send their prompt
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import math
@@ -29,10 +30,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from data import Sample, seed_for
+from data import Sample, label, seed_for, shard
 from fsdp import all_reduce, without_agent_store
 from preflight import EngineStartFailed, Interrupted
-from stop import interruptible, quit_while_starting, stop_engine
+from reward import EVAL_LINE, EVAL_TOOLS_LINE, eval_stats, sampled_eval_stats, sampled_line
+from runlog import log_line, print0
+from stop import agreed_signal, interruptible, quit_while_starting, stop_engine
 from tools import parse_tool_calls, timed_call
 
 # ----------------------------------------------------------------------------------------------
@@ -371,6 +374,93 @@ def send(
         )
         pending.start(run) if ahead else pending.run(run)
     return pending
+
+
+def send_prompts(
+    engine,
+    sampler,
+    prompts,
+    *,
+    n: int,
+    group_size: int,
+    seeds: tuple,
+    sampling: Sampling,
+    tokenizer,
+    tp: TPGroup,
+    tool_use: "ToolUse | None" = None,
+    ahead: bool = False,
+) -> "Pending":
+    """A step's rollout, sent: `n` prompts drawn (`sampler`, a data.PromptSampler; all ranks draw the same), this
+    rank's share of them (`prompts`: data.Prompts), each `group_size` times in a row, seeded seed_for(*seeds, rank, k)
+    for its k-th sample. `.result()` gives the samples; the Pending also holds which prompt each is of (`sample_idx`),
+    the data position before the draw (`before`: a checkpoint's while the batch generates) and `ahead` (in the
+    background, --async-rollout, with the weights the engine has now)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    before = sampler.state_dict()
+    sample_idx = [i for i in shard(sampler.draw(n), rank, world_size) for _ in range(group_size)]
+    pending = send(
+        engine,
+        [prompts.ids[i] for i in sample_idx],
+        [seed_for(*seeds, rank, k) for k in range(len(sample_idx))],
+        sampling=sampling,
+        tool_use=tool_use,
+        tokenizer=tokenizer,
+        tp=tp,
+        ahead=ahead,
+    )
+    pending.sample_idx, pending.before, pending.ahead = sample_idx, before, ahead
+    return pending
+
+
+def held_out_eval(
+    engine,
+    prompts,
+    log,
+    *,
+    step: int,
+    sampling: Sampling,
+    k: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    tokenizer,
+    tp: TPGroup,
+    tool_use: "ToolUse | None" = None,
+) -> int:
+    """Greedy accuracy on the held-out `prompts` (data.Prompts; the engine awake), each rank a strided share, with
+    `sampling`'s token limit and stop tokens; with k > 0, k samples a prompt too, at `temperature` and `top_p`: avg@k,
+    pass@1..k, maj@k (reward.sampled_eval_stats). One console line, one row of `log` (runlog.RunLog). Returns the
+    signal that cut it short, agreed by every rank (then nothing is logged), else 0."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    share = range(rank, len(prompts.ids), world_size)
+    prompt_ids, examples = [prompts.ids[i] for i in share], [prompts.examples[i] for i in share]
+    greedy = dataclasses.replace(sampling, temperature=0.0, top_p=1.0)
+    samples = generate(
+        engine, prompt_ids, [0] * len(share), sampling=greedy, tokenizer=tokenizer, tp=tp, tool_use=tool_use
+    )
+    sampled = dataclasses.replace(sampling, temperature=temperature, top_p=top_p)
+    groups = (
+        generate_groups(
+            engine,
+            prompt_ids,
+            k,
+            seed=seed_for(seed, "eval", step, rank),
+            sampling=sampled,
+            tokenizer=tokenizer,
+            tp=tp,
+            tool_use=tool_use,
+        )
+        if k
+        else []
+    )
+    if signum := agreed_signal():
+        return signum
+    label(samples + sum(groups, []), examples + [ex for ex in examples for _ in range(k)])
+    out = eval_stats(samples, sources=prompts.sources)
+    out |= sampled_eval_stats(groups, sources=prompts.sources) if k else {}
+    print0(log_line(f"eval after step {step}", out, EVAL_LINE + sampled_line(k) + EVAL_TOOLS_LINE * bool(tool_use)))
+    log.log({"step": step, **out})
+    return 0
 
 
 def run_requests(

@@ -283,6 +283,12 @@ class StepClock:
         print0(f"  checkpoint: {latest_checkpoint(run_dir) or 'none saved'} | curves: {curves} | metrics: {metrics}")
 
 
+def eval_due(done: int, *, every: int, before_train: bool) -> bool:
+    """Evaluate after `done` updates (at the start of step done + 1)? Every `every` steps (0: never), and before the
+    first update with `before_train`."""
+    return bool(every) and done % every == 0 and (done > 0 or before_train)
+
+
 def progress(items, desc: str, rank: int):
     """A progress bar over `items` on rank 0, when a person is watching (stderr is a terminal)."""
     return tqdm(items, desc=desc, leave=False, disable=rank != 0 or not sys.stderr.isatty())

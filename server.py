@@ -27,6 +27,7 @@ update). The trainer's rank 0 and every server's TP ranks form one group; rank 0
 """
 
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -43,9 +44,10 @@ import torch
 import torch.distributed as dist
 
 from fsdp import without_agent_store
+from memory import ALL_TAGS, release
 from preflight import InputError, Interrupted, RunFailed, first_line
-from rollout import SGLangOptions
-from stop import kill, requested
+from rollout import SGLangOptions, TPGroup, graph_batch, start_engine, tp_group
+from stop import EngineWatch, kill, requested
 
 SHAPES = (
     "hidden_size",
@@ -376,6 +378,68 @@ class ServerEngine:
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+def start_rollout(
+    kind: str,
+    model: str,
+    *,
+    samples: int,
+    options: SGLangOptions,
+    seed: int,
+    dtype: torch.dtype,
+    urls: tuple[str, ...] = (),
+    gpus: int = 0,
+    timeout_s: float = 600.0,
+    sync_backend: str = "auto",
+    sync_address: str | None = None,
+    log_dir: str = ".",
+    phase=lambda: "start-up",
+) -> tuple[object, TPGroup, EngineWatch]:
+    """The rollout engines, started before any model loads (SGLang sizes its KV cache from the free memory it finds).
+    `kind` "sglang" or "hf": colocated, the first rank of each options.tp_size owns one (rollout.start_engine);
+    "server": rank 0 speaks to the servers for all ranks, those at `urls` or, with `gpus` k, servers it launches on the
+    last k GPUs of its node (launch_servers, their logs in `log_dir`). Each decodes its share of `samples` (the most
+    a step or an evaluation generates, all ranks') at once: its CUDA graphs are sized to it (rollout.graph_batch)
+    unless options.cuda_graph_max_bs says. Its memory is released until the first weight sync, a watch ends the run
+    if it dies (stop.EngineWatch, naming `phase()`), and no rank goes on before every engine has started.
+    Returns (this rank's engine, None where it owns none; its TP group; the watch)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    server = kind == "server"
+    engines = (len(urls) or gpus // options.tp_size) if server else world_size // options.tp_size
+    batch = samples // engines  # what each engine or server decodes at once: its CUDA graphs
+    options = dataclasses.replace(options, cuda_graph_max_bs=graph_batch(batch, options.cuda_graph_max_bs))
+    if server:  # rank 0 speaks to the servers for all ranks, as one TP group's owner
+        tp, urls, processes = tp_group(world_size), list(urls), None
+        if gpus and rank == 0:  # servers of this job's own, on the last GPUs of rank 0's node
+            urls, processes = launch_servers(
+                model,
+                gpus=list(range(torch.cuda.device_count()))[-gpus:],
+                tp_size=options.tp_size,
+                seed=seed,
+                options=options,
+                log_dir=log_dir,
+            )
+        engine = (
+            ServerEngine(
+                urls,
+                processes=processes,
+                model=model,
+                timeout_s=timeout_s,
+                sync_backend=sync_backend,
+                sync_address=sync_address,
+                batch=batch,
+            )
+            if rank == 0
+            else None
+        )
+    else:
+        tp = tp_group(options.tp_size)
+        engine = start_engine(kind, model, seed=seed, sglang=options, dtype=dtype) if rank == tp.owner else None
+    release(engine, ALL_TAGS)  # until the first weight sync
+    watch = EngineWatch(engine, phase=phase)  # a dead engine ends the run
+    dist.barrier()  # no rank loads its model before every engine has measured free memory
+    return engine, tp, watch
 
 
 class ServerProcess(subprocess.Popen):
