@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from preflight import InputError, hub_unreachable, looks_like_path
+from preflight import InputError, check_context, hub_unreachable, looks_like_path
 from reward import last_boxed, math_verify, normalize_number
 
 # The default prompt templates ({prompt}, or {question}, is the row's question), by answer kind: int (the
@@ -502,8 +502,16 @@ def task_prompts(
     kind: str | None = None,
     context: list[dict] | None = None,
     tools: list[dict] | None = None,
+    context_len: int | None = None,
+    max_new_tokens: int = 0,
 ) -> tuple[Prompts, Prompts, str]:
-    """(train prompts, held-out prompts, a line saying what was loaded): load_task, then tokenize_prompts."""
+    """(train prompts, held-out prompts, a line saying what was loaded): load_task, then tokenize_prompts. Given the
+    model's `context_len`, first checks that a prompt, the tools' `context` and `max_new_tokens` fit in it
+    (preflight.check_context: before any data loads)."""
+    if context_len is not None:
+        check_context(
+            context_len, max_prompt_len, max_new_tokens, tools_prompt=context_tokens(tokenizer, context, tools)
+        )
     train, held, note = load_task(
         dataset,
         eval_dataset,

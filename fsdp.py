@@ -480,6 +480,34 @@ def mfu(flops_per_token: float, tokens: float, seconds: float, peak: float, worl
     return flops_per_token * tokens / seconds / (world_size * peak)
 
 
+def throughput(
+    lengths: torch.Tensor,
+    *,
+    seconds: float,
+    phase_seconds: dict,
+    peak: float | None,
+    forward_params: int,
+    update_params: int,
+    epochs: int,
+) -> dict:
+    """A step's perf/ metrics over all ranks, from each row's real tokens (`lengths`, prompt and response): tokens per
+    second of the step so far (`seconds`); the busiest rank's tokens over the mean (1: even, `balance`); on a GPU of
+    known `peak` (peak_flops), the MFU of the log-prob phase (a forward, 2N FLOPs a token, of `forward_params` N: every
+    model it runs) and of the update (6N of `update_params`, `epochs` passes), from `phase_seconds` (MemoryLog's)."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    real_tokens = float(all_reduce(lengths.sum()))
+    out = {
+        "perf/tokens_per_s": real_tokens / seconds,
+        "perf/rank_tokens_max_over_mean": float(all_reduce(lengths.sum(), dist.ReduceOp.MAX))
+        * world_size
+        / real_tokens,
+    }
+    if peak:
+        out["perf/logprob_mfu"] = mfu(2 * forward_params, real_tokens, phase_seconds["logprob"], peak, world_size)
+        out["perf/update_mfu"] = mfu(6 * update_params, real_tokens * epochs, phase_seconds["update"], peak, world_size)
+    return out
+
+
 def lr_lambda(warmup_steps: int, schedule: str, min_lr_ratio: float, total_steps: int):
     """LambdaLR factor: linear warm-up from 0, then constant, cosine or linear decay that reaches
     min_lr_ratio at total_steps."""

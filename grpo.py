@@ -23,7 +23,6 @@ import os
 import random
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
@@ -37,12 +36,8 @@ import torch.distributed as dist
 
 from checkpoint import Checkpoints, checkpoint_to_resume, load_checkpoint
 from data import (
-    ADDITION_PROMPT,
-    BUILTIN_TASKS,
-    GSM8K_PROMPT,
     PromptSampler,
     collate,
-    context_tokens,
     label,
     seed_for,
     source_name,
@@ -59,16 +54,15 @@ from fsdp import (
     load_model,
     lr_lambda,
     matmul_params,
-    mfu,
     micro_batches,
     peak_flops,
     shard_model,
     skip_schedule,
+    throughput,
     token_logprobs,
 )
 from memory import MemoryLog, sleep, wake_up
 from preflight import (
-    check_context,
     check_engine,
     check_flags,
     check_model,
@@ -90,7 +84,7 @@ from reward import (
 from rollout import (
     SGLangOptions,
     Sampling,
-    ToolUse,
+    tools_for,
     held_out_eval,
     mismatch_stats,
     send_prompts,
@@ -113,7 +107,7 @@ from runlog import (
     run_info,
 )
 from server import start_rollout
-from tools import TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
+from tools import TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats
 from stop import NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine, stop_run
 
 
@@ -783,22 +777,15 @@ def main(args: Args):
 
     # ---- ALGO: the task. How a prompt is asked (a template with {prompt}, then the chat template) and what a
     # completion earns (reward.reward_fn): any (completion, answer) -> float can be the reward (--reward FILE.py:function)
-    template = args.prompt_template  # None: each kind's own (data.py)
-    tools_template = template or (ADDITION_PROMPT if set(args.dataset) <= set(BUILTIN_TASKS) else GSM8K_PROMPT)
-    context, tool_specs = (
-        tools_prompt(tokenizer, tools, tools_template) if tools else (None, None)
-    )  # the tools, worked calls
-    tool_use = (
-        ToolUse(
-            tools,
-            tokenizer,
-            ThreadPoolExecutor(args.tool_workers),
-            max_turns=args.max_turns,
-            max_reply_tokens=args.max_tool_reply_tokens,
-        )
-        if tools
-        else None
-    )
+    context, tool_specs, tool_use = tools_for(
+        tokenizer,
+        tools,
+        template=args.prompt_template,  # None: each kind's own (data.py)
+        datasets=args.dataset,
+        workers=args.tool_workers,
+        max_turns=args.max_turns,
+        max_reply_tokens=args.max_tool_reply_tokens,
+    )  # the tools' prompt (system prompt, worked calls) and their runner (rollout.py)
     reward = partial(
         reward_fn,
         user_reward=load_reward(args.reward) if args.reward else None,
@@ -807,20 +794,16 @@ def main(args: Args):
     )
 
     # ---- data: before any model loads, so a bad file fails fast --------------------------------------
-    check_context(
-        context_len,
-        args.max_prompt_len,
-        args.max_new_tokens,
-        tools_prompt=context_tokens(tokenizer, context, tool_specs),
-    )  # before SGLang starts
     train_prompts, eval_prompts, data_line = task_prompts(
         tokenizer,
         list(args.dataset),
         args.eval_dataset,
+        context_len=context_len,  # a prompt, the tools' and the response must fit: checked first
+        max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         num_eval=args.num_eval_prompts,
         max_prompt_len=args.max_prompt_len,
-        template=template,
+        template=args.prompt_template,
         system_prompt=args.system_prompt,
         prompt_field=args.prompt_field,
         answer_field=args.answer_field,
@@ -948,7 +931,7 @@ def main(args: Args):
         + RM_LINE * bool(rm)
     )
     print0(legend(console + IF_NOT_0))
-    clock = StepClock(total=args.steps, start=start_step, launched=t_launch)  # 'step 3/200 | eta 1:02', the last lines
+    clock = StepClock(total=args.steps, start=start_step, launched=t_launch, startup=startup)  # 'step 3/200 | eta 1:02'
     stop_now = partial(  # stop.py: engine down, training state back, the finished steps saved, exit 128 + signal
         stop_run,
         engine=engine,
@@ -1118,32 +1101,22 @@ def main(args: Args):
             # -- 6. update: epochs x mini-batches x micro-batches of grpo_loss, an optimizer step per mini-batch
             with mem.phase("update"):
                 metrics.update(update(policy, optimizer, scheduler, batch, args, step=step, device=device, rank=rank))
-            real_tokens = float(all_reduce(lengths.sum()))
-            metrics.update(
-                {
-                    "perf/tokens_per_s": real_tokens / (time.time() - t_step),
-                    "perf/rank_tokens_max_over_mean": float(all_reduce(lengths.sum(), dist.ReduceOp.MAX))
-                    * world_size
-                    / real_tokens,  # 1: even
-                }
+            metrics.update(  # PLUMBING: tokens a second, the ranks' balance, MFU on a GPU of known peak (fsdp.py)
+                throughput(
+                    lengths,
+                    seconds=time.time() - t_step,
+                    phase_seconds=mem.seconds,
+                    peak=peak,
+                    forward_params=n_params * (1 + (ref is not None)),  # log-probs: policy, reference
+                    update_params=n_params,
+                    epochs=args.epochs,
+                )
             )
-            if peak:  # PLUMBING: model FLOPs utilization of the two phases (fsdp.mfu), on a GPU of known peak only
-                metrics["perf/logprob_mfu"] = mfu(
-                    2 * n_params * (1 + (ref is not None)), real_tokens, mem.seconds["logprob"], peak, world_size
-                )
-                metrics["perf/update_mfu"] = mfu(
-                    6 * n_params, real_tokens * args.epochs, mem.seconds["update"], peak, world_size
-                )
 
         # -- 7. metrics, log, checkpoint
-        metrics["perf/step_s"] = time.time() - t_step
-        metrics.update(mem.metrics())  # time/<phase> and memory/<phase>_*_gib
-        metrics = {k: float(v) for k, v in metrics.items()}
-        if step == start_step + 1:
-            metrics["time/startup_to_first_step_s"] = time.time() - t_launch
-            metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
-        rare = [c for c in IF_NOT_0 + REWARD_LINE if metrics.get(c[1])]  # REWARD_LINE: samples scored 0
-        print0(log_line(clock.label(step), metrics, console + rare))
+        times = clock.times(step, time.time() - t_step, mem.metrics())  # step and phase seconds, memory (runlog.py)
+        metrics = {k: float(v) for k, v in (metrics | times).items()}
+        print0(log_line(clock.label(step), metrics, console, rare=IF_NOT_0 + REWARD_LINE))  # REWARD_LINE: scored 0
         log.log(metrics)
         if warning := nonfinite.after_step(
             step, int(metrics.get("train/nonfinite_skips", 0)), args.epochs * args.num_minibatches

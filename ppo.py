@@ -22,7 +22,6 @@ import os
 import random
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -36,12 +35,8 @@ import torch.distributed as dist
 
 from checkpoint import Checkpoints, checkpoint_to_resume, load_checkpoint
 from data import (
-    ADDITION_PROMPT,
-    BUILTIN_TASKS,
-    GSM8K_PROMPT,
     PromptSampler,
     collate,
-    context_tokens,
     label,
     seed_for,
     source_name,
@@ -60,15 +55,14 @@ from fsdp import (
     load_model,
     lr_lambda,
     matmul_params,
-    mfu,
     micro_batches,
     peak_flops,
     shard_model,
+    throughput,
     token_logprobs,
 )
 from memory import MemoryLog, sleep, wake_up
 from preflight import (
-    check_context,
     check_engine,
     check_flags,
     check_model,
@@ -89,7 +83,7 @@ from reward import (
 from rollout import (
     SGLangOptions,
     Sampling,
-    ToolUse,
+    tools_for,
     held_out_eval,
     mismatch_stats,
     send_prompts,
@@ -112,7 +106,7 @@ from runlog import (
     run_info,
 )
 from server import start_rollout
-from tools import TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
+from tools import TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats
 from stop import NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine, stop_run
 
 
@@ -658,22 +652,15 @@ def main(args: Args):
 
     # ---- ALGO: the task. How a prompt is asked (a template with {prompt}, then the chat template) and what a
     # completion earns (reward.reward_fn): any (completion, answer) -> float can be the reward (--reward FILE.py:function)
-    template = args.prompt_template  # None: each kind's own (data.py)
-    tools_template = template or (ADDITION_PROMPT if set(args.dataset) <= set(BUILTIN_TASKS) else GSM8K_PROMPT)
-    context, tool_specs = (
-        tools_prompt(tokenizer, tools, tools_template) if tools else (None, None)
-    )  # the tools, worked calls
-    tool_use = (
-        ToolUse(
-            tools,
-            tokenizer,
-            ThreadPoolExecutor(args.tool_workers),
-            max_turns=args.max_turns,
-            max_reply_tokens=args.max_tool_reply_tokens,
-        )
-        if tools
-        else None
-    )
+    context, tool_specs, tool_use = tools_for(
+        tokenizer,
+        tools,
+        template=args.prompt_template,  # None: each kind's own (data.py)
+        datasets=args.dataset,
+        workers=args.tool_workers,
+        max_turns=args.max_turns,
+        max_reply_tokens=args.max_tool_reply_tokens,
+    )  # the tools' prompt (system prompt, worked calls) and their runner (rollout.py)
     reward = partial(
         reward_fn,
         user_reward=load_reward(args.reward) if args.reward else None,
@@ -682,20 +669,16 @@ def main(args: Args):
     )
 
     # ---- data: before any model loads, so a bad file fails fast --------------------------------------
-    check_context(
-        context_len,
-        args.max_prompt_len,
-        args.max_new_tokens,
-        tools_prompt=context_tokens(tokenizer, context, tool_specs),
-    )  # before SGLang starts
     train_prompts, eval_prompts, data_line = task_prompts(
         tokenizer,
         list(args.dataset),
         args.eval_dataset,
+        context_len=context_len,  # a prompt, the tools' and the response must fit: checked first
+        max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         num_eval=args.num_eval_prompts,
         max_prompt_len=args.max_prompt_len,
-        template=template,
+        template=args.prompt_template,
         system_prompt=args.system_prompt,
         prompt_field=args.prompt_field,
         answer_field=args.answer_field,
@@ -852,7 +835,7 @@ def main(args: Args):
     nonfinite = NonFinite(args.max_nonfinite_steps)
     console = CONSOLE + TOOLS_LINE * bool(tools) + RM_LINE * bool(rm)
     print0(legend(console + IF_NOT_0))
-    clock = StepClock(total=args.steps, start=start_step, launched=t_launch)  # 'step 3/200 | eta 1:02', the last lines
+    clock = StepClock(total=args.steps, start=start_step, launched=t_launch, startup=startup)  # 'step 3/200 | eta 1:02'
     stop_now = partial(  # stop.py: engine down, training state back, the finished steps saved, exit 128 + signal
         stop_run,
         engine=engine,
@@ -1017,36 +1000,23 @@ def main(args: Args):
             kl_coef = adaptive_kl_coef(
                 kl_coef, kl_per_response, args.target_kl, args.kl_horizon, int(sums["responses"])
             )
-        real_tokens = float(all_reduce(lengths.sum()))
         metrics.update(train)
-        metrics.update(
-            {
-                "perf/tokens_per_s": real_tokens / (time.time() - t_step),
-                "perf/rank_tokens_max_over_mean": float(all_reduce(lengths.sum(), dist.ReduceOp.MAX))
-                * world_size
-                / real_tokens,  # 1: even
-            }
-        )
-        if peak:  # PLUMBING: model FLOPs utilization of the two phases (fsdp.mfu), on a GPU of known peak only
-            n_forward = n_policy * (1 + (ref is not None)) + n_critic  # log-prob phase: actor, reference, critic
-            metrics["perf/logprob_mfu"] = mfu(2 * n_forward, real_tokens, mem.seconds["logprob"], peak, world_size)
-            metrics["perf/update_mfu"] = mfu(
-                6 * (n_policy * update_actor + n_critic),
-                real_tokens * args.epochs,
-                mem.seconds["update"],
-                peak,
-                world_size,
+        metrics.update(  # PLUMBING: tokens a second, the ranks' balance, MFU on a GPU of known peak (fsdp.py)
+            throughput(
+                lengths,
+                seconds=time.time() - t_step,
+                phase_seconds=mem.seconds,
+                peak=peak,
+                forward_params=n_policy * (1 + (ref is not None)) + n_critic,  # log-probs: actor, reference, critic
+                update_params=n_policy * update_actor + n_critic,
+                epochs=args.epochs,
             )
+        )
 
         # -- 7. metrics, log, checkpoint
-        metrics["perf/step_s"] = time.time() - t_step
-        metrics.update(mem.metrics())  # time/<phase> and memory/<phase>_*_gib
-        metrics = {k: float(v) for k, v in metrics.items()}
-        if step == start_step + 1:
-            metrics["time/startup_to_first_step_s"] = time.time() - t_launch
-            metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
-        rare = [c for c in IF_NOT_0 + REWARD_LINE if metrics.get(c[1])]  # REWARD_LINE: samples scored 0
-        print0(log_line(clock.label(step), metrics, console + rare))
+        times = clock.times(step, time.time() - t_step, mem.metrics())  # step and phase seconds, memory (runlog.py)
+        metrics = {k: float(v) for k, v in (metrics | times).items()}
+        print0(log_line(clock.label(step), metrics, console, rare=IF_NOT_0 + REWARD_LINE))  # REWARD_LINE: scored 0
         log.log(metrics)
         n_updates = args.epochs * args.num_minibatches * (2 if update_actor else 1)
         if warning := nonfinite.after_step(step, int(metrics["train/nonfinite_skips"]), n_updates):

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from data import Sample, label, seed_for, shard
+from data import ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, Sample, label, seed_for, shard
 from fsdp import all_reduce, without_agent_store
 from preflight import EngineStartFailed, Interrupted
 from reward import EVAL_LINE, EVAL_TOOLS_LINE, eval_stats, sampled_eval_stats, sampled_line
 from runlog import log_line, print0
 from stop import agreed_signal, interruptible, quit_while_starting, stop_engine
-from tools import parse_tool_calls, timed_call
+from tools import parse_tool_calls, timed_call, tools_prompt
 
 # ----------------------------------------------------------------------------------------------
 # Engines
@@ -581,6 +581,28 @@ class ToolUse:
     pool: concurrent.futures.Executor
     max_turns: int = 4
     max_reply_tokens: int = 256
+
+
+def tools_for(
+    tokenizer,
+    tools: dict,
+    *,
+    template: str | None,
+    datasets: tuple[str, ...],
+    workers: int,
+    max_turns: int,
+    max_reply_tokens: int,
+) -> tuple[list[dict] | None, list[dict] | None, ToolUse | None]:
+    """With `tools` (tools.select_tools' choice): the messages before every question and the tools' schemas
+    (tools.tools_prompt: a system prompt, two worked calls asked through `template`, else through the datasets' kind's:
+    addition's for the built-in tasks, GSM8K's for any other), and how samples call them (ToolUse, the calls in
+    `workers` threads). Without tools: (None, None, None)."""
+    if not tools:
+        return None, None, None
+    template = template or (ADDITION_PROMPT if set(datasets) <= set(BUILTIN_TASKS) else GSM8K_PROMPT)
+    context, specs = tools_prompt(tokenizer, tools, template)
+    pool = concurrent.futures.ThreadPoolExecutor(workers)
+    return context, specs, ToolUse(tools, tokenizer, pool, max_turns=max_turns, max_reply_tokens=max_reply_tokens)
 
 
 async def episode(engine, prompt: list[int], seed: int, *, sampling: Sampling, tool_use: ToolUse) -> Sample:

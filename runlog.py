@@ -232,8 +232,10 @@ TRUNC = ("trunc", "rollout/truncated_frac", ".2f", "share cut at --max-new-token
 CLIP = ("clip", "train/clip_frac", ".2g", "share of tokens clipped (where not 0: several updates a batch)")
 
 
-def log_line(label: str, metrics: dict, keys: list[tuple]) -> str:
-    """One console line: 'step 12/200 | reward 0.41 | acc 0.33 | ...' from (name, metric key, format[, meaning])."""
+def log_line(label: str, metrics: dict, keys: list[tuple], rare: list[tuple] = ()) -> str:
+    """One console line: 'step 12/200 | reward 0.41 | acc 0.33 | ...' from (name, metric key, format[, meaning]);
+    then those of `rare` whose value is not 0 (a share truncated, samples that scored 0 for an error, ...)."""
+    keys = list(keys) + [k for k in rare if metrics.get(k[1])]
     shown = [f"{name} {format(metrics[key], fmt)}" for name, key, fmt, *_ in keys if key in metrics]
     return " | ".join([label, *shown])
 
@@ -255,9 +257,19 @@ class StepClock:
     """A step line's 'step 3/200 | eta 1:02:03' (the steps left times the median seconds of the last 10 steps: an
     evaluation or a checkpoint makes one step slow, not the estimate), and the run's closing lines."""
 
-    def __init__(self, *, total: int, start: int, launched: float):
+    def __init__(self, *, total: int, start: int, launched: float, startup: dict | None = None):
         self.total, self.start, self.done, self.launched = total, start, start, launched
-        self.seconds, self.last = [], time.time()
+        self.seconds, self.last, self.startup = [], time.time(), startup or {}
+
+    def times(self, step: int, seconds: float, phases: dict) -> dict:
+        """A step's perf/step_s (`seconds`), its phases' time/ and memory/ metrics (MemoryLog.metrics), and on the
+        first step of this launch the start-up's: time/startup_to_first_step_s, and time/startup_<part> of each part
+        of `startup` (seconds: set-up, engine, models)."""
+        out = {"perf/step_s": seconds, **phases}
+        if step == self.start + 1:
+            out["time/startup_to_first_step_s"] = time.time() - self.launched
+            out.update({f"time/startup_{k}": v for k, v in self.startup.items()})
+        return out
 
     def label(self, step: int) -> str:
         now, self.done = time.time(), step
