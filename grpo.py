@@ -19,7 +19,6 @@ right-padded per micro-batch unless --max-tokens-per-micro-batch packs them; one
 """
 
 import math
-import os
 import random
 import sys
 import time
@@ -98,6 +97,7 @@ from runlog import (
     RunLog,
     StepClock,
     claim_run_dir,
+    default_run_name,
     eval_due,
     launch_time,
     legend,
@@ -475,6 +475,50 @@ def variant_line(args: Args) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# ALGO: the task. How a prompt is asked (a template with {prompt}, then the chat template) and what a completion earns
+# (reward.reward_fn: 1 for an answer right in the asked format): any (completion, answer) -> float can be the reward
+# (--reward FILE.py:function)
+
+
+def the_task(args: Args, tokenizer, tools: dict, context_len: int):
+    """The tools' runner (None: one turn), the reward, the training and held-out prompts (data.Prompts) and the line
+    that says what was loaded: before any model loads, so a bad file fails fast."""
+    context, tool_specs, tool_use = tools_for(
+        tokenizer,
+        tools,
+        template=args.prompt_template,  # None: each kind's own (data.py)
+        datasets=args.dataset,
+        workers=args.tool_workers,
+        max_turns=args.max_turns,
+        max_reply_tokens=args.max_tool_reply_tokens,
+    )  # the tools' prompt (system prompt, worked calls) and their runner (rollout.py)
+    reward = partial(
+        reward_fn,
+        user_reward=load_reward(args.reward) if args.reward else None,
+        unformatted_credit=args.unformatted_credit,
+        format_weight=args.format_weight,
+    )
+    train_prompts, eval_prompts, data_line = task_prompts(
+        tokenizer,
+        list(args.dataset),
+        args.eval_dataset,
+        context_len=context_len,  # a prompt, the tools' and the response must fit: checked first
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        num_eval=args.num_eval_prompts,
+        max_prompt_len=args.max_prompt_len,
+        template=args.prompt_template,
+        system_prompt=args.system_prompt,
+        prompt_field=args.prompt_field,
+        answer_field=args.answer_field,
+        kind=args.answer_kind,
+        context=context,
+        tools=tool_specs,
+    )
+    return tool_use, reward, train_prompts, eval_prompts, data_line
+
+
+# ----------------------------------------------------------------------------------------------
 # ALGO: the GRPO pieces, pure functions of tensors (tests/test_grpo_math.py checks them by hand)
 
 ADVANTAGE_EPS = 1e-6  # added to a group's reward std: a group of near-equal rewards stays finite
@@ -754,10 +798,7 @@ def main(args: Args):
     tools = select_tools(
         args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s, workers=args.tool_workers
     )  # its sandbox checked, its memory said
-    run_name = (
-        args.run_name
-        or f"grpo-{os.path.basename(args.model.rstrip('/'))}-{'+'.join(map(source_name, args.dataset))}-s{args.seed}"
-    )
+    run_name = args.run_name or default_run_name("grpo", args.model, list(map(source_name, args.dataset)), args.seed)
     run_dir = claim_run_dir(args.output_dir, run_name, resume=args.resume)  # runlog.py: this script's, locked
     resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
     engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
@@ -775,42 +816,7 @@ def main(args: Args):
         max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p
     )
 
-    # ---- ALGO: the task. How a prompt is asked (a template with {prompt}, then the chat template) and what a
-    # completion earns (reward.reward_fn): any (completion, answer) -> float can be the reward (--reward FILE.py:function)
-    context, tool_specs, tool_use = tools_for(
-        tokenizer,
-        tools,
-        template=args.prompt_template,  # None: each kind's own (data.py)
-        datasets=args.dataset,
-        workers=args.tool_workers,
-        max_turns=args.max_turns,
-        max_reply_tokens=args.max_tool_reply_tokens,
-    )  # the tools' prompt (system prompt, worked calls) and their runner (rollout.py)
-    reward = partial(
-        reward_fn,
-        user_reward=load_reward(args.reward) if args.reward else None,
-        unformatted_credit=args.unformatted_credit,
-        format_weight=args.format_weight,
-    )
-
-    # ---- data: before any model loads, so a bad file fails fast --------------------------------------
-    train_prompts, eval_prompts, data_line = task_prompts(
-        tokenizer,
-        list(args.dataset),
-        args.eval_dataset,
-        context_len=context_len,  # a prompt, the tools' and the response must fit: checked first
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        num_eval=args.num_eval_prompts,
-        max_prompt_len=args.max_prompt_len,
-        template=args.prompt_template,
-        system_prompt=args.system_prompt,
-        prompt_field=args.prompt_field,
-        answer_field=args.answer_field,
-        kind=args.answer_kind,
-        context=context,
-        tools=tool_specs,
-    )
+    tool_use, reward, train_prompts, eval_prompts, data_line = the_task(args, tokenizer, tools, context_len)  # ALGO
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
     print0(f"data: {data_line} | {world_size} ranks, engine {engine_kind}\n{variant_line(args)}")
     random.seed(seed_for(args.seed, "rank", rank))
@@ -822,7 +828,7 @@ def main(args: Args):
     t0 = time.time()
     mem = MemoryLog()
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
-    engine, tp, watch = start_rollout(
+    rollout, watch = start_rollout(
         engine_kind,
         args.model,
         samples=max(args.prompts_per_step * args.group_size, args.num_eval_prompts * args.eval_samples),
@@ -837,6 +843,9 @@ def main(args: Args):
         ),
         seed=args.seed,
         dtype=dtype,
+        sampling=sampling,
+        tokenizer=tokenizer,
+        tool_use=tool_use,
         urls=args.rollout_url,
         gpus=args.rollout_gpus,
         timeout_s=args.rollout_timeout,
@@ -844,7 +853,7 @@ def main(args: Args):
         sync_address=args.rollout_sync_address,
         log_dir=run_dir,
         phase=lambda: mem.current,
-    )  # server.py: the engines on the training GPUs, or SGLang servers; watched
+    )  # server.py: the engines on the training GPUs, or SGLang servers; watched. rollout.Rollout: how a rank samples
     startup["engine_s"] = time.time() - t0
 
     # ---- models: policy (fp32 masters, `dtype` compute) and, only if beta > 0, the reference ------
@@ -877,7 +886,7 @@ def main(args: Args):
     )
     sync = dict(
         bucket_bytes=args.sync_bucket_mb * 2**20,
-        tp_group=tp.process_group if engine_kind == "sglang" else None,
+        tp_group=rollout.tp.process_group if engine_kind == "sglang" else None,
         dtype=dtype if engine_kind == "hf" else torch.bfloat16,
     )  # the engine's dtype: SGLang computes in bf16
     # for MFU (fsdp.mfu): the GPU's peak FLOP/s (None on a CPU or a GPU not in fsdp's table), the policy's size
@@ -934,7 +943,7 @@ def main(args: Args):
     clock = StepClock(total=args.steps, start=start_step, launched=t_launch, startup=startup)  # 'step 3/200 | eta 1:02'
     stop_now = partial(  # stop.py: engine down, training state back, the finished steps saved, exit 128 + signal
         stop_run,
-        engine=engine,
+        engine=rollout.engine,
         watch=watch,
         phases=phases,
         device=device,
@@ -948,29 +957,17 @@ def main(args: Args):
     )
     evaluate = partial(  # rollout.py: greedy (and --eval-samples) accuracy on the held-out prompts, logged
         held_out_eval,
-        engine,
+        rollout,
         eval_prompts,
         log,
-        sampling=sampling,
         k=args.eval_samples,
         temperature=args.eval_temperature,
         top_p=args.eval_top_p,
         seed=args.seed,
-        tokenizer=tokenizer,
-        tp=tp,
-        tool_use=tool_use,
     )
-    send_rollout = partial(  # rollout.py: draw this rank's prompts, G samples each, send them to the engine
-        send_prompts,
-        engine,
-        sampler,
-        train_prompts,
-        n=args.prompts_per_step,
-        group_size=args.group_size,
-        sampling=sampling,
-        tokenizer=tokenizer,
-        tp=tp,
-        tool_use=tool_use,
+    # rollout.py: draw this rank's prompts, --group-size samples each, send them to the engine
+    send_rollout = partial(
+        send_prompts, rollout, sampler, train_prompts, n=args.prompts_per_step, group_size=args.group_size
     )
 
     # ---- the loop ----------------------------------------------------------------------------------
@@ -988,7 +985,7 @@ def main(args: Args):
         if ahead is not None:
             with mem.phase("generate"):
                 ahead.result()
-        wake_up(engine, policy=policy, **sync, **phases)
+        wake_up(rollout.engine, policy=policy, **sync, **phases)
         if eval_due(step - 1, every=args.eval_every, before_train=args.eval_before_train):
             with mem.phase("eval"):
                 if signum := evaluate(step=step - 1):  # after step-1 updates; a signal cut it short: not logged
@@ -1029,7 +1026,7 @@ def main(args: Args):
             # they are updated below
 
         # -- 3. SGLang sleeps, training state comes back
-        sleep(engine, device=device, **phases)
+        sleep(rollout.engine, device=device, **phases)
         if rm is not None:  # ALGO: each reward becomes w_rule * rule + w_rm * the RM's score (reward_model.py)
             with mem.phase("reward_model"):
                 metrics.update(
@@ -1084,9 +1081,7 @@ def main(args: Args):
                 bounds=args.correction_bounds,
             )
             batch.is_weight, batch.loss_mask = weight, batch.loss_mask * keep
-            metrics.update(
-                mismatch_stats(batch, touched)
-            )  # logprob gap (the sync check), KL, largest ratio (rollout.py)
+            metrics.update(mismatch_stats(batch, touched))  # the log-prob gap (the sync check), KL, largest ratio
 
             # -- 5. advantages
             group_ids = torch.tensor([s.group_id for s in flat]).view(-1, args.group_size)  # [groups, G]
@@ -1132,11 +1127,11 @@ def main(args: Args):
 
     # ---- final evaluation and cleanup --------------------------------------------------------------
     if args.eval_every and start_step < args.steps:
-        wake_up(engine, policy=policy, **sync, **phases)
+        wake_up(rollout.engine, policy=policy, **sync, **phases)
         if signum := evaluate(step=args.steps):
             stop_now(signum, args.steps, sampler.state_dict())
     mem.close()
-    stop_engine(engine, watch)
+    stop_engine(rollout.engine, watch)
     log.finish()
     clock.summary(run_dir, EVAL_LINE)  # steps, time, held-out accuracy, where the checkpoint and curves are
     dist.destroy_process_group()

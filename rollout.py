@@ -376,19 +376,21 @@ def send(
     return pending
 
 
+@dataclass
+class Rollout:
+    """How this rank gets its samples, as a step's generation and an evaluation take it: its engine (None on a rank
+    whose TP group's owner generates for it), that TP group, the sampling settings, the tokenizer (tool episodes) and
+    the tools' runner (None: one turn). server.start_rollout makes it."""
+
+    engine: object | None
+    tp: TPGroup
+    sampling: Sampling
+    tokenizer: object = None
+    tool_use: "ToolUse | None" = None
+
+
 def send_prompts(
-    engine,
-    sampler,
-    prompts,
-    *,
-    n: int,
-    group_size: int,
-    seeds: tuple,
-    sampling: Sampling,
-    tokenizer,
-    tp: TPGroup,
-    tool_use: "ToolUse | None" = None,
-    ahead: bool = False,
+    rollout: Rollout, sampler, prompts, *, n: int, group_size: int, seeds: tuple, ahead: bool = False
 ) -> "Pending":
     """A step's rollout, sent: `n` prompts drawn (`sampler`, a data.PromptSampler; all ranks draw the same), this
     rank's share of them (`prompts`: data.Prompts), each `group_size` times in a row, seeded seed_for(*seeds, rank, k)
@@ -399,13 +401,13 @@ def send_prompts(
     before = sampler.state_dict()
     sample_idx = [i for i in shard(sampler.draw(n), rank, world_size) for _ in range(group_size)]
     pending = send(
-        engine,
+        rollout.engine,
         [prompts.ids[i] for i in sample_idx],
         [seed_for(*seeds, rank, k) for k in range(len(sample_idx))],
-        sampling=sampling,
-        tool_use=tool_use,
-        tokenizer=tokenizer,
-        tp=tp,
+        sampling=rollout.sampling,
+        tool_use=rollout.tool_use,
+        tokenizer=rollout.tokenizer,
+        tp=rollout.tp,
         ahead=ahead,
     )
     pending.sample_idx, pending.before, pending.ahead = sample_idx, before, ahead
@@ -413,52 +415,28 @@ def send_prompts(
 
 
 def held_out_eval(
-    engine,
-    prompts,
-    log,
-    *,
-    step: int,
-    sampling: Sampling,
-    k: int,
-    temperature: float,
-    top_p: float,
-    seed: int,
-    tokenizer,
-    tp: TPGroup,
-    tool_use: "ToolUse | None" = None,
+    rollout: Rollout, prompts, log, *, step: int, k: int, temperature: float, top_p: float, seed: int
 ) -> int:
-    """Greedy accuracy on the held-out `prompts` (data.Prompts; the engine awake), each rank a strided share, with
-    `sampling`'s token limit and stop tokens; with k > 0, k samples a prompt too, at `temperature` and `top_p`: avg@k,
+    """Greedy accuracy on the held-out `prompts` (data.Prompts; the engine awake), each rank a strided share, with the
+    rollout's token limit and stop tokens; with k > 0, k samples a prompt too, at `temperature` and `top_p`: avg@k,
     pass@1..k, maj@k (reward.sampled_eval_stats). One console line, one row of `log` (runlog.RunLog). Returns the
     signal that cut it short, agreed by every rank (then nothing is logged), else 0."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     share = range(rank, len(prompts.ids), world_size)
     prompt_ids, examples = [prompts.ids[i] for i in share], [prompts.examples[i] for i in share]
-    greedy = dataclasses.replace(sampling, temperature=0.0, top_p=1.0)
-    samples = generate(
-        engine, prompt_ids, [0] * len(share), sampling=greedy, tokenizer=tokenizer, tp=tp, tool_use=tool_use
-    )
-    sampled = dataclasses.replace(sampling, temperature=temperature, top_p=top_p)
-    groups = (
-        generate_groups(
-            engine,
-            prompt_ids,
-            k,
-            seed=seed_for(seed, "eval", step, rank),
-            sampling=sampled,
-            tokenizer=tokenizer,
-            tp=tp,
-            tool_use=tool_use,
-        )
-        if k
-        else []
-    )
+    on = dict(tokenizer=rollout.tokenizer, tp=rollout.tp, tool_use=rollout.tool_use)
+    greedy = dataclasses.replace(rollout.sampling, temperature=0.0, top_p=1.0)
+    samples = generate(rollout.engine, prompt_ids, [0] * len(share), sampling=greedy, **on)
+    sampled = dataclasses.replace(rollout.sampling, temperature=temperature, top_p=top_p)
+    eval_seed = seed_for(seed, "eval", step, rank)
+    groups = generate_groups(rollout.engine, prompt_ids, k, seed=eval_seed, sampling=sampled, **on) if k else []
     if signum := agreed_signal():
         return signum
     label(samples + sum(groups, []), examples + [ex for ex in examples for _ in range(k)])
     out = eval_stats(samples, sources=prompts.sources)
     out |= sampled_eval_stats(groups, sources=prompts.sources) if k else {}
-    print0(log_line(f"eval after step {step}", out, EVAL_LINE + sampled_line(k) + EVAL_TOOLS_LINE * bool(tool_use)))
+    shown = EVAL_LINE + sampled_line(k) + EVAL_TOOLS_LINE * bool(rollout.tool_use)
+    print0(log_line(f"eval after step {step}", out, shown))
     log.log({"step": step, **out})
     return 0
 

@@ -58,6 +58,12 @@ def claim_run_dir(output_dir: str, run_name: str, *, resume: bool) -> str:
     return run_dir
 
 
+def default_run_name(script: str, model: str, sources: list[str], seed: int) -> str:
+    """A run's folder name where --run-name is not given: grpo-<model>-<source>[+<source>...]-s<seed>, each dataset by
+    its short name (data.source_name)."""
+    return f"{script}-{os.path.basename(model.rstrip('/'))}-{'+'.join(sources)}-s{seed}"
+
+
 def claim(run_dir: str, *, script: str, resume: bool) -> str | None:
     """claim_run_dir on rank 0: what is wrong with the folder, or None once this process holds its lock."""
     if (owner := made_by(run_dir)) not in (None, script):  # refused before anything is written there

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from fsdp import without_agent_store
 from memory import ALL_TAGS, release
 from preflight import InputError, Interrupted, RunFailed, first_line
-from rollout import SGLangOptions, TPGroup, graph_batch, start_engine, tp_group
+from rollout import Rollout, Sampling, SGLangOptions, graph_batch, start_engine, tp_group
 from stop import EngineWatch, kill, requested
 
 SHAPES = (
@@ -388,6 +388,9 @@ def start_rollout(
     options: SGLangOptions,
     seed: int,
     dtype: torch.dtype,
+    sampling: Sampling,
+    tokenizer=None,
+    tool_use=None,
     urls: tuple[str, ...] = (),
     gpus: int = 0,
     timeout_s: float = 600.0,
@@ -395,7 +398,7 @@ def start_rollout(
     sync_address: str | None = None,
     log_dir: str = ".",
     phase=lambda: "start-up",
-) -> tuple[object, TPGroup, EngineWatch]:
+) -> tuple[Rollout, EngineWatch]:
     """The rollout engines, started before any model loads (SGLang sizes its KV cache from the free memory it finds).
     `kind` "sglang" or "hf": colocated, the first rank of each options.tp_size owns one (rollout.start_engine);
     "server": rank 0 speaks to the servers for all ranks, those at `urls` or, with `gpus` k, servers it launches on the
@@ -403,7 +406,8 @@ def start_rollout(
     a step or an evaluation generates, all ranks') at once: its CUDA graphs are sized to it (rollout.graph_batch)
     unless options.cuda_graph_max_bs says. Its memory is released until the first weight sync, a watch ends the run
     if it dies (stop.EngineWatch, naming `phase()`), and no rank goes on before every engine has started.
-    Returns (this rank's engine, None where it owns none; its TP group; the watch)."""
+    Returns (a rollout.Rollout: this rank's engine, None where it owns none, its TP group, `sampling`, `tokenizer` and
+    `tool_use`; the watch)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     server = kind == "server"
     engines = (len(urls) or gpus // options.tp_size) if server else world_size // options.tp_size
@@ -439,7 +443,7 @@ def start_rollout(
     release(engine, ALL_TAGS)  # until the first weight sync
     watch = EngineWatch(engine, phase=phase)  # a dead engine ends the run
     dist.barrier()  # no rank loads its model before every engine has measured free memory
-    return engine, tp, watch
+    return Rollout(engine, tp, sampling, tokenizer, tool_use), watch
 
 
 class ServerProcess(subprocess.Popen):
