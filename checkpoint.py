@@ -4,6 +4,8 @@
     path = latest_checkpoint(out_dir)        # highest complete step, or None
     path = checkpoint_to_resume(out_dir, resume=True)   # the highest readable one; damaged ones moved aside
     state = load_checkpoint(path, {"policy": (model, optimizer)})
+    saves = Checkpoints(out_dir, stateful=..., hf_models=..., tokenizer=tok, state=lambda: {...}, every=100, keep=2)
+    if saves.due(step, total): saves.save(step, sampler.state_dict())   # 'saved ... (2.1s)'; saves.last: its step
 
 Layout of one checkpoint, `out_dir/checkpoints/step_000100/`:
     model/          Hugging Face folder (bf16 safetensors + config + tokenizer): loads in transformers and SGLang

@@ -10,6 +10,7 @@
     train, held, line = task_prompts(tokenizer, "addition", None, seed=0, num_eval=256, max_prompt_len=256)
     sampler = PromptSampler(len(prompts), seed=0)               # epoch shuffles; resumable position
     seed = seed_for(0, "update", step, epoch)                   # one seed per use of randomness
+    label(samples, examples)                                    # each sample gets its prompt's answer and kind
     batch = collate(samples, pad_id)                            # list[Sample] -> Batch of tensors
     pairs, skipped = load_pairs("pairs.jsonl")                  # preference pairs (train_rm.py), bad rows counted
     train, held, note = split_pairs(pairs, seed=0, num_eval=512, where="pairs.jsonl")  # whole prompts held out

@@ -9,6 +9,7 @@
     old_logp = batch_logprobs(model, batch, micro_batch_size=8, temperature=1.0, device=device)
     for rows in micro_batches(rows, lengths, size=8, max_tokens=8192):  # packed: <= 8192 tokens, as many on all ranks
     utilization = mfu(6 * matmul_params(model), tokens, seconds, peak_flops(gpu_name), world_size)
+    metrics = throughput(lengths, seconds=..., phase_seconds=mem.seconds, peak=..., ...)  # tokens/s, balance, MFU
     total = all_reduce(local_sum)                         # over ranks; the identity in a notebook
 
 PLUMBING: a reader of the algorithm can take these as given.

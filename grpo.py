@@ -5,25 +5,40 @@
     python grpo.py --model ./tiny-model --rollout-engine hf                   # CPU, no SGLang
     python grpo.py --rollout-mode server --rollout-url http://HOST:30000 [--async-rollout]   # SGLang on GPUs of its own
 
-Each step: wake SGLang up and sync the weights (memory.py), sample `group_size` completions per
-prompt, score them (reward.py), sleep SGLang, recompute old (and reference) log-probs, normalize
-rewards within each group into advantages, and take PPO-clip steps on the policy.
+Each step (main's loop): wake SGLang up and sync the weights (memory.py), sample G completions per prompt and score
+them (the_task's reward), sleep SGLang, recompute old (and reference) log-probs, turn each group's rewards into
+advantages, then `update`: epochs x mini-batches x micro-batches of `grpo_loss`, an optimizer step per mini-batch.
+The file reads in that order: Args, the flags' checks, the task, the GRPO pieces (pure functions of tensors), update,
+main (its set-up, then the loop).
 
 Variants, all flags (README: GRPO variants): the advantage (--advantage grpo, rloo, reinforce++; --no-scale-rewards
-+ --loss-agg seq-mean-token-sum-norm: Dr.GRPO), the policy loss (--policy-loss ppo-clip, gspo, cispo; --clip-high 0.28:
-DAPO's clip-higher), the sampler-trainer mismatch (--rollout-correction tis, mis, icepop, seq-mask; logged every step
-whatever the choice), --dynamic-sampling, --overlong-filter, --beta > 0 with --kl-estimator k2/k3 in the loss or
-(--kl-in-reward) in the reward.
-What it simplifies: every rank loads the full checkpoint on CPU before sharding; sequences are
-right-padded per micro-batch unless --max-tokens-per-micro-batch packs them; one Adam for the whole model.
++ --loss-agg seq-mean-token-sum-norm: Dr.GRPO), the policy loss (--policy-loss ppo-clip, gspo, cispo, sapo;
+--clip-high 0.28: DAPO's clip-higher), the sampler-trainer mismatch (--rollout-correction tis, mis, icepop, seq-mask;
+logged every step whatever the choice), --dynamic-sampling, --overlong-filter, --beta > 0 with --kl-estimator k2/k3 in
+the loss or (--kl-in-reward) in the reward.
+
+What the default leaves out (each a flag away):
+- One update a batch (--epochs 1 --num-minibatches 1): the old log-probs come from the weights the loss sees, so every
+  ratio is 1 and nothing clips; ppo-clip, gspo, cispo and sapo take the same step (--num-minibatches 4: they differ).
+- No reference model (--beta 0): no KL term anywhere, and no reference model is loaded.
+- Token-mean (--loss-agg token-mean): every loss token of a mini-batch weighs the same, so a long response counts
+  more than a short one (seq-mean-token-mean: the GRPO paper's; seq-mean-token-sum-norm: Dr.GRPO's).
+- No rollout correction colocated (--rollout-correction auto: tis with --async-rollout only): SGLang's bf16 kernels
+  sample from slightly other probabilities than the trainer computes; that is logged every step, not corrected.
+- As every script here: each rank reads the whole checkpoint on CPU before sharding; sequences are right-padded per
+  micro-batch unless --max-tokens-per-micro-batch packs them; one AdamW over all parameters.
+
+Shapes, in comments ([B, T-1]) and in the names of lists whose shape is not obvious (samples_G, rewards_P_G):
+P prompts on this rank, G samples of each (--group-size), B = P x G sequences, T tokens a sequence (prompt, response,
+padding; per-token tensors are [B, T-1]: token t is predicted at position t-1); b, t: a micro-batch's.
 """
 
 import math
 import random
 import sys
 import time
-from functools import partial
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Literal
 
 from preflight import exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
@@ -34,14 +49,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import Checkpoints, checkpoint_to_resume, load_checkpoint
-from data import (
-    PromptSampler,
-    collate,
-    label,
-    seed_for,
-    source_name,
-    task_prompts,
-)
+from data import PromptSampler, collate, label, seed_for, source_name, task_prompts
 from fsdp import (
     all_reduce,
     all_reduce_dict,
@@ -72,23 +80,8 @@ from preflight import (
     size_for_cpu,
 )
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_rewards
-from reward import (
-    EVAL_LINE,
-    REWARD_LINE,
-    load_reward,
-    reward_fn,
-    rollout_stats,
-    score_samples,
-)
-from rollout import (
-    SGLangOptions,
-    Sampling,
-    tools_for,
-    held_out_eval,
-    mismatch_stats,
-    send_prompts,
-    stop_token_ids,
-)
+from reward import EVAL_LINE, REWARD_LINE, load_reward, reward_fn, rollout_stats, score_samples
+from rollout import SGLangOptions, Sampling, held_out_eval, mismatch_stats, send_prompts, stop_token_ids, tools_for
 from runlog import (
     CLIP,
     SAMPLES_LINE,
@@ -993,7 +986,7 @@ def main(args: Args):
 
         # -- 2. rollout: group_size samples per prompt, scored; dynamic sampling refills dropped groups
         with mem.phase("generate"):
-            kept, seen, rounds = [], [], 0
+            kept_P_G, seen, rounds = [], [], 0
             while True:
                 pending, ahead = ahead or send_rollout(seeds=(args.seed, "sample", step, rounds)), None
                 samples = label(pending.result(), [train_prompts.examples[i] for i in pending.sample_idx])
@@ -1001,29 +994,28 @@ def main(args: Args):
                     s.group_id = (len(seen) + k) // args.group_size  # the same for the G samples of a prompt
                 # in threads, each call within --reward-timeout-s; one that raised, NaN/inf or timed out: 0.0, and why
                 score_samples(reward, samples, workers=args.reward_workers, timeout_s=args.reward_timeout_s)
-                groups = [
+                groups_P_G = [
                     samples[g * args.group_size : (g + 1) * args.group_size]
                     for g in range(len(samples) // args.group_size)
                 ]
                 seen += samples
                 rounds += 1
                 if args.dynamic_sampling:  # ALGO: a group of equal rewards has zero advantage: no signal
-                    groups = [g for g in groups if len({s.reward for s in g}) > 1]
-                kept += groups
-                kept_total = int(all_reduce(len(kept)))  # pooled below: one rank's surplus fills another's gap
+                    groups_P_G = [samples_G for samples_G in groups_P_G if len({s.reward for s in samples_G}) > 1]
+                kept_P_G += groups_P_G
+                kept_total = int(all_reduce(len(kept_P_G)))  # pooled below: one rank's surplus fills another's gap
                 if (
                     not args.dynamic_sampling
                     or kept_total >= args.prompts_per_step
                     or rounds == args.max_sampling_rounds
                 ):
                     break
-            # every rank trains on as many groups (FSDP's collectives must match), dealt from all ranks' kept (balance)
+            # every rank trains on as many groups (FSDP's collectives must match), dealt from all ranks' kept_P_G
             n_groups = min(kept_total // world_size, local_prompts)
         if signum := agreed_signal():  # a signal during generation: stop before anything is trained on
             stop_now(signum, step - 1, sampler_state)
-        if args.async_rollout and step < args.steps:  # ALGO: one step off-policy: the next batch is sampled
-            ahead = send_rollout(seeds=(args.seed, "sample", step + 1, 0), ahead=True)  # by these weights, while
-            # they are updated below
+        if args.async_rollout and step < args.steps:  # ALGO: one step off-policy: the next batch is sampled by the
+            ahead = send_rollout(seeds=(args.seed, "sample", step + 1, 0), ahead=True)  # weights this step updates
 
         # -- 3. SGLang sleeps, training state comes back
         sleep(rollout.engine, device=device, **phases)
@@ -1049,14 +1041,14 @@ def main(args: Args):
         else:
             # -- 4. the batch: old log-probs from the training model, reference log-probs if beta > 0
             # PLUMBING: whole groups change ranks, n_groups to each, evening out the ranks' tokens (fsdp.balance)
-            tokens_per_group = [sum(len(s.prompt_ids) + len(s.response_ids) for s in g) for g in kept]
-            kept = balance(kept, tokens_per_group, world_size, share=n_groups)
-            flat = [s for g in kept for s in g]
-            batch = collate(flat, pad_id)
+            tokens_P = [sum(len(s.prompt_ids) + len(s.response_ids) for s in samples_G) for samples_G in kept_P_G]
+            kept_P_G = balance(kept_P_G, tokens_P, world_size, share=n_groups)
+            samples_B = [s for samples_G in kept_P_G for s in samples_G]
+            batch = collate(samples_B, pad_id)
             lengths = batch.attention_mask.sum(-1)  # [B] real tokens
             batch.loss_mask = batch.response_mask.clone()
             if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
-                batch.loss_mask[torch.tensor([s.truncated for s in flat])] = 0.0
+                batch.loss_mask[torch.tensor([s.truncated for s in samples_B])] = 0.0
             with mem.phase("logprob"):
                 batch.old_logprobs = batch_logprobs(
                     policy,
@@ -1084,14 +1076,14 @@ def main(args: Args):
             metrics.update(mismatch_stats(batch, touched))  # the log-prob gap (the sync check), KL, largest ratio
 
             # -- 5. advantages
-            group_ids = torch.tensor([s.group_id for s in flat]).view(-1, args.group_size)  # [groups, G]
-            assert (group_ids == group_ids[:, :1]).all(), "a row of the reshape mixes samples of two prompts"
-            rewards = torch.tensor([s.reward for s in flat]).view(-1, args.group_size)  # [groups, G]
+            group_ids_P_G = torch.tensor([s.group_id for s in samples_B]).view(-1, args.group_size)
+            assert (group_ids_P_G == group_ids_P_G[:, :1]).all(), "a row of the reshape mixes samples of two prompts"
+            rewards_P_G = torch.tensor([s.reward for s in samples_B]).view(-1, args.group_size)
             if ref is not None and args.kl_in_reward:  # ALGO: KL as a reward penalty, per sequence
-                seq_kl = (kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1") * batch.response_mask).sum(-1)
-                rewards = rewards - args.beta * seq_kl.view(-1, args.group_size)
-            adv = advantages(rewards, args.advantage, args.scale_rewards).view(-1)  # [B]
-            batch.advantages = adv[:, None] * batch.response_mask  # [B, T-1]
+                seq_kl_B = (kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1") * batch.response_mask).sum(-1)
+                rewards_P_G = rewards_P_G - args.beta * seq_kl_B.view(-1, args.group_size)
+            adv_B = advantages(rewards_P_G, args.advantage, args.scale_rewards).view(-1)
+            batch.advantages = adv_B[:, None] * batch.response_mask  # [B, T-1]
 
             # -- 6. update: epochs x mini-batches x micro-batches of grpo_loss, an optimizer step per mini-batch
             with mem.phase("update"):

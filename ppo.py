@@ -6,10 +6,11 @@
     python ppo.py --model ./tiny-model --rollout-engine hf                    # CPU, no SGLang
     python ppo.py --rollout-mode server --rollout-url http://HOST:30000 [--async-rollout]    # SGLang on GPUs of its own
 
-Each step: wake SGLang up and sync the actor's weights (memory.py), sample completions, score them
-(reward.py), sleep SGLang, recompute old log-probs, reference log-probs and values, turn the score
-on the last token plus a per-token KL penalty into per-token rewards, estimate advantages by GAE,
-whiten them, then take PPO-clip steps on the actor and clipped-value steps on the critic.
+Each step (main's loop): wake SGLang up and sync the actor's weights (memory.py), sample completions, score them
+(the_task's reward), sleep SGLang, recompute old log-probs, reference log-probs and values, turn the score on the last
+token plus a per-token KL penalty into per-token rewards, estimate advantages by GAE, whiten them, then `update`:
+clipped-value steps on the critic and PPO-clip steps on the actor. The file reads as grpo.py: Args, the flags' checks,
+the task, the PPO pieces, update, main.
 
 The recipe of Ziegler et al. (2019) / InstructGPT as verl and OpenRLHF run it. Options: a fixed KL
 coefficient or an adaptive controller toward --target-kl, critic warm-up steps, an entropy bonus.
@@ -21,8 +22,8 @@ import math
 import random
 import time
 import warnings
-from functools import partial
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Literal
 
 from preflight import exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
@@ -33,14 +34,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import Checkpoints, checkpoint_to_resume, load_checkpoint
-from data import (
-    PromptSampler,
-    collate,
-    label,
-    seed_for,
-    source_name,
-    task_prompts,
-)
+from data import PromptSampler, collate, label, seed_for, source_name, task_prompts
 from fsdp import (
     all_reduce,
     all_reduce_dict,
@@ -61,33 +55,10 @@ from fsdp import (
     token_logprobs,
 )
 from memory import MemoryLog, sleep, wake_up
-from preflight import (
-    check_engine,
-    check_flags,
-    check_model,
-    friendly_errors,
-    parse_args,
-    shared_rules,
-    size_for_cpu,
-)
+from preflight import check_engine, check_flags, check_model, friendly_errors, parse_args, shared_rules, size_for_cpu
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_rewards
-from reward import (
-    EVAL_LINE,
-    REWARD_LINE,
-    load_reward,
-    reward_fn,
-    rollout_stats,
-    score_samples,
-)
-from rollout import (
-    SGLangOptions,
-    Sampling,
-    tools_for,
-    held_out_eval,
-    mismatch_stats,
-    send_prompts,
-    stop_token_ids,
-)
+from reward import EVAL_LINE, REWARD_LINE, load_reward, reward_fn, rollout_stats, score_samples
+from rollout import SGLangOptions, Sampling, held_out_eval, mismatch_stats, send_prompts, stop_token_ids, tools_for
 from runlog import (
     CLIP,
     SAMPLES_LINE,
@@ -902,9 +873,8 @@ def main(args: Args):
             score_samples(reward, samples, workers=args.reward_workers, timeout_s=args.reward_timeout_s)
         if signum := agreed_signal():  # a signal during generation: stop before anything is trained on
             stop_now(signum, step - 1, sampler_state)
-        if args.async_rollout and step < args.steps:  # ALGO: one step off-policy: the next batch is sampled
-            ahead = send_rollout(seeds=(args.seed, "sample", step + 1), ahead=True)  # by these weights, while
-            # they are updated below
+        if args.async_rollout and step < args.steps:  # ALGO: one step off-policy: the next batch is sampled by the
+            ahead = send_rollout(seeds=(args.seed, "sample", step + 1), ahead=True)  # weights this step updates
 
         # -- 3. SGLang sleeps, training state comes back
         sleep(rollout.engine, device=device, **phases)

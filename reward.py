@@ -8,6 +8,8 @@
     format_reward(completion, kind)             # 1.0 if the completion gives its answer in the kind's format
     score(reward_fn, completion, answer)        # never raises: (reward, "") or (0.0, "ValueError: ..."); NaN/inf: 0.0
     score_all(reward_fn, calls, workers=8, timeout_s=30)  # score() of each, in threads, each call within a time limit
+    score_samples(reward, samples, workers=8, timeout_s=30)  # the same for samples: s.reward, s.reward_error
+    reward_fn(completion, answer, kind, unformatted_credit=0.25, format_weight=0.0)  # what grpo.py and ppo.py train on
     reward_fn = load_reward("my_reward.py:reward")  # your own (completion, answer) -> float, from a file
     rollout_stats(samples, seconds)             # a step's reward, accuracy, lengths, over all ranks
     eval_stats(samples, answer_fn, sources)     # held-out accuracy, over all ranks, and per source

@@ -5,6 +5,12 @@
     samples = generate(engine, prompt_ids, seeds, sampling=sampling, tokenizer=tokenizer)   # list[Sample]
     stats = mismatch_stats(batch)     # sampler vs trainer log-probs of a collated batch: did the sync work? KL, ...
 
+What the training scripts call, with the Rollout that server.start_rollout gives (engine, TP group, sampling, ...):
+
+    pending = send_prompts(rollout, sampler, prompts, n=32, group_size=16, seeds=(0, "sample", step))  # a step's
+    samples = pending.result()                                                 # this rank's, each prompt's G in a row
+    signum = held_out_eval(rollout, eval_prompts, log, step=step, k=0, temperature=1.0, top_p=1.0, seed=0)
+
 Both engines answer SGLang's calls (`generate`, `update_weights_from_tensor`, `flush_cache`,
 `release/resume_memory_occupation`), so the loop and memory.py read the same on a laptop as on a GPU
 node. `HFEngine`'s release/resume do nothing, but it refuses to generate while released. Token ids

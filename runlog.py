@@ -7,7 +7,8 @@
     log.samples(3, samples)                                    # a few completions: console, samples.jsonl
     print0(legend(console))                                    # once: what each name of a step's line is
     clock = StepClock(total=200, start=0, launched=launch_time())
-    print0(log_line(clock.label(3), metrics, console))         # 'step 3/200 | eta 1:02:03 | reward 0.41 | ...'
+    metrics |= clock.times(3, seconds, mem.metrics())          # perf/step_s, time/ and memory/ by phase; the start-up's
+    print0(log_line(clock.label(3), metrics, console, rare))   # 'step 3/200 | eta 1:02:03 | reward 0.41 | ...'
     clock.summary(run_dir, eval_line)                          # the run's last lines: time, held-out metrics, files
     for rows in progress(micro_batches, "update", rank):       # a bar on rank 0 when a person watches
 

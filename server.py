@@ -11,6 +11,9 @@ or the job starts them itself on GPUs of its own (grpo.py --rollout-mode server 
     engine = ServerEngine(urls, timeout_s=600, processes=processes)    # watched, and stopped with the run
     engine.generate(input_ids=[[...], ...], sampling_params=[{...}, ...], return_logprob=True)
 
+`start_rollout` starts either kind for grpo.py and ppo.py: the colocated engines (rollout.start_engine), or the
+servers at --rollout-url, or those it launches (--rollout-gpus); rank 0 speaks to servers for every rank.
+
 `generate` and `async_generate` take and return what sglang.Engine's do (token ids in, token ids
 and per-token log-probs out), so rollout.generate and rollout.episode drive either. Requests go
 over HTTP to SGLang's `/generate` (endpoints of SGLang 0.5.16); a batch is split evenly over the

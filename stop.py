@@ -5,7 +5,7 @@
     with interruptible():              # a wait on the engine (generation) is cut short by a signal
         outputs = engine.generate(...)
     if (signum := agreed_signal()):    # every rank, at the same places: did any rank get a signal?
-        stop_run(signum, step, sampler.state_dict(), engine=engine, ...)   # the engine down, a checkpoint, exit 128 + signum
+        stop_run(signum, step, sampler.state_dict(), engine=engine, ...)  # engine down, a checkpoint, exit 128 + n
     watch = EngineWatch(engine, phase=lambda: mem.current)   # an engine that fails ends the run, naming the phase
     stop_engine(engine, watch)         # on purpose (also at exit, whatever way the trainer exits)
     nonfinite = NonFinite(limit=3)     # K steps in a row with a NaN/inf loss or gradient: stop, naming the likely causes
