@@ -486,16 +486,17 @@ def throughput(
     *,
     seconds: float,
     phase_seconds: dict,
-    peak: float | None,
+    device: torch.device,
     forward_params: int,
     update_params: int,
     epochs: int,
 ) -> dict:
     """A step's perf/ metrics over all ranks, from each row's real tokens (`lengths`, prompt and response): tokens per
     second of the step so far (`seconds`); the busiest rank's tokens over the mean (1: even, `balance`); on a GPU of
-    known `peak` (peak_flops), the MFU of the log-prob phase (a forward, 2N FLOPs a token, of `forward_params` N: every
+    known peak FLOP/s (`device`'s, peak_flops: no MFU elsewhere), the MFU of the log-prob phase (a forward, 2N FLOPs a token, of `forward_params` N: every
     model it runs) and of the update (6N of `update_params`, `epochs` passes), from `phase_seconds` (MemoryLog's)."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
     real_tokens = float(all_reduce(lengths.sum()))
     out = {
         "perf/tokens_per_s": real_tokens / seconds,

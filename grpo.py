@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import Checkpoints, checkpoint_to_resume, load_checkpoint
+from checkpoint import Checkpoints, checkpoint_to_resume
 from data import PromptSampler, collate, label, seed_for, source_name, task_prompts
 from fsdp import (
     all_reduce,
@@ -62,7 +62,6 @@ from fsdp import (
     lr_lambda,
     matmul_params,
     micro_batches,
-    peak_flops,
     shard_model,
     skip_schedule,
     throughput,
@@ -882,39 +881,10 @@ def main(args: Args):
         tp_group=rollout.tp.process_group if engine_kind == "sglang" else None,
         dtype=dtype if engine_kind == "hf" else torch.bfloat16,
     )  # the engine's dtype: SGLang computes in bf16
-    # for MFU (fsdp.mfu): the GPU's peak FLOP/s (None on a CPU or a GPU not in fsdp's table), the policy's size
-    peak, n_params = (
-        peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else ""),
-        matmul_params(policy),
-    )
+    n_params = matmul_params(policy)  # the policy's size, for MFU (fsdp.throughput)
     startup["model_s"] = time.time() - t0
 
     # ---- resume, and the run's record: checkpoints, metrics, the console ----------------------------
-    start_step = 0
-    if resume_from:
-        state = load_checkpoint(resume_from, {"policy": (policy, optimizer)})
-        sampler.load_state_dict(state["sampler"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_step = state["step"]
-        print0(f"resumed from {resume_from}: step {start_step}, data epoch {sampler.epoch} index {sampler.index}")
-    allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
-    info = run_info(
-        world_size,
-        engine_kind,
-        python_sandbox=args.python_sandbox if "python" in tools else None,
-        tool_workers=args.tool_workers,
-    )
-    log = RunLog(
-        run_dir,
-        config=asdict(args),
-        start_step=start_step,
-        info=info,
-        track=args.track,
-        project=args.wandb_project,
-        run_name=run_name,
-        eval_redone=start_step < args.steps
-        and eval_due(start_step, every=args.eval_every, before_train=args.eval_before_train),
-    )
     checkpoints = Checkpoints(
         run_dir,
         stateful={"policy": (policy, optimizer)},
@@ -923,7 +893,26 @@ def main(args: Args):
         state=lambda: {"scheduler": scheduler.state_dict(), "args": asdict(args)},  # in trainer.pt, with step and data
         every=args.save_every,
         keep=args.keep_checkpoints,
-        last=start_step,
+    )
+    if state := checkpoints.resume(resume_from, sampler):  # weights, optimizer, RNG, data position; the LR schedule:
+        scheduler.load_state_dict(state["scheduler"])
+    start_step = checkpoints.last  # 0: a new run
+    allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
+    log = RunLog(
+        run_dir,
+        config=asdict(args),
+        start_step=start_step,
+        info=run_info(
+            world_size,
+            engine_kind,
+            python_sandbox=args.python_sandbox if "python" in tools else None,
+            tool_workers=args.tool_workers,
+        ),
+        track=args.track,
+        project=args.wandb_project,
+        run_name=run_name,
+        eval_redone=start_step < args.steps
+        and eval_due(start_step, every=args.eval_every, before_train=args.eval_before_train),
     )
     nonfinite = NonFinite(args.max_nonfinite_steps)
     console = (
@@ -1093,7 +1082,7 @@ def main(args: Args):
                     lengths,
                     seconds=time.time() - t_step,
                     phase_seconds=mem.seconds,
-                    peak=peak,
+                    device=device,
                     forward_params=n_params * (1 + (ref is not None)),  # log-probs: policy, reference
                     update_params=n_params,
                     epochs=args.epochs,

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import Checkpoints, checkpoint_to_resume, load_checkpoint
+from checkpoint import Checkpoints, checkpoint_to_resume
 from data import PromptSampler, collate, label, seed_for, source_name, task_prompts
 from fsdp import (
     all_reduce,
@@ -49,7 +49,6 @@ from fsdp import (
     lr_lambda,
     matmul_params,
     micro_batches,
-    peak_flops,
     shard_model,
     throughput,
     token_logprobs,
@@ -763,43 +762,13 @@ def main(args: Args):
         dtype=dtype if engine_kind == "hf" else torch.bfloat16,
     )  # the engine's dtype: SGLang computes in bf16
     kl_coef = args.kl_coef
-    # for MFU (fsdp.mfu): the GPU's peak FLOP/s (None on a CPU or a GPU not in fsdp's table), the models' sizes
-    peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
-    n_policy, n_critic = matmul_params(policy), matmul_params(critic)
+    n_policy, n_critic = matmul_params(policy), matmul_params(critic)  # the models' sizes, for MFU (fsdp.throughput)
     startup["model_s"] = time.time() - t0
 
-    # ---- resume ----------------------------------------------------------------------------------
-    start_step = 0
-    stateful = {"policy": (policy, optimizer), "critic": (critic, critic_optimizer)}
-    if resume_from:
-        state = load_checkpoint(resume_from, stateful)
-        sampler.load_state_dict(state["sampler"])
-        scheduler.load_state_dict(state["scheduler"])
-        critic_scheduler.load_state_dict(state["critic_scheduler"])
-        start_step, kl_coef = state["step"], state["kl_coef"]
-        print0(f"resumed from {resume_from}: step {start_step}, data epoch {sampler.epoch} index {sampler.index}")
-
-    allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
-    info = run_info(
-        world_size,
-        engine_kind,
-        python_sandbox=args.python_sandbox if "python" in tools else None,
-        tool_workers=args.tool_workers,
-    )
-    log = RunLog(
-        run_dir,
-        config=asdict(args),
-        start_step=start_step,
-        info=info,
-        track=args.track,
-        project=args.wandb_project,
-        run_name=run_name,
-        eval_redone=start_step < args.steps
-        and eval_due(start_step, every=args.eval_every, before_train=args.eval_before_train),
-    )
+    # ---- resume, and the run's record: checkpoints, metrics, the console ----------------------------
     checkpoints = Checkpoints(
         run_dir,
-        stateful=stateful,
+        stateful={"policy": (policy, optimizer), "critic": (critic, critic_optimizer)},
         hf_models={"model": policy, "critic": critic},
         tokenizer=tokenizer,
         state=lambda: {  # in trainer.pt, with the step and the data position
@@ -810,7 +779,28 @@ def main(args: Args):
         },
         every=args.save_every,
         keep=args.keep_checkpoints,
-        last=start_step,
+    )
+    if state := checkpoints.resume(resume_from, sampler):  # weights, optimizers, RNG, data position; the rest:
+        scheduler.load_state_dict(state["scheduler"])
+        critic_scheduler.load_state_dict(state["critic_scheduler"])
+        kl_coef = state["kl_coef"]
+    start_step = checkpoints.last  # 0: a new run
+    allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
+    log = RunLog(
+        run_dir,
+        config=asdict(args),
+        start_step=start_step,
+        info=run_info(
+            world_size,
+            engine_kind,
+            python_sandbox=args.python_sandbox if "python" in tools else None,
+            tool_workers=args.tool_workers,
+        ),
+        track=args.track,
+        project=args.wandb_project,
+        run_name=run_name,
+        eval_redone=start_step < args.steps
+        and eval_due(start_step, every=args.eval_every, before_train=args.eval_before_train),
     )
     nonfinite = NonFinite(args.max_nonfinite_steps)
     console = CONSOLE + TOOLS_LINE * bool(tools) + RM_LINE * bool(rm)
@@ -973,7 +963,7 @@ def main(args: Args):
                 lengths,
                 seconds=time.time() - t_step,
                 phase_seconds=mem.seconds,
-                peak=peak,
+                device=device,
                 forward_params=n_policy * (1 + (ref is not None)) + n_critic,  # log-probs: actor, reference, critic
                 update_params=n_policy * update_actor + n_critic,
                 epochs=args.epochs,
