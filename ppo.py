@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import Checkpoints, checkpoint_to_resume
-from data import PromptSampler, collate, label, seed_for, source_name, task_prompts
+from data import PromptSampler, collate, label, seed_for, source_name, task_prompts, template_rule
 from fsdp import (
     all_reduce,
     all_reduce_dict,
@@ -55,7 +55,7 @@ from fsdp import (
 )
 from memory import MemoryLog, sleep, wake_up
 from preflight import check_engine, check_flags, check_model, friendly_errors, parse_args, shared_rules, size_for_cpu
-from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_rewards
+from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
 from reward import EVAL_LINE, REWARD_LINE, load_reward, reward_fn, rollout_stats, score_samples
 from rollout import SGLangOptions, Sampling, held_out_eval, mismatch_stats, send_prompts, stop_token_ids, tools_for
 from runlog import (
@@ -76,7 +76,7 @@ from runlog import (
     run_info,
 )
 from server import start_rollout
-from tools import TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats
+from tools import TOOLS, TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats
 from stop import NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine, stop_run
 
 
@@ -360,7 +360,9 @@ def check_args(args: Args, world_size: int):
             ("--critic-warmup-steps", a.critic_warmup_steps, a.critic_warmup_steps >= 0, ">= 0"),
             ("--async-rollout", a.async_rollout, not a.async_rollout or server, "with --rollout-mode server"),
             ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap >= 0, ">= 0"),
-            *shared_rules(a, world_size),
+            *shared_rules(a, world_size, tools=TOOLS),  # the flags every trainer shares (preflight.py)
+            template_rule(a.prompt_template),  # {prompt}, and no other placeholder (data.py)
+            *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
         ]
     )
 

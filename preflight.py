@@ -153,15 +153,12 @@ def package_rules(a) -> list[tuple[str, object, bool, str]]:
     ]
 
 
-def shared_rules(a, world_size: int) -> list[tuple[str, object, bool, str]]:
+def shared_rules(a, world_size: int, tools: dict) -> list[tuple[str, object, bool, str]]:
     """check_flags' rules for the flags grpo.py and ppo.py share, read by their names (a flag has one name in every
-    script): sizes and optimization, the rollout engine or servers, evaluation, checkpoints, tools, rewards, the
-    process group. Each script adds its algorithm's own (its check_args)."""
+    script): sizes and optimization, the rollout engine or servers, evaluation, checkpoints, tools (`tools`: those
+    there are, tools.TOOLS), rewards, the process group. Each script adds its algorithm's own (its check_args), and
+    the rules of the modules this one can't import: data.template_rule, reward_model.rm_flag_rules."""
     import torch
-
-    from data import template_rule  # lazy: this module imports nothing of the project's at its top
-    from reward_model import rm_flag_rules
-    from tools import TOOLS
 
     per_rank = a.prompts_per_step // world_size * a.group_size
     server = a.rollout_mode == "server"
@@ -245,8 +242,8 @@ def shared_rules(a, world_size: int) -> list[tuple[str, object, bool, str]]:
         (
             "--tools",
             a.tools,
-            all(t in TOOLS for t in a.tools.split(",") if t),
-            f"a comma-separated list of {', '.join(TOOLS)}",
+            all(t in tools for t in a.tools.split(",") if t),
+            f"a comma-separated list of {', '.join(tools)}",
         ),
         (
             "--system-prompt",
@@ -255,7 +252,6 @@ def shared_rules(a, world_size: int) -> list[tuple[str, object, bool, str]]:
             "without --tools (the tools bring their own system "
             "prompt and worked calls; put your instructions in --prompt-template)",
         ),
-        template_rule(a.prompt_template),  # {prompt}, and no other placeholder (data.py)
         ("--max-turns", a.max_turns, a.max_turns >= 1, ">= 1"),
         ("--max-tool-reply-tokens", a.max_tool_reply_tokens, a.max_tool_reply_tokens >= 1, ">= 1"),
         ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
@@ -264,7 +260,6 @@ def shared_rules(a, world_size: int) -> list[tuple[str, object, bool, str]]:
         *package_rules(a),  # --track needs wandb, --attn-implementation flash_attention_2 flash-attn
         ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
         ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
-        *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
         ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
     ]
 
