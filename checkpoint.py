@@ -4,6 +4,8 @@
     path = latest_checkpoint(out_dir)        # highest complete step, or None
     path = checkpoint_to_resume(out_dir, resume=True)   # the highest readable one; damaged ones moved aside
     state = load_checkpoint(path, {"policy": (model, optimizer)})
+    saves = Checkpoints(out_dir, stateful=..., hf_models=..., tokenizer=tok, state=lambda: {...}, every=100, keep=2)
+    if saves.due(step, total): saves.save(step, sampler.state_dict())   # 'saved ... (2.1s)'; saves.last: its step
 
 Layout of one checkpoint, `out_dir/checkpoints/step_000100/`:
     model/          Hugging Face folder (bf16 safetensors + config + tokenizer): loads in transformers and SGLang
@@ -27,6 +29,7 @@ import os
 import random
 import re
 import shutil
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -240,6 +243,45 @@ def save_checkpoint(out_dir: str, step: int, stateful: dict, hf_models: dict, to
                 shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+class Checkpoints:
+    """A run's saves (save_checkpoint): `due` every `every` steps and after the last (0: only then; -1: never), the
+    newest `keep` kept. In each: `stateful` and `hf_models` as save_checkpoint takes them, and in trainer.pt the step,
+    the data position and `state()`, the script's own (its LR schedules, its args). `resume` loads one back. `last`:
+    the newest one's step (0 before any)."""
+
+    def __init__(
+        self, run_dir: str, *, stateful: dict, hf_models: dict, tokenizer, state, every: int, keep: int, last: int = 0
+    ):
+        self.run_dir, self.stateful, self.hf_models, self.tokenizer = run_dir, stateful, hf_models, tokenizer
+        self.state, self.every, self.keep, self.last = state, every, keep, last
+
+    def resume(self, path: str | None, sampler) -> dict | None:
+        """From checkpoint `path` (checkpoint_to_resume's; None: a new run): the models, optimizers and RNG as saved,
+        the data position into `sampler` (data.PromptSampler), `last` its step, and a line that says so. Returns
+        trainer.pt's dict, for what the script restores itself (its LR schedules, ...); None without `path`."""
+        if not path:
+            return None
+        state = load_checkpoint(path, self.stateful)
+        sampler.load_state_dict(state["sampler"])
+        self.last = state["step"]
+        if dist.get_rank() == 0:
+            print(
+                f"resumed from {path}: step {self.last}, data epoch {sampler.epoch} index {sampler.index}", flush=True
+            )
+        return state
+
+    def due(self, step: int, total: int) -> bool:
+        return self.every >= 0 and ((self.every and step % self.every == 0) or step == total)
+
+    def save(self, step: int, sampler_state: dict):
+        t0 = time.time()
+        state = {"step": step, "sampler": sampler_state, **self.state()}
+        path = save_checkpoint(self.run_dir, step, self.stateful, self.hf_models, self.tokenizer, state, self.keep)
+        self.last = step
+        if dist.get_rank() == 0:
+            print(f"saved {path} ({time.time() - t0:.1f}s)", flush=True)
 
 
 def write_checkpoint(tmp: str, stateful: dict, hf_models: dict, tokenizer, state: dict):

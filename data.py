@@ -11,6 +11,7 @@
     sampler = PromptSampler(len(prompts), seed=0)               # epoch shuffles; resumable position
     seed = seed_for(0, "update", step, epoch)                   # one seed per use of randomness
     seeds = shard(sample_seeds(0, "sample", step, prompts=32, group_size=16), rank, world_size)  # a sample's own
+    label(samples, examples)                                    # each sample gets its prompt's answer and kind
     batch = collate(samples, pad_id)                            # list[Sample] -> Batch of tensors
     pairs, skipped = load_pairs("pairs.jsonl")                  # preference pairs (train_rm.py), bad rows counted
     train, held, note = split_pairs(pairs, seed=0, num_eval=512, where="pairs.jsonl")  # whole prompts held out
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from preflight import InputError, hub_unreachable, looks_like_path
+from preflight import InputError, check_context, hub_unreachable, looks_like_path
 from reward import last_boxed, math_verify, normalize_number
 
 # The default prompt templates ({prompt}, or {question}, is the row's question), by answer kind: int (the
@@ -503,8 +504,16 @@ def task_prompts(
     kind: str | None = None,
     context: list[dict] | None = None,
     tools: list[dict] | None = None,
+    context_len: int | None = None,
+    max_new_tokens: int = 0,
 ) -> tuple[Prompts, Prompts, str]:
-    """(train prompts, held-out prompts, a line saying what was loaded): load_task, then tokenize_prompts."""
+    """(train prompts, held-out prompts, a line saying what was loaded): load_task, then tokenize_prompts. Given the
+    model's `context_len`, first checks that a prompt, the tools' `context` and `max_new_tokens` fit in it
+    (preflight.check_context: before any data loads)."""
+    if context_len is not None:
+        check_context(
+            context_len, max_prompt_len, max_new_tokens, tools_prompt=context_tokens(tokenizer, context, tools)
+        )
     train, held, note = load_task(
         dataset,
         eval_dataset,
@@ -681,6 +690,14 @@ class Sample:
     tool_calls: list = field(default_factory=list)  # (tool name, "ok" | "error" | "timeout", seconds) per call
     prompt: str | list[dict] = ""  # the question as asked (Example.prompt): a reward model reads it (reward_model.py)
     messages: list[dict] | None = None  # multi-turn: the model's turns and the tools' replies as chat messages
+
+
+def label(samples: list[Sample], examples: list[Example]) -> list[Sample]:
+    """Each sample gets its prompt's reference answer, answer kind, source and question as asked (what the reward, the
+    metrics and a reward model read). Returns the samples."""
+    for s, ex in zip(samples, examples):
+        s.answer, s.kind, s.source, s.prompt = ex.answer, ex.kind, ex.source, ex.prompt
+    return samples
 
 
 @dataclass

@@ -9,6 +9,7 @@
     old_logp = batch_logprobs(model, batch, micro_batch_size=8, temperature=1.0, device=device)
     for rows in micro_batches(rows, lengths, size=8, max_tokens=8192):  # packed: <= 8192 tokens, as many on all ranks
     utilization = mfu(6 * matmul_params(model), tokens, seconds, peak_flops(gpu_name), world_size)
+    metrics = throughput(lengths, seconds=..., phase_seconds=mem.seconds, peak=..., ...)  # tokens/s, balance, MFU
     total = all_reduce(local_sum)                         # over ranks; the identity in a notebook
 
 PLUMBING: a reader of the algorithm can take these as given.
@@ -488,6 +489,35 @@ def mfu(flops_per_token: float, tokens: float, seconds: float, peak: float, worl
     the hardware's). Tokens are real ones: padding is not work the model needed.
     """
     return flops_per_token * tokens / seconds / (world_size * peak)
+
+
+def throughput(
+    lengths: torch.Tensor,
+    *,
+    seconds: float,
+    phase_seconds: dict,
+    device: torch.device,
+    forward_params: int,
+    update_params: int,
+    epochs: int,
+) -> dict:
+    """A step's perf/ metrics over all ranks, from each row's real tokens (`lengths`, prompt and response): tokens per
+    second of the step so far (`seconds`); the busiest rank's tokens over the mean (1: even, `balance`); on a GPU of
+    known peak FLOP/s (`device`'s, peak_flops: no MFU elsewhere), the MFU of the log-prob phase (a forward, 2N FLOPs a token, of `forward_params` N: every
+    model it runs) and of the update (6N of `update_params`, `epochs` passes), from `phase_seconds` (MemoryLog's)."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+    real_tokens = float(all_reduce(lengths.sum()))
+    out = {
+        "perf/tokens_per_s": real_tokens / seconds,
+        "perf/rank_tokens_max_over_mean": float(all_reduce(lengths.sum(), dist.ReduceOp.MAX))
+        * world_size
+        / real_tokens,
+    }
+    if peak:
+        out["perf/logprob_mfu"] = mfu(2 * forward_params, real_tokens, phase_seconds["logprob"], peak, world_size)
+        out["perf/update_mfu"] = mfu(6 * update_params, real_tokens * epochs, phase_seconds["update"], peak, world_size)
+    return out
 
 
 def lr_lambda(warmup_steps: int, schedule: str, min_lr_ratio: float, total_steps: int):

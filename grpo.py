@@ -5,27 +5,40 @@
     python grpo.py --model ./tiny-model --rollout-engine hf                   # CPU, no SGLang
     python grpo.py --rollout-mode server --rollout-url http://HOST:30000 [--async-rollout]   # SGLang on GPUs of its own
 
-Each step: wake SGLang up and sync the weights (memory.py), sample `group_size` completions per
-prompt, score them (reward.py), sleep SGLang, recompute old (and reference) log-probs, normalize
-rewards within each group into advantages, and take PPO-clip steps on the policy.
+Each step (main's loop): wake SGLang up and sync the weights (memory.py), sample G completions per prompt and score
+them (the_task's reward), sleep SGLang, recompute old (and reference) log-probs, turn each group's rewards into
+advantages, then `update`: epochs x mini-batches x micro-batches of `grpo_loss`, an optimizer step per mini-batch.
+The file reads in that order: Args, the flags' checks, the task, the GRPO pieces (pure functions of tensors), update,
+main (its set-up, then the loop).
 
 Variants, all flags (README: GRPO variants): the advantage (--advantage grpo, rloo, reinforce++; --no-scale-rewards
-+ --loss-agg seq-mean-token-sum-norm: Dr.GRPO), the policy loss (--policy-loss ppo-clip, gspo, cispo; --clip-high 0.28:
-DAPO's clip-higher), the sampler-trainer mismatch (--rollout-correction tis, mis, icepop, seq-mask; logged every step
-whatever the choice), --dynamic-sampling, --overlong-filter, --beta > 0 with --kl-estimator k2/k3 in the loss or
-(--kl-in-reward) in the reward.
-What it simplifies: every rank loads the full checkpoint on CPU before sharding; sequences are
-right-padded per micro-batch unless --max-tokens-per-micro-batch packs them; one Adam for the whole model.
++ --loss-agg seq-mean-token-sum-norm: Dr.GRPO), the policy loss (--policy-loss ppo-clip, gspo, cispo, sapo;
+--clip-high 0.28: DAPO's clip-higher), the sampler-trainer mismatch (--rollout-correction tis, mis, icepop, seq-mask;
+logged every step whatever the choice), --dynamic-sampling, --overlong-filter, --beta > 0 with --kl-estimator k2/k3 in
+the loss or (--kl-in-reward) in the reward.
+
+What the default leaves out (each a flag away):
+- One update a batch (--epochs 1 --num-minibatches 1): the old log-probs come from the weights the loss sees, so every
+  ratio is 1 and nothing clips; ppo-clip, gspo, cispo and sapo take the same step (--num-minibatches 4: they differ).
+- No reference model (--beta 0): no KL term anywhere, and no reference model is loaded.
+- Token-mean (--loss-agg token-mean): every loss token of a mini-batch weighs the same, so a long response counts
+  more than a short one (seq-mean-token-mean: the GRPO paper's; seq-mean-token-sum-norm: Dr.GRPO's).
+- No rollout correction colocated (--rollout-correction auto: tis with --async-rollout only): SGLang's bf16 kernels
+  sample from slightly other probabilities than the trainer computes; that is logged every step, not corrected.
+- As every script here: each rank reads the whole checkpoint on CPU before sharding; sequences are right-padded per
+  micro-batch unless --max-tokens-per-micro-batch packs them; one AdamW over all parameters.
+
+Shapes, in comments ([B, T-1]) and in the names of lists whose shape is not obvious (samples_G, rewards_P_G):
+P prompts on this rank, G samples of each (--group-size), B = P x G sequences, T tokens a sequence (prompt, response,
+padding; per-token tensors are [B, T-1]: token t is predicted at position t-1); b, t: a micro-batch's.
 """
 
 import math
-import os
 import random
-import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Literal
 
 from preflight import exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
@@ -35,21 +48,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
-from data import (
-    ADDITION_PROMPT,
-    BUILTIN_TASKS,
-    GSM8K_PROMPT,
-    PromptSampler,
-    collate,
-    context_tokens,
-    sample_seeds,
-    seed_for,
-    shard,
-    source_name,
-    task_prompts,
-    template_rule,
-)
+from checkpoint import Checkpoints, checkpoint_to_resume
+from data import PromptSampler, collate, label, seed_for, source_name, task_prompts, template_rule
 from fsdp import (
     all_reduce,
     all_reduce_dict,
@@ -62,55 +62,27 @@ from fsdp import (
     load_model,
     lr_lambda,
     matmul_params,
-    mfu,
     micro_batches,
-    peak_flops,
     shard_model,
     skip_schedule,
+    throughput,
     token_logprobs,
 )
 from lora import GapCheck, adapter_off, apply_lora, check_lora, lora_rules, trainable
-from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
+from memory import MemoryLog, sleep, wake_up
 from preflight import (
-    check_context,
     check_engine,
     check_flags,
     check_model,
-    engine_count,
     friendly_errors,
     given_flags,
-    package_rules,
     parse_args,
-    sampling_rules,
+    shared_rules,
     size_for_cpu,
 )
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
-from reward import (
-    EVAL_LINE,
-    EVAL_TOOLS_LINE,
-    REWARD_LINE,
-    correct,
-    eval_stats,
-    format_reward,
-    load_reward,
-    rollout_stats,
-    sampled_eval_stats,
-    sampled_line,
-    score_all,
-)
-from rollout import (
-    SGLangOptions,
-    Sampling,
-    generate_groups,
-    graph_batch,
-    ToolUse,
-    generate,
-    mismatch_stats,
-    send,
-    start_engine,
-    stop_token_ids,
-    tp_group,
-)
+from reward import EVAL_LINE, REWARD_LINE, load_reward, reward_fn, rollout_stats, score_samples
+from rollout import SGLangOptions, Sampling, held_out_eval, mismatch_stats, send_prompts, stop_token_ids, tools_for
 from runlog import (
     CLIP,
     SAMPLES_LINE,
@@ -119,6 +91,8 @@ from runlog import (
     RunLog,
     StepClock,
     claim_run_dir,
+    default_run_name,
+    eval_due,
     launch_time,
     legend,
     log_line,
@@ -126,9 +100,9 @@ from runlog import (
     progress,
     run_info,
 )
-from server import ServerEngine, launch_servers
-from tools import TOOLS, TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats, tools_prompt
-from stop import EngineWatch, NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine
+from server import start_rollout
+from tools import TOOLS, TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats
+from stop import NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine, stop_run
 
 
 @dataclass
@@ -408,6 +382,159 @@ CORRECTION_CONSOLE = [
 ]
 
 # ----------------------------------------------------------------------------------------------
+# Flags: each checked before anything loads, and the defaults that depend on other flags
+
+
+def check_args(args: Args, world_size: int):
+    """Bad input fails here, before anything is loaded or written: GRPO's own flags, then the flags every trainer shares
+    (preflight.shared_rules)."""
+    a, server = args, args.rollout_mode == "server"
+    check_flags(
+        [  # (flag, value, holds, what it must be)
+            ("--group-size", a.group_size, a.group_size >= 2, ">= 2: GRPO compares completions of one prompt"),
+            ("--beta", a.beta, a.beta >= 0, ">= 0"),
+            (
+                "--kl-estimator",
+                a.kl_estimator,
+                a.kl_estimator != "k1" or a.beta == 0 or a.kl_in_reward,
+                "k2 or k3 in the "
+                "loss (--beta > 0): k1's gradient there is that of log p, zero in expectation; k1 belongs in the reward (--kl-in-reward)",
+            ),
+            (
+                "--scale-rewards",
+                a.scale_rewards,
+                a.scale_rewards or a.advantage == "grpo",
+                "with --advantage grpo (rloo and reinforce++ divide by no group's std)",
+            ),
+            ("--clip-low", a.clip_low, 0 <= a.clip_low <= 1, "in [0, 1] (1: no lower bound)"),
+            (
+                "--sapo-tau",
+                a.sapo_tau,
+                a.sapo_tau is None or (0 < min(a.sapo_tau) <= max(a.sapo_tau) < math.inf and a.policy_loss == "sapo"),
+                "POS NEG, finite and > 0, with --policy-loss sapo",
+            ),
+            (
+                "--tis-cap",
+                a.tis_cap,
+                a.tis_cap is None or a.tis_cap > 0 or (a.tis_cap == 0 and a.rollout_correction != "tis"),
+                "> 0 (0: no tis with --async-rollout, which turns it on)",
+            ),
+            (
+                "--tis-cap",
+                a.tis_cap,
+                a.tis_cap is None
+                or a.tis_cap == 0
+                or a.rollout_correction == "tis"
+                or (a.rollout_correction == "auto" and a.async_rollout),
+                "given with --rollout-correction tis or --async-rollout only",
+            ),
+            (
+                "--correction-bounds",
+                a.correction_bounds,
+                a.correction_bounds is None
+                or (
+                    0 <= a.correction_bounds[0] <= 1 <= a.correction_bounds[1] < math.inf
+                    and a.rollout_correction in ("mis", "icepop", "seq-mask")
+                ),
+                "LO HI with 0 <= LO <= 1 <= HI < inf, with --rollout-correction mis, icepop or seq-mask",
+            ),
+            ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, ">= 1"),
+            (
+                "--async-rollout",
+                a.async_rollout,
+                not a.async_rollout or (server and not a.dynamic_sampling),
+                "with --rollout-mode server, without --dynamic-sampling (its refills wait on this step's rewards)",
+            ),
+            (
+                "--dynamic-sampling",
+                a.dynamic_sampling,
+                not (a.dynamic_sampling and a.reward_model),
+                "without --reward-model (the "
+                "reward model scores once per step, after generation: it can't refill groups)",
+            ),
+            *shared_rules(a, world_size, tools=TOOLS),  # the flags every trainer shares (preflight.py)
+            template_rule(a.prompt_template),  # {prompt}, and no other placeholder (data.py)
+            *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
+            *lora_rules(a, given_flags(sys.argv[1:])),  # rank >= 0, alpha > 0, the other --lora-* with a rank only
+        ]
+    )
+
+
+def variant_defaults(args: Args) -> Args:
+    """The defaults that depend on other flags, for the flags not given on the command line: each policy loss's clip
+    range and each correction's bounds (VARIANT_DEFAULTS), and tis with --async-rollout, as before --rollout-correction."""
+    correction = args.rollout_correction
+    if correction == "auto":
+        correction = "tis" if args.async_rollout and args.tis_cap != 0 else "none"
+    defaults = {"tis_cap": 2.0, **VARIANT_DEFAULTS.get(args.policy_loss, {}), **VARIANT_DEFAULTS.get(correction, {})}
+    given = given_flags(sys.argv[1:])
+    return replace(args, rollout_correction=correction, **{k: v for k, v in defaults.items() if k not in given})
+
+
+def variant_line(args: Args) -> str:
+    """The variant in force after variant_defaults, for the console. With one update a batch the old log-probs come
+    from the weights the loss sees: every ratio is 1, nothing clips, and ppo-clip, gspo, cispo and sapo take one step."""
+    correction = args.rollout_correction
+    if correction == "tis":
+        correction += f" (cap {args.tis_cap:g})"
+    elif correction != "none":  # mis, icepop, seq-mask
+        correction += " (bounds {:g} {:g})".format(*args.correction_bounds)
+    gate = (
+        "tau {:g} / {:g}".format(*args.sapo_tau)
+        if args.policy_loss == "sapo"
+        else f"clip {args.clip_low:g} / {args.clip_high:g}"
+    )
+    line = f"algorithm: advantage {args.advantage} | policy loss {args.policy_loss} ({gate}, {args.loss_agg}) | rollout correction {correction}"
+    if args.epochs * args.num_minibatches == 1:
+        line += " | one update a batch: every ratio 1, nothing clips (--num-minibatches N: the policy losses differ)"
+    return line
+
+
+# ----------------------------------------------------------------------------------------------
+# ALGO: the task. How a prompt is asked (a template with {prompt}, then the chat template) and what a completion earns
+# (reward.reward_fn: 1 for an answer right in the asked format): any (completion, answer) -> float can be the reward
+# (--reward FILE.py:function)
+
+
+def the_task(args: Args, tokenizer, tools: dict, context_len: int):
+    """The tools' runner (None: one turn), the reward, the training and held-out prompts (data.Prompts) and the line
+    that says what was loaded: before any model loads, so a bad file fails fast."""
+    context, tool_specs, tool_use = tools_for(
+        tokenizer,
+        tools,
+        template=args.prompt_template,  # None: each kind's own (data.py)
+        datasets=args.dataset,
+        workers=args.tool_workers,
+        max_turns=args.max_turns,
+        max_reply_tokens=args.max_tool_reply_tokens,
+    )  # the tools' prompt (system prompt, worked calls) and their runner (rollout.py)
+    reward = partial(
+        reward_fn,
+        user_reward=load_reward(args.reward) if args.reward else None,
+        unformatted_credit=args.unformatted_credit,
+        format_weight=args.format_weight,
+    )
+    train_prompts, eval_prompts, data_line = task_prompts(
+        tokenizer,
+        list(args.dataset),
+        args.eval_dataset,
+        context_len=context_len,  # a prompt, the tools' and the response must fit: checked first
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        num_eval=args.num_eval_prompts,
+        max_prompt_len=args.max_prompt_len,
+        template=args.prompt_template,
+        system_prompt=args.system_prompt,
+        prompt_field=args.prompt_field,
+        answer_field=args.answer_field,
+        kind=args.answer_kind,
+        context=context,
+        tools=tool_specs,
+    )
+    return tool_use, reward, train_prompts, eval_prompts, data_line
+
+
+# ----------------------------------------------------------------------------------------------
 # ALGO: the GRPO pieces, pure functions of tensors (tests/test_grpo_math.py checks them by hand)
 
 ADVANTAGE_EPS = 1e-6  # added to a group's reward std: a group of near-equal rewards stays finite
@@ -614,210 +741,63 @@ def grpo_loss(
     return loss, stats
 
 
-def check_args(args: Args, world_size: int):
-    """Bad input fails here, before anything is loaded or written."""
-    per_rank = args.prompts_per_step // world_size * args.group_size
-    a, server = args, args.rollout_mode == "server"
-    local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count()
-    check_flags(
-        [  # (flag, value, holds, what it must be)
-            ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
-            (
-                "--prompts-per-step",
-                a.prompts_per_step,
-                a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
-                f">= 1 and divide by the {world_size} ranks",
-            ),
-            ("--group-size", a.group_size, a.group_size >= 2, ">= 2: GRPO compares completions of one prompt"),
-            ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
-            ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
-            ("--lr", a.lr, a.lr > 0, "> 0"),
-            ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
-            ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
-            ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
-            ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
-            (
-                "--max-tokens-per-micro-batch",
-                a.max_tokens_per_micro_batch,
-                a.max_tokens_per_micro_batch >= 0,
-                ">= 0 (0: off)",
-            ),
-            ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
-            (
-                "--num-minibatches",
-                a.num_minibatches,
-                a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
-                f">= 1 and divide the {per_rank} samples per rank",
-            ),
-            ("--beta", a.beta, a.beta >= 0, ">= 0"),
-            (
-                "--kl-estimator",
-                a.kl_estimator,
-                a.kl_estimator != "k1" or a.beta == 0 or a.kl_in_reward,
-                "k2 or k3 in the "
-                "loss (--beta > 0): k1's gradient there is that of log p, zero in expectation; k1 belongs in the reward (--kl-in-reward)",
-            ),
-            ("--temperature", a.temperature, a.temperature > 0, "> 0"),
-            ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
-            (
-                "--scale-rewards",
-                a.scale_rewards,
-                a.scale_rewards or a.advantage == "grpo",
-                "with --advantage grpo (rloo and reinforce++ divide by no group's std)",
-            ),
-            ("--clip-low", a.clip_low, 0 <= a.clip_low <= 1, "in [0, 1] (1: no lower bound)"),
-            ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
-            (
-                "--sapo-tau",
-                a.sapo_tau,
-                a.sapo_tau is None or (0 < min(a.sapo_tau) <= max(a.sapo_tau) < math.inf and a.policy_loss == "sapo"),
-                "POS NEG, finite and > 0, with --policy-loss sapo",
-            ),
-            (
-                "--tis-cap",
-                a.tis_cap,
-                a.tis_cap is None or a.tis_cap > 0 or (a.tis_cap == 0 and a.rollout_correction != "tis"),
-                "> 0 (0: no tis with --async-rollout, which turns it on)",
-            ),
-            (
-                "--tis-cap",
-                a.tis_cap,
-                a.tis_cap is None
-                or a.tis_cap == 0
-                or a.rollout_correction == "tis"
-                or (a.rollout_correction == "auto" and a.async_rollout),
-                "given with --rollout-correction tis or --async-rollout only",
-            ),
-            (
-                "--correction-bounds",
-                a.correction_bounds,
-                a.correction_bounds is None
-                or (
-                    0 <= a.correction_bounds[0] <= 1 <= a.correction_bounds[1] < math.inf
-                    and a.rollout_correction in ("mis", "icepop", "seq-mask")
-                ),
-                "LO HI with 0 <= LO <= 1 <= HI < inf, with --rollout-correction mis, icepop or seq-mask",
-            ),
-            ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
-            ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
-            ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, ">= 1"),
-            ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
-            (
-                "--rollout-tp",
-                a.rollout_tp,
-                a.rollout_tp >= 1
-                and (not a.rollout_url or a.rollout_tp == 1)
-                and (server or world_size % a.rollout_tp == local_ranks % a.rollout_tp == 0),
-                f"a divisor of the {local_ranks} ranks "
-                f"of each node (one engine's GPUs are on one node: torchrun --nproc_per_node a multiple of it)"
-                if not server
-                else "1 with --rollout-url (the server's own --tp-size counts); with --rollout-gpus, each server's GPUs",
-            ),
-            (
-                "--rollout-url",
-                a.rollout_url,
-                all(u.startswith("http") for u in a.rollout_url)
-                and (bool(a.rollout_url) != (a.rollout_gpus > 0) if server else not a.rollout_url),
-                "http://HOST:PORT of each "
-                "server, with --rollout-mode server; that mode takes these or --rollout-gpus k (servers this job starts), not both",
-            ),
-            (
-                "--rollout-gpus",
-                a.rollout_gpus,
-                a.rollout_gpus == 0
-                or (server and a.rollout_gpus % a.rollout_tp == 0 and local_ranks + a.rollout_gpus <= gpus),
-                f"with --rollout-mode server, a multiple of --rollout-tp, at most the "
-                f"{gpus} GPUs of this node less its {local_ranks} training ranks (torchrun --nproc_per_node {gpus - a.rollout_gpus})",
-            ),
-            ("--rollout-timeout", a.rollout_timeout, a.rollout_timeout > 0, "> 0"),
-            (
-                "--async-rollout",
-                a.async_rollout,
-                not a.async_rollout or (server and not a.dynamic_sampling),
-                "with --rollout-mode server, without --dynamic-sampling (its refills wait on this step's rewards)",
-            ),
-            ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
-            ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
-            ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
-            *sampling_rules(
-                num_eval_prompts=a.num_eval_prompts,
-                eval_samples=a.eval_samples,
-                eval_temperature=a.eval_temperature,
-                engines=engine_count(
-                    world_size, a.rollout_tp, (len(a.rollout_url) or a.rollout_gpus // a.rollout_tp) * server
-                ),
-                deterministic=a.deterministic_rollout,
-                attention_backend=a.sglang_attention_backend,
-                rollout_tp=a.rollout_tp,
-            ),  # K, T, the eval batch; --deterministic-rollout's attention
-            ("--eval-top-p", a.eval_top_p, 0 < a.eval_top_p <= 1, "in (0, 1]"),
-            ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
-            ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
-            ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
-            (
-                "--tools",
-                a.tools,
-                all(t in TOOLS for t in a.tools.split(",") if t),
-                f"a comma-separated list of {', '.join(TOOLS)}",
-            ),
-            (
-                "--system-prompt",
-                a.system_prompt,
-                not (a.system_prompt and a.tools),
-                "without --tools (the tools bring their own system "
-                "prompt and worked calls; put your instructions in --prompt-template)",
-            ),
-            template_rule(a.prompt_template),  # {prompt}, and no other placeholder (data.py)
-            ("--max-turns", a.max_turns, a.max_turns >= 1, ">= 1"),
-            ("--max-tool-reply-tokens", a.max_tool_reply_tokens, a.max_tool_reply_tokens >= 1, ">= 1"),
-            ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
-            ("--tool-timeout-s", a.tool_timeout_s, a.tool_timeout_s > 0, "> 0"),
-            ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
-            *package_rules(a),  # --track needs wandb, --attn-implementation flash_attention_2 flash-attn
-            ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
-            ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
-            *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
-            (
-                "--dynamic-sampling",
-                a.dynamic_sampling,
-                not (a.dynamic_sampling and a.reward_model),
-                "without --reward-model (the "
-                "reward model scores once per step, after generation: it can't refill groups)",
-            ),
-            ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
-            *lora_rules(a, given_flags(sys.argv[1:])),  # rank >= 0, alpha > 0, the other --lora-* with a rank only
-        ]
-    )
-
-
-def variant_defaults(args: Args) -> Args:
-    """The defaults that depend on other flags, for the flags not given on the command line: each policy loss's clip
-    range and each correction's bounds (VARIANT_DEFAULTS), and tis with --async-rollout, as before --rollout-correction."""
-    correction = args.rollout_correction
-    if correction == "auto":
-        correction = "tis" if args.async_rollout and args.tis_cap != 0 else "none"
-    defaults = {"tis_cap": 2.0, **VARIANT_DEFAULTS.get(args.policy_loss, {}), **VARIANT_DEFAULTS.get(correction, {})}
-    given = given_flags(sys.argv[1:])
-    return replace(args, rollout_correction=correction, **{k: v for k, v in defaults.items() if k not in given})
-
-
-def variant_line(args: Args) -> str:
-    """The variant in force after variant_defaults, for the console. With one update a batch the old log-probs come
-    from the weights the loss sees: every ratio is 1, nothing clips, and ppo-clip, gspo, cispo and sapo take one step."""
-    correction = args.rollout_correction
-    if correction == "tis":
-        correction += f" (cap {args.tis_cap:g})"
-    elif correction != "none":  # mis, icepop, seq-mask
-        correction += " (bounds {:g} {:g})".format(*args.correction_bounds)
-    gate = (
-        "tau {:g} / {:g}".format(*args.sapo_tau)
-        if args.policy_loss == "sapo"
-        else f"clip {args.clip_low:g} / {args.clip_high:g}"
-    )
-    line = f"algorithm: advantage {args.advantage} | policy loss {args.policy_loss} ({gate}, {args.loss_agg}) | rollout correction {correction}"
-    if args.epochs * args.num_minibatches == 1:
-        line += " | one update a batch: every ratio 1, nothing clips (--num-minibatches N: the policy losses differ)"
-    return line
+def update(policy, optimizer, scheduler, batch, args: Args, *, step: int, device, rank: int = 0) -> dict:
+    """The update on one rollout batch: --epochs passes, each shuffled and cut into --num-minibatches mini-batches
+    (one optimizer step each), each mini-batch in micro-batches whose gradients add up (--micro-batch-size rows, or
+    packed to --max-tokens-per-micro-batch tokens); the loss is grpo_loss's (--policy-loss: ppo-clip, gspo, cispo,
+    sapo). batch: this rank's [B, T-1] fields, advantages and loss mask set. Returns the train/ metrics, all ranks'."""
+    policy.train()
+    totals = {
+        k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
+        for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens")
+    }
+    grad_norms, lengths = [], batch.attention_mask.sum(-1)  # [B] real tokens
+    max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
+    for epoch in range(args.epochs):
+        shuffle = torch.Generator().manual_seed(seed_for(args.seed, "update", step, epoch))
+        order = torch.randperm(len(batch), generator=shuffle)
+        for mini in order.tensor_split(args.num_minibatches):  # the rows of one optimizer step: as many
+            # as the LR schedule counts, also when dynamic sampling shrank the batch (6 rows: 2, 2, 1, 1)
+            # global counts, once per mini-batch: every rank normalizes by the whole mini-batch
+            num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
+            num_seqs = float(all_reduce((batch.loss_mask[mini].sum(-1) > 0).sum()))  # filtered rows don't count
+            mbs = micro_batches(mini, lengths, args.micro_batch_size, max_tokens)  # as many on every rank
+            for rows in progress(mbs, f"update {epoch + 1}/{args.epochs}", rank):
+                mb = batch.select(rows).to(device)  # [b, t] fields
+                logp, entropy = token_logprobs(
+                    policy, mb.input_ids, mb.attention_mask, args.temperature, with_entropy=True, packed=max_tokens > 0
+                )  # [b, t-1] each
+                loss, stats = grpo_loss(
+                    logp,
+                    entropy,
+                    mb,
+                    policy_loss=args.policy_loss,
+                    clip_low=args.clip_low,
+                    clip_high=args.clip_high,
+                    kl_coef=0.0 if args.kl_in_reward else args.beta,
+                    kl_estimator=args.kl_estimator,
+                    loss_agg=args.loss_agg,
+                    sapo_tau=args.sapo_tau,
+                    num_seqs=num_seqs,
+                    num_tokens=num_tokens,
+                    max_len=args.max_new_tokens,
+                )
+                loss.backward()
+                for k, v in stats.items():
+                    totals[k] += v
+            grad_norms.append(clip_and_step(policy, optimizer, scheduler, args.max_grad_norm))
+    totals = all_reduce_dict(totals)  # a CPU-GPU sync point, once per step
+    tokens = totals["tokens"].clamp(min=1)
+    return {
+        "train/loss": totals["loss"] / (args.epochs * args.num_minibatches),
+        "train/clip_frac": totals["clip_frac"] / tokens,
+        "train/kl": totals["kl"] / tokens,
+        "train/entropy": totals["entropy"] / tokens,
+        "train/approx_kl": totals["approx_kl"] / tokens,
+        "train/grad_norm": sum(grad_norms) / len(grad_norms),
+        "train/lr": scheduler.get_last_lr()[0],
+        "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -836,10 +816,7 @@ def main(args: Args):
     tools = select_tools(
         args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s, workers=args.tool_workers
     )  # its sandbox checked, its memory said
-    run_name = (
-        args.run_name
-        or f"grpo-{os.path.basename(args.model.rstrip('/'))}-{'+'.join(map(source_name, args.dataset))}-s{args.seed}"
-    )
+    run_name = args.run_name or default_run_name("grpo", args.model, list(map(source_name, args.dataset)), args.seed)
     run_dir = claim_run_dir(args.output_dir, run_name, resume=args.resume)  # runlog.py: this script's, locked
     resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
     engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
@@ -858,65 +835,8 @@ def main(args: Args):
     sampling = Sampling(
         max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p
     )
-    greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)  # evaluation
-    sampled = Sampling(
-        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.eval_temperature, top_p=args.eval_top_p
-    )  # --eval-samples
 
-    # ---- ALGO: the task. How a prompt is asked (a template with {prompt}, then the chat template) and
-    # what a completion earns: any (completion, answer) -> float can be the reward (--reward FILE.py:function).
-    template = args.prompt_template  # None: each kind's own (data.py)
-    tools_template = template or (ADDITION_PROMPT if set(args.dataset) <= set(BUILTIN_TASKS) else GSM8K_PROMPT)
-    context, tool_specs = (
-        tools_prompt(tokenizer, tools, tools_template) if tools else (None, None)
-    )  # the tools, worked calls
-    tool_use = (
-        ToolUse(
-            tools,
-            tokenizer,
-            ThreadPoolExecutor(args.tool_workers),
-            max_turns=args.max_turns,
-            max_reply_tokens=args.max_tool_reply_tokens,
-        )
-        if tools
-        else None
-    )
-    user_reward = load_reward(args.reward) if args.reward else None
-
-    def reward_fn(completion: str, answer: str, kind: str) -> float:
-        """Right by `kind`'s rule (reward.correct: the number after '####', the last \\boxed{}, ...): 1.0; right
-        but not in that format: unformatted_credit. Credit for the format only comes with a right answer,
-        so the policy can't score by emitting '#### <guess>'."""
-        if user_reward is not None:
-            return user_reward(completion, answer)
-        if correct(kind, completion, answer, "strict"):
-            right = 1.0
-        else:
-            right = args.unformatted_credit * correct(kind, completion, answer, "flexible")
-        return right + args.format_weight * format_reward(completion, kind)
-
-    # ---- data: before any model loads, so a bad file fails fast --------------------------------------
-    check_context(
-        context_len,
-        args.max_prompt_len,
-        args.max_new_tokens,
-        tools_prompt=context_tokens(tokenizer, context, tool_specs),
-    )  # before SGLang starts
-    train_prompts, eval_prompts, data_line = task_prompts(
-        tokenizer,
-        list(args.dataset),
-        args.eval_dataset,
-        seed=args.seed,
-        num_eval=args.num_eval_prompts,
-        max_prompt_len=args.max_prompt_len,
-        template=template,
-        system_prompt=args.system_prompt,
-        prompt_field=args.prompt_field,
-        answer_field=args.answer_field,
-        kind=args.answer_kind,
-        context=context,
-        tools=tool_specs,
-    )
+    tool_use, reward, train_prompts, eval_prompts, data_line = the_task(args, tokenizer, tools, context_len)  # ALGO
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
     print0(f"data: {data_line} | {world_size} ranks, engine {engine_kind}\n{variant_line(args)}")
     random.seed(seed_for(args.seed, "rank", rank))
@@ -928,66 +848,36 @@ def main(args: Args):
     t0 = time.time()
     mem = MemoryLog()
     allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
-    server = args.rollout_mode == "server"  # the samples each engine or server decodes at once: its CUDA graphs
-    engines = engine_count(
-        world_size, args.rollout_tp, (len(args.rollout_url) or args.rollout_gpus // args.rollout_tp) * server
-    )
-    # decode graphs up to the samples an engine gets at once: a step's, or an evaluation's up to 1024 (beyond, the few
-    # large evaluations decode without graphs rather than every start capturing thousands of batch sizes)
-    per_engine = max(
-        args.prompts_per_step * args.group_size // engines,
-        min(args.num_eval_prompts * args.eval_samples // engines, 1024),
-    )
-    sglang = SGLangOptions(
-        mem_fraction=args.sglang_mem_fraction,
-        tp_size=args.rollout_tp,
-        attention_backend=args.sglang_attention_backend,
-        sampling_backend=args.sglang_sampling_backend,
-        cuda_graph_max_bs=graph_batch(per_engine, args.sglang_cuda_graph_max_bs),
-        disable_cuda_graph=args.sglang_disable_cuda_graph,
-        prefill_cuda_graph=args.sglang_prefill_cuda_graph,
-        deterministic=args.deterministic_rollout,
-        lora_rank=args.lora_rank if adapter else 0,
-        lora_targets=tuple(lora_targets),
-    )
-    if server:  # rank 0 speaks to the servers for all ranks, as one TP group's owner
-        tp = tp_group(world_size)
-        urls, processes = list(args.rollout_url), None
-        if args.rollout_gpus and rank == 0:  # servers of this job's own, on the last GPUs of rank 0's node
-            urls, processes = launch_servers(
-                args.model,
-                gpus=list(range(torch.cuda.device_count()))[-args.rollout_gpus :],
-                tp_size=args.rollout_tp,
-                seed=args.seed,
-                options=sglang,
-                log_dir=run_dir,
-            )
-        engine = (
-            ServerEngine(
-                urls,
-                processes=processes,
-                model=args.model,
-                timeout_s=args.rollout_timeout,
-                sync_backend=args.rollout_sync_backend,
-                sync_address=args.rollout_sync_address,
-                batch=per_engine,
-                deterministic=args.deterministic_rollout,
-                lora_rank=args.lora_rank if adapter else 0,
-                adapter_dir=os.path.join(run_dir, "adapter_sync"),
-            )
-            if rank == 0
-            else None
-        )
-    else:
-        tp = tp_group(args.rollout_tp)
-        engine = (
-            start_engine(engine_kind, args.model, seed=args.seed, sglang=sglang, dtype=dtype)
-            if rank == tp.owner
-            else None
-        )
-    release(engine, ALL_TAGS)  # until the first weight sync
-    watch = EngineWatch(engine, phase=lambda: mem.current)  # a dead engine ends the run
-    dist.barrier()  # no rank loads its model before every engine has measured free memory
+    rollout, watch = start_rollout(
+        engine_kind,
+        args.model,
+        samples=args.prompts_per_step * args.group_size,
+        eval_samples=args.num_eval_prompts * args.eval_samples,
+        options=SGLangOptions(
+            mem_fraction=args.sglang_mem_fraction,
+            tp_size=args.rollout_tp,
+            attention_backend=args.sglang_attention_backend,
+            sampling_backend=args.sglang_sampling_backend,
+            cuda_graph_max_bs=args.sglang_cuda_graph_max_bs,  # None: sized to each engine's share of `samples`
+            disable_cuda_graph=args.sglang_disable_cuda_graph,
+            prefill_cuda_graph=args.sglang_prefill_cuda_graph,
+            deterministic=args.deterministic_rollout,
+            lora_rank=args.lora_rank if adapter else 0,
+            lora_targets=tuple(lora_targets),
+        ),
+        seed=args.seed,
+        dtype=dtype,
+        sampling=sampling,
+        tokenizer=tokenizer,
+        tool_use=tool_use,
+        urls=args.rollout_url,
+        gpus=args.rollout_gpus,
+        timeout_s=args.rollout_timeout,
+        sync_backend=args.rollout_sync_backend,
+        sync_address=args.rollout_sync_address,
+        log_dir=run_dir,
+        phase=lambda: mem.current,
+    )  # server.py: the engines on the training GPUs, or SGLang servers; watched. rollout.Rollout: how a rank samples
     startup["engine_s"] = time.time() - t0
 
     # ---- models: policy (fp32 masters, `dtype` compute) and, only if beta > 0, the reference ------
@@ -1024,134 +914,46 @@ def main(args: Args):
     )
     sync = dict(
         bucket_bytes=args.sync_bucket_mb * 2**20,
-        tp_group=tp.process_group if engine_kind == "sglang" else None,
+        tp_group=rollout.tp.process_group if engine_kind == "sglang" else None,
         dtype=dtype if engine_kind == "hf" else torch.bfloat16,
         adapter=adapter,
     )  # the engine's dtype: SGLang computes in bf16
-    # for MFU (fsdp.mfu): the GPU's peak FLOP/s (None on a CPU or a GPU not in fsdp's table), the policy's size
-    peak, n_params = (
-        peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else ""),
-        matmul_params(policy),
-    )
+    n_params = matmul_params(policy)  # the policy's size, for MFU (fsdp.throughput)
     startup["model_s"] = time.time() - t0
 
-    # ---- resume ----------------------------------------------------------------------------------
-    start_step = 0
-    if resume_from:
-        state = load_checkpoint(resume_from, {"policy": (policy, optimizer)})
-        sampler.load_state_dict(state["sampler"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_step = state["step"]
-        print0(f"resumed from {resume_from}: step {start_step}, data epoch {sampler.epoch} index {sampler.index}")
-
-    def eval_due(done: int) -> bool:
-        """Evaluate after `done` updates (at the start of step done + 1)?"""
-        return bool(args.eval_every) and done % args.eval_every == 0 and (done > 0 or args.eval_before_train)
-
-    allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
-    info = run_info(
-        world_size,
-        engine_kind,
-        python_sandbox=args.python_sandbox if "python" in tools else None,
-        tool_workers=args.tool_workers,
+    # ---- resume, and the run's record: checkpoints, metrics, the console ----------------------------
+    checkpoints = Checkpoints(
+        run_dir,
+        stateful={"policy": (policy, optimizer)},
+        hf_models={"model": policy},
+        tokenizer=tokenizer,
+        state=lambda: {"scheduler": scheduler.state_dict(), "args": asdict(args)},  # in trainer.pt, with step and data
+        every=args.save_every,
+        keep=args.keep_checkpoints,
     )
+    if state := checkpoints.resume(resume_from, sampler):  # weights, optimizer, RNG, data position; the LR schedule:
+        scheduler.load_state_dict(state["scheduler"])
+    start_step = checkpoints.last  # 0: a new run
+    allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
     log = RunLog(
         run_dir,
         config=asdict(args),
         start_step=start_step,
-        info=info,
+        info=run_info(
+            world_size,
+            engine_kind,
+            python_sandbox=args.python_sandbox if "python" in tools else None,
+            tool_workers=args.tool_workers,
+        ),
         track=args.track,
         project=args.wandb_project,
         run_name=run_name,
-        eval_redone=start_step < args.steps and eval_due(start_step),
+        eval_redone=start_step < args.steps
+        and eval_due(start_step, every=args.eval_every, before_train=args.eval_before_train),
     )
-    last_saved, nonfinite = start_step, NonFinite(args.max_nonfinite_steps)
+    nonfinite = NonFinite(args.max_nonfinite_steps)
     # the engine holds the trained weights (not checked with --async-rollout: its samples are one update old by design)
     gap_check = GapCheck(args.lora_gap_ratio if args.lora_rank and not args.async_rollout else 0)
-
-    def save(step: int, sampler_state: dict):
-        nonlocal last_saved
-        t0 = time.time()
-        path = save_checkpoint(
-            run_dir,
-            step,
-            {"policy": (policy, optimizer)},
-            {"model": policy},
-            tokenizer,
-            {"step": step, "sampler": sampler_state, "scheduler": scheduler.state_dict(), "args": asdict(args)},
-            args.keep_checkpoints,
-        )
-        last_saved = step
-        print0(f"saved {path} ({time.time() - t0:.1f}s)")
-
-    def stop_now(signum: int, done: int, sampler_state: dict):
-        """Every rank, after agreeing on a signal: engine down, training state back on the GPU, a
-        checkpoint of the finished steps not yet saved (Ctrl-C, preemption), then exit 128 + signum."""
-        stop_engine(engine, watch)
-        sleep(None, device=device, **phases)  # offloaded training state back
-        if args.save_on_signal and args.save_every >= 0 and done > last_saved:
-            save(done, sampler_state)
-        launcher = f"torchrun --nproc_per_node={world_size}" if "RANK" in os.environ else "python"
-        again = f"{launcher} {' '.join(sys.argv)}{'' if args.resume else ' --resume'}"  # no checkpoint: from step 0 (checkpoint_to_resume)
-        mem.close()
-        log.finish()  # curves.png too
-        clock.summary(run_dir, EVAL_LINE, stopped=True)
-        print0(
-            f"stopped by {signal.Signals(signum).name} after step {done}; continue from step {last_saved} with: {again}"
-        )
-        dist.destroy_process_group()
-        raise SystemExit(128 + signum)
-
-    def evaluate(step: int):
-        """Greedy accuracy on the held-out prompts (engine awake), each rank a strided share; with --eval-samples K,
-        K samples a prompt too: avg@K, pass@1..K, maj@K (reward.sampled_eval_stats)."""
-        share = range(rank, len(eval_prompts.ids), world_size)
-        prompt_ids, examples = [eval_prompts.ids[i] for i in share], [eval_prompts.examples[i] for i in share]
-        samples = generate(
-            engine, prompt_ids, [0] * len(share), sampling=greedy, tokenizer=tokenizer, tp=tp, tool_use=tool_use
-        )
-        K, seeds = args.eval_samples, [seed_for(args.seed, "eval", step, i) for i in share]  # a prompt's own
-        groups = (
-            generate_groups(
-                engine, prompt_ids, K, seeds=seeds, sampling=sampled, tokenizer=tokenizer, tp=tp, tool_use=tool_use
-            )
-            if K
-            else []
-        )
-        if signum := agreed_signal():  # a signal cut the evaluation short: not logged
-            stop_now(signum, step, ahead.before if ahead else sampler.state_dict())  # not the batch in flight
-        for s, ex in zip(samples + sum(groups, []), examples + [ex for ex in examples for _ in range(K)]):
-            s.answer, s.kind, s.source = ex.answer, ex.kind, ex.source
-        out = eval_stats(samples, sources=eval_prompts.sources)
-        out |= sampled_eval_stats(groups, sources=eval_prompts.sources) if K else {}
-        shown = EVAL_LINE + sampled_line(K) + EVAL_TOOLS_LINE * bool(tools)
-        print0(log_line(f"eval after step {step}", out, shown))
-        log.log({"step": step, **out})
-
-    def send_rollout(step: int, rounds: int, ahead: bool = False):
-        """Draw this rank's prompts and send them to the engine; `.result()` gives the samples. `ahead`:
-        they generate in the background (--async-rollout), with the weights the engine has now."""
-        before = sampler.state_dict()  # the data position before this draw (a checkpoint's, while it generates)
-        drawn = sampler.draw(args.prompts_per_step)  # every rank's prompts
-        prompt_idx = shard(drawn, rank, world_size)  # this rank's
-        sample_idx = [i for i in prompt_idx for _ in range(args.group_size)]  # each prompt G times in a row
-        seeds = sample_seeds(args.seed, "sample", step, rounds, prompts=len(drawn), group_size=args.group_size)
-        pending = send(
-            engine,
-            [train_prompts.ids[i] for i in sample_idx],
-            shard(seeds, rank, world_size),  # each sample's own, whichever rank draws it
-            sampling=sampling,
-            tool_use=tool_use,
-            tokenizer=tokenizer,
-            tp=tp,
-            ahead=ahead,
-        )
-        pending.sample_idx, pending.before, pending.ahead = sample_idx, before, ahead
-        return pending
-
-    # ---- the loop ----------------------------------------------------------------------------------
-    local_prompts = args.prompts_per_step // world_size
-    max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
     console = (
         CONSOLE
         + TOOLS_LINE * bool(tools)
@@ -1159,7 +961,39 @@ def main(args: Args):
         + RM_LINE * bool(rm)
     )
     print0(legend(console + IF_NOT_0))
-    clock = StepClock(total=args.steps, start=start_step, launched=t_launch)  # 'step 3/200 | eta 1:02', the last lines
+    clock = StepClock(total=args.steps, start=start_step, launched=t_launch, startup=startup)  # 'step 3/200 | eta 1:02'
+    stop_now = partial(  # stop.py: engine down, training state back, the finished steps saved, exit 128 + signal
+        stop_run,
+        engine=rollout.engine,
+        watch=watch,
+        phases=phases,
+        device=device,
+        checkpoints=checkpoints,
+        save=args.save_on_signal,
+        mem=mem,
+        log=log,
+        clock=clock,
+        eval_line=EVAL_LINE,
+        resume=args.resume,
+    )
+    evaluate = partial(  # rollout.py: greedy (and --eval-samples) accuracy on the held-out prompts, logged
+        held_out_eval,
+        rollout,
+        eval_prompts,
+        log,
+        k=args.eval_samples,
+        temperature=args.eval_temperature,
+        top_p=args.eval_top_p,
+        seed=args.seed,
+    )
+    # rollout.py: draw this rank's prompts, --group-size samples each, send them to the engine
+    send_rollout = partial(
+        send_prompts, rollout, sampler, train_prompts, n=args.prompts_per_step, group_size=args.group_size
+    )
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    local_prompts = args.prompts_per_step // world_size
+    max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
     ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
     for step in range(start_step + 1, args.steps + 1):
         t_step = time.time()
@@ -1172,54 +1006,47 @@ def main(args: Args):
         if ahead is not None:
             with mem.phase("generate"):
                 ahead.result()
-        wake_up(engine, policy=policy, **sync, **phases)
-        if eval_due(step - 1):
+        wake_up(rollout.engine, policy=policy, **sync, **phases)
+        if eval_due(step - 1, every=args.eval_every, before_train=args.eval_before_train):
             with mem.phase("eval"):
-                evaluate(step - 1)  # after step-1 updates
+                if signum := evaluate(step=step - 1):  # after step-1 updates; a signal cut it short: not logged
+                    stop_now(signum, step - 1, sampler_state)
 
         # -- 2. rollout: group_size samples per prompt, scored; dynamic sampling refills dropped groups
         with mem.phase("generate"):
-            kept, seen, rounds = [], [], 0
+            kept_P_G, seen, rounds = [], [], 0
             while True:
-                pending, ahead = ahead or send_rollout(step, rounds), None
-                samples = pending.result()
-                for k, (s, i) in enumerate(zip(samples, pending.sample_idx)):
-                    ex = train_prompts.examples[i]
-                    s.answer, s.kind, s.source, s.prompt = ex.answer, ex.kind, ex.source, ex.prompt
+                pending, ahead = ahead or send_rollout(seeds=(args.seed, "sample", step, rounds)), None
+                samples = label(pending.result(), [train_prompts.examples[i] for i in pending.sample_idx])
+                for k, s in enumerate(samples):
                     s.group_id = (len(seen) + k) // args.group_size  # the same for the G samples of a prompt
-                scored = score_all(
-                    reward_fn,
-                    [(s.text, s.answer, s.kind) for s in samples],
-                    workers=args.reward_workers,
-                    timeout_s=args.reward_timeout_s,
-                )  # in threads, each call within the limit (reward.py)
-                for s, (reward, error) in zip(samples, scored):  # raised, NaN/inf or timed out: 0.0, and why
-                    s.reward, s.reward_error = reward, error
-                groups = [
+                # in threads, each call within --reward-timeout-s; one that raised, NaN/inf or timed out: 0.0, and why
+                score_samples(reward, samples, workers=args.reward_workers, timeout_s=args.reward_timeout_s)
+                groups_P_G = [
                     samples[g * args.group_size : (g + 1) * args.group_size]
                     for g in range(len(samples) // args.group_size)
                 ]
                 seen += samples
                 rounds += 1
                 if args.dynamic_sampling:  # ALGO: a group of equal rewards has zero advantage: no signal
-                    groups = [g for g in groups if len({s.reward for s in g}) > 1]
-                kept += groups
-                kept_total = int(all_reduce(len(kept)))  # pooled below: one rank's surplus fills another's gap
+                    groups_P_G = [samples_G for samples_G in groups_P_G if len({s.reward for s in samples_G}) > 1]
+                kept_P_G += groups_P_G
+                kept_total = int(all_reduce(len(kept_P_G)))  # pooled below: one rank's surplus fills another's gap
                 if (
                     not args.dynamic_sampling
                     or kept_total >= args.prompts_per_step
                     or rounds == args.max_sampling_rounds
                 ):
                     break
-            # every rank trains on as many groups (FSDP's collectives must match), dealt from all ranks' kept (balance)
+            # every rank trains on as many groups (FSDP's collectives must match), dealt from all ranks' kept_P_G
             n_groups = min(kept_total // world_size, local_prompts)
         if signum := agreed_signal():  # a signal during generation: stop before anything is trained on
             stop_now(signum, step - 1, sampler_state)
-        if args.async_rollout and step < args.steps:  # ALGO: one step off-policy: the next batch is sampled
-            ahead = send_rollout(step + 1, 0, ahead=True)  # by these weights while they are updated below
+        if args.async_rollout and step < args.steps:  # ALGO: one step off-policy: the next batch is sampled by the
+            ahead = send_rollout(seeds=(args.seed, "sample", step + 1, 0), ahead=True)  # weights this step updates
 
         # -- 3. SGLang sleeps, training state comes back
-        sleep(engine, device=device, **phases)
+        sleep(rollout.engine, device=device, **phases)
         if rm is not None:  # ALGO: each reward becomes w_rule * rule + w_rm * the RM's score (reward_model.py)
             with mem.phase("reward_model"):
                 metrics.update(
@@ -1242,14 +1069,14 @@ def main(args: Args):
         else:
             # -- 4. the batch: old log-probs from the training model, reference log-probs if beta > 0
             # PLUMBING: whole groups change ranks, n_groups to each, evening out the ranks' tokens (fsdp.balance)
-            tokens_per_group = [sum(len(s.prompt_ids) + len(s.response_ids) for s in g) for g in kept]
-            kept = balance(kept, tokens_per_group, world_size, share=n_groups)
-            flat = [s for g in kept for s in g]
-            batch = collate(flat, pad_id)
+            tokens_P = [sum(len(s.prompt_ids) + len(s.response_ids) for s in samples_G) for samples_G in kept_P_G]
+            kept_P_G = balance(kept_P_G, tokens_P, world_size, share=n_groups)
+            samples_B = [s for samples_G in kept_P_G for s in samples_G]
+            batch = collate(samples_B, pad_id)
             lengths = batch.attention_mask.sum(-1)  # [B] real tokens
             batch.loss_mask = batch.response_mask.clone()
             if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
-                batch.loss_mask[torch.tensor([s.truncated for s in flat])] = 0.0
+                batch.loss_mask[torch.tensor([s.truncated for s in samples_B])] = 0.0
             with mem.phase("logprob"):
                 batch.old_logprobs = batch_logprobs(
                     policy,
@@ -1275,106 +1102,38 @@ def main(args: Args):
                 bounds=args.correction_bounds,
             )
             batch.is_weight, batch.loss_mask = weight, batch.loss_mask * keep
-            metrics.update(
-                mismatch_stats(batch, touched)
-            )  # logprob gap (the sync check), KL, largest ratio (rollout.py)
+            metrics.update(mismatch_stats(batch, touched))  # the log-prob gap (the sync check), KL, largest ratio
             gap_check(metrics["rollout/logprob_abs_diff"], step)  # --lora-rank: a stale engine ends the run
 
             # -- 5. advantages
-            group_ids = torch.tensor([s.group_id for s in flat]).view(-1, args.group_size)  # [groups, G]
-            assert (group_ids == group_ids[:, :1]).all(), "a row of the reshape mixes samples of two prompts"
-            rewards = torch.tensor([s.reward for s in flat]).view(-1, args.group_size)  # [groups, G]
+            group_ids_P_G = torch.tensor([s.group_id for s in samples_B]).view(-1, args.group_size)
+            assert (group_ids_P_G == group_ids_P_G[:, :1]).all(), "a row of the reshape mixes samples of two prompts"
+            rewards_P_G = torch.tensor([s.reward for s in samples_B]).view(-1, args.group_size)
             if ref is not None and args.kl_in_reward:  # ALGO: KL as a reward penalty, per sequence
-                seq_kl = (kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1") * batch.response_mask).sum(-1)
-                rewards = rewards - args.beta * seq_kl.view(-1, args.group_size)
-            adv = advantages(rewards, args.advantage, args.scale_rewards).view(-1)  # [B]
-            batch.advantages = adv[:, None] * batch.response_mask  # [B, T-1]
+                seq_kl_B = (kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1") * batch.response_mask).sum(-1)
+                rewards_P_G = rewards_P_G - args.beta * seq_kl_B.view(-1, args.group_size)
+            adv_B = advantages(rewards_P_G, args.advantage, args.scale_rewards).view(-1)
+            batch.advantages = adv_B[:, None] * batch.response_mask  # [B, T-1]
 
-            # -- 6. update: epochs x mini-batches of policy-loss steps (PPO-clip, GSPO or CISPO)
-            policy.train()
-            totals = {
-                k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
-                for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens")
-            }
-            grad_norms = []
+            # -- 6. update: epochs x mini-batches x micro-batches of grpo_loss, an optimizer step per mini-batch
             with mem.phase("update"):
-                for epoch in range(args.epochs):
-                    shuffle = torch.Generator().manual_seed(seed_for(args.seed, "update", step, epoch))
-                    order = torch.randperm(len(batch), generator=shuffle)
-                    for mini in order.tensor_split(args.num_minibatches):  # the rows of one optimizer step: as many
-                        # as the LR schedule counts, also when dynamic sampling shrank the batch (6 rows: 2, 2, 1, 1)
-                        # global counts, once per mini-batch: every rank normalizes by the whole mini-batch
-                        num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
-                        num_seqs = float(
-                            all_reduce((batch.loss_mask[mini].sum(-1) > 0).sum())
-                        )  # filtered rows don't count
-                        mbs = micro_batches(mini, lengths, args.micro_batch_size, max_tokens)  # as many on every rank
-                        for rows in progress(mbs, f"update {epoch + 1}/{args.epochs}", rank):
-                            mb = batch.select(rows).to(device)  # [b, t] fields
-                            logp, entropy = token_logprobs(
-                                policy,
-                                mb.input_ids,
-                                mb.attention_mask,
-                                args.temperature,
-                                with_entropy=True,
-                                packed=max_tokens > 0,
-                            )  # [b, t-1] each
-                            loss, stats = grpo_loss(
-                                logp,
-                                entropy,
-                                mb,
-                                policy_loss=args.policy_loss,
-                                clip_low=args.clip_low,
-                                clip_high=args.clip_high,
-                                kl_coef=0.0 if args.kl_in_reward else args.beta,
-                                kl_estimator=args.kl_estimator,
-                                loss_agg=args.loss_agg,
-                                sapo_tau=args.sapo_tau,
-                                num_seqs=num_seqs,
-                                num_tokens=num_tokens,
-                                max_len=args.max_new_tokens,
-                            )
-                            loss.backward()
-                            for k, v in stats.items():
-                                totals[k] += v
-                        grad_norms.append(clip_and_step(policy, optimizer, scheduler, args.max_grad_norm))
-
-            totals = all_reduce_dict(totals)  # a CPU-GPU sync point, once per step
-            tokens, real_tokens = totals["tokens"].clamp(min=1), float(all_reduce(lengths.sum()))
-            metrics.update(
-                {
-                    "train/loss": totals["loss"] / (args.epochs * args.num_minibatches),
-                    "train/clip_frac": totals["clip_frac"] / tokens,
-                    "train/kl": totals["kl"] / tokens,
-                    "train/entropy": totals["entropy"] / tokens,
-                    "train/approx_kl": totals["approx_kl"] / tokens,
-                    "train/grad_norm": sum(grad_norms) / len(grad_norms),
-                    "train/lr": scheduler.get_last_lr()[0],
-                    "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms),
-                    "perf/tokens_per_s": real_tokens / (time.time() - t_step),
-                    "perf/rank_tokens_max_over_mean": float(all_reduce(lengths.sum(), dist.ReduceOp.MAX))
-                    * world_size
-                    / real_tokens,  # 1: even
-                }
+                metrics.update(update(policy, optimizer, scheduler, batch, args, step=step, device=device, rank=rank))
+            metrics.update(  # PLUMBING: tokens a second, the ranks' balance, MFU on a GPU of known peak (fsdp.py)
+                throughput(
+                    lengths,
+                    seconds=time.time() - t_step,
+                    phase_seconds=mem.seconds,
+                    device=device,
+                    forward_params=n_params * (1 + (ref is not None)),  # log-probs: policy, reference
+                    update_params=n_params * 2 // 3 if args.lora_rank else n_params,  # LoRA: 4N a token, not 6N
+                    epochs=args.epochs,
+                )
             )
-            if peak:  # PLUMBING: model FLOPs utilization of the two phases (fsdp.mfu), on a GPU of known peak only
-                metrics["perf/logprob_mfu"] = mfu(
-                    2 * n_params * (1 + (ref is not None)), real_tokens, mem.seconds["logprob"], peak, world_size
-                )
-                per_token = 4 if args.lora_rank else 6  # LoRA: no weight gradients of the frozen base (4N, not 6N)
-                metrics["perf/update_mfu"] = mfu(
-                    per_token * n_params, real_tokens * args.epochs, mem.seconds["update"], peak, world_size
-                )
 
         # -- 7. metrics, log, checkpoint
-        metrics["perf/step_s"] = time.time() - t_step
-        metrics.update(mem.metrics())  # time/<phase> and memory/<phase>_*_gib
-        metrics = {k: float(v) for k, v in metrics.items()}
-        if step == start_step + 1:
-            metrics["time/startup_to_first_step_s"] = time.time() - t_launch
-            metrics.update({f"time/startup_{k}": v for k, v in startup.items()})
-        rare = [c for c in IF_NOT_0 + REWARD_LINE if metrics.get(c[1])]  # REWARD_LINE: samples scored 0
-        print0(log_line(clock.label(step), metrics, console + rare))
+        times = clock.times(step, time.time() - t_step, mem.metrics())  # step and phase seconds, memory (runlog.py)
+        metrics = {k: float(v) for k, v in (metrics | times).items()}
+        print0(log_line(clock.label(step), metrics, console, rare=IF_NOT_0 + REWARD_LINE))  # REWARD_LINE: scored 0
         log.log(metrics)
         if warning := nonfinite.after_step(
             step, int(metrics.get("train/nonfinite_skips", 0)), args.epochs * args.num_minibatches
@@ -1383,17 +1142,18 @@ def main(args: Args):
         if args.log_samples_every and step % args.log_samples_every == 0:
             log.samples(step, seen)
         after = ahead.before if ahead else sampler.state_dict()  # the data position after this step
-        if args.save_every >= 0 and ((args.save_every and step % args.save_every == 0) or step == args.steps):
-            save(step, after)
+        if checkpoints.due(step, args.steps):
+            checkpoints.save(step, after)
         if signum := agreed_signal():
             stop_now(signum, step, after)
 
     # ---- final evaluation and cleanup --------------------------------------------------------------
     if args.eval_every and start_step < args.steps:
-        wake_up(engine, policy=policy, **sync, **phases)
-        evaluate(args.steps)
+        wake_up(rollout.engine, policy=policy, **sync, **phases)
+        if signum := evaluate(step=args.steps):
+            stop_now(signum, args.steps, sampler.state_dict())
     mem.close()
-    stop_engine(engine, watch)
+    stop_engine(rollout.engine, watch)
     log.finish()
     clock.summary(run_dir, EVAL_LINE)  # steps, time, held-out accuracy, where the checkpoint and curves are
     dist.destroy_process_group()

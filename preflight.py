@@ -209,6 +209,121 @@ def package_rules(a) -> list[tuple[str, object, bool, str]]:
     ]
 
 
+def shared_rules(a, world_size: int, tools: dict) -> list[tuple[str, object, bool, str]]:
+    """check_flags' rules for the flags grpo.py and ppo.py share, read by their names (a flag has one name in every
+    script): sizes and optimization, the rollout engine or servers, evaluation, checkpoints, tools (`tools`: those
+    there are, tools.TOOLS), rewards, the process group. Each script adds its algorithm's own (its check_args), and
+    the rules of the modules this one can't import: data.template_rule, reward_model.rm_flag_rules, lora.lora_rules."""
+    import torch
+
+    per_rank = a.prompts_per_step // world_size * a.group_size
+    server = a.rollout_mode == "server"
+    local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count()
+    return [  # (flag, value, holds, what it must be)
+        ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
+        (
+            "--prompts-per-step",
+            a.prompts_per_step,
+            a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
+            f">= 1 and divide by the {world_size} ranks",
+        ),
+        ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
+        ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
+        ("--lr", a.lr, a.lr > 0, "> 0"),
+        ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
+        ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
+        ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
+        ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
+        (
+            "--max-tokens-per-micro-batch",
+            a.max_tokens_per_micro_batch,
+            a.max_tokens_per_micro_batch >= 0,
+            ">= 0 (0: off)",
+        ),
+        ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
+        (
+            "--num-minibatches",
+            a.num_minibatches,
+            a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
+            f">= 1 and divide the {per_rank} samples per rank",
+        ),
+        ("--temperature", a.temperature, a.temperature > 0, "> 0"),
+        ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
+        ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
+        ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
+        ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
+        ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
+        (
+            "--rollout-tp",
+            a.rollout_tp,
+            a.rollout_tp >= 1
+            and (not a.rollout_url or a.rollout_tp == 1)
+            and (server or world_size % a.rollout_tp == local_ranks % a.rollout_tp == 0),
+            f"a divisor of the {local_ranks} ranks "
+            f"of each node (one engine's GPUs are on one node: torchrun --nproc_per_node a multiple of it)"
+            if not server
+            else "1 with --rollout-url (the server's own --tp-size counts); with --rollout-gpus, each server's GPUs",
+        ),
+        (
+            "--rollout-url",
+            a.rollout_url,
+            all(u.startswith("http") for u in a.rollout_url)
+            and (bool(a.rollout_url) != (a.rollout_gpus > 0) if server else not a.rollout_url),
+            "http://HOST:PORT of each "
+            "server, with --rollout-mode server; that mode takes these or --rollout-gpus k (servers this job starts), not both",
+        ),
+        (
+            "--rollout-gpus",
+            a.rollout_gpus,
+            a.rollout_gpus == 0
+            or (server and a.rollout_gpus % a.rollout_tp == 0 and local_ranks + a.rollout_gpus <= gpus),
+            f"with --rollout-mode server, a multiple of --rollout-tp, at most the "
+            f"{gpus} GPUs of this node less its {local_ranks} training ranks (torchrun --nproc_per_node {gpus - a.rollout_gpus})",
+        ),
+        ("--rollout-timeout", a.rollout_timeout, a.rollout_timeout > 0, "> 0"),
+        ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
+        ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
+        ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
+        *sampling_rules(
+            num_eval_prompts=a.num_eval_prompts,
+            eval_samples=a.eval_samples,
+            eval_temperature=a.eval_temperature,
+            engines=engine_count(
+                world_size, a.rollout_tp, (len(a.rollout_url) or a.rollout_gpus // a.rollout_tp) * server
+            ),
+            deterministic=a.deterministic_rollout,
+            attention_backend=a.sglang_attention_backend,
+            rollout_tp=a.rollout_tp,
+        ),  # K, T, the eval batch; --deterministic-rollout's attention
+        ("--eval-top-p", a.eval_top_p, 0 < a.eval_top_p <= 1, "in (0, 1]"),
+        ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
+        ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
+        ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
+        (
+            "--tools",
+            a.tools,
+            all(t in tools for t in a.tools.split(",") if t),
+            f"a comma-separated list of {', '.join(tools)}",
+        ),
+        (
+            "--system-prompt",
+            a.system_prompt,
+            not (a.system_prompt and a.tools),
+            "without --tools (the tools bring their own system "
+            "prompt and worked calls; put your instructions in --prompt-template)",
+        ),
+        ("--max-turns", a.max_turns, a.max_turns >= 1, ">= 1"),
+        ("--max-tool-reply-tokens", a.max_tool_reply_tokens, a.max_tool_reply_tokens >= 1, ">= 1"),
+        ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
+        ("--tool-timeout-s", a.tool_timeout_s, a.tool_timeout_s > 0, "> 0"),
+        ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
+        *package_rules(a),  # --track needs wandb, --attn-implementation flash_attention_2 flash-attn
+        ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
+        ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
+        ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
+    ]
+
+
 def attn_problem(impl: str) -> str | None:
     """What --attn-implementation must be instead of `impl` (check_flags' words), None if it can train here. Each was
     a traceback after the models loaded: a name transformers does not know, flex_attention or a flash kernel on a

@@ -8,6 +8,8 @@
     format_reward(completion, kind)             # 1.0 if the completion gives its answer in the kind's format
     score(reward_fn, completion, answer)        # never raises: (reward, "") or (0.0, "ValueError: ..."); NaN/inf: 0.0
     score_all(reward_fn, calls, workers=8, timeout_s=30)  # score() of each, in threads, each call within a time limit
+    score_samples(reward, samples, workers=8, timeout_s=30)  # the same for samples: s.reward, s.reward_error
+    reward_fn(completion, answer, kind, unformatted_credit=0.25, format_weight=0.0)  # what grpo.py and ppo.py train on
     reward_fn = load_reward("my_reward.py:reward")  # your own (completion, answer) -> float, from a file
     rollout_stats(samples, seconds)             # a step's reward, accuracy, lengths, over all ranks
     eval_stats(samples, answer_fn, sources)     # held-out accuracy, over all ranks, and per source
@@ -204,6 +206,22 @@ TIMED_OUT, NONFINITE = "timed out", "not finite"  # how reward_error starts for 
 _abandoned: list[threading.Thread] = []  # reward calls past their time limit that still run, over all steps
 
 
+def reward_fn(
+    completion: str, answer: str, kind: str, *, user_reward=None, unformatted_credit: float, format_weight: float
+) -> float:
+    """What a completion earns in grpo.py and ppo.py (their flags bound by functools.partial): your --reward function
+    (`user_reward`), else: right by `kind`'s rule (correct: the number after '####', the last \\boxed{}, ...): 1.0;
+    right but not in that format: unformatted_credit; plus format_weight for an answer in the asked format. Credit for
+    the format alone is format_weight's (0 by default), so the policy can't score by emitting '#### <guess>'."""
+    if user_reward is not None:
+        return user_reward(completion, answer)
+    if correct(kind, completion, answer, "strict"):
+        right = 1.0
+    else:
+        right = unformatted_credit * correct(kind, completion, answer, "flexible")
+    return right + format_weight * format_reward(completion, kind)
+
+
 class NeedsMainThread(RuntimeError):
     """A check only the main thread can bound in time (math-verify's SIGALRM): score_all runs it there."""
 
@@ -312,6 +330,15 @@ def score_all(reward_fn, calls: list[tuple], *, workers: int, timeout_s: float) 
     if bad := next((e for _, e in results if e.startswith(f"{NotANumber.__name__}: ")), None):
         raise InputError(bad.removeprefix(f"{NotANumber.__name__}: "))  # not a counted 0 at every step: bad input
     return results
+
+
+def score_samples(reward_fn, samples: list, *, workers: int, timeout_s: float) -> list:
+    """score_all of reward_fn(s.text, s.answer, s.kind) for each sample: sets s.reward, and s.reward_error (why it
+    scored 0: raised, NaN/inf, timed out; "" if nothing went wrong). Returns the samples."""
+    scored = score_all(reward_fn, [(s.text, s.answer, s.kind) for s in samples], workers=workers, timeout_s=timeout_s)
+    for s, (reward, error) in zip(samples, scored):
+        s.reward, s.reward_error = reward, error
+    return samples
 
 
 def load_reward(spec: str):

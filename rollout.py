@@ -5,6 +5,12 @@
     samples = generate(engine, prompt_ids, seeds, sampling=sampling, tokenizer=tokenizer)   # list[Sample]
     stats = mismatch_stats(batch)     # sampler vs trainer log-probs of a collated batch: did the sync work? KL, ...
 
+What the training scripts call, with the Rollout that server.start_rollout gives (engine, TP group, sampling, ...):
+
+    pending = send_prompts(rollout, sampler, prompts, n=32, group_size=16, seeds=(0, "sample", step))  # a step's
+    samples = pending.result()                                                 # this rank's, each prompt's G in a row
+    signum = held_out_eval(rollout, eval_prompts, log, step=step, k=0, temperature=1.0, top_p=1.0, seed=0)
+
 Both engines answer SGLang's calls (`generate`, `update_weights_from_tensor`, `flush_cache`,
 `release/resume_memory_occupation`), so the loop and memory.py read the same on a laptop as on a GPU
 node. `HFEngine`'s release/resume do nothing, but it refuses to generate while released. Token ids
@@ -17,6 +23,7 @@ spanning the group's k GPUs, the others have `engine=None` and send their prompt
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -30,11 +37,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from data import Sample, seed_for
+from data import ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, Sample, label, sample_seeds, seed_for, shard
 from fsdp import all_reduce, without_agent_store
 from preflight import EngineStartFailed, Interrupted
-from stop import interruptible, quit_while_starting, stop_engine
-from tools import parse_tool_calls, timed_call
+from reward import EVAL_LINE, EVAL_TOOLS_LINE, eval_stats, sampled_eval_stats, sampled_line
+from runlog import log_line, print0
+from stop import agreed_signal, interruptible, quit_while_starting, stop_engine
+from tools import parse_tool_calls, timed_call, tools_prompt
 
 # ----------------------------------------------------------------------------------------------
 # Engines
@@ -471,6 +480,72 @@ def send(
     return pending
 
 
+@dataclass
+class Rollout:
+    """How this rank gets its samples, as a step's generation and an evaluation take it: its engine (None on a rank
+    whose TP group's owner generates for it), that TP group, the sampling settings, the tokenizer (tool episodes) and
+    the tools' runner (None: one turn). server.start_rollout makes it."""
+
+    engine: object | None
+    tp: TPGroup
+    sampling: Sampling
+    tokenizer: object = None
+    tool_use: "ToolUse | None" = None
+
+
+def send_prompts(
+    rollout: Rollout, sampler, prompts, *, n: int, group_size: int, seeds: tuple, ahead: bool = False
+) -> "Pending":
+    """A step's rollout, sent: `n` prompts drawn (`sampler`, a data.PromptSampler; all ranks draw the same), this
+    rank's share of them (`prompts`: data.Prompts), each `group_size` times in a row, each sample seeded from its place
+    in the step's draw (data.sample_seeds(*seeds, ...): the same on any number of ranks). `.result()` gives the samples; the Pending also holds which prompt each is of (`sample_idx`),
+    the data position before the draw (`before`: a checkpoint's while the batch generates) and `ahead` (in the
+    background, --async-rollout, with the weights the engine has now)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    before = sampler.state_dict()
+    drawn = sampler.draw(n)  # every rank's prompts
+    sample_idx = [i for i in shard(drawn, rank, world_size) for _ in range(group_size)]
+    pending = send(
+        rollout.engine,
+        [prompts.ids[i] for i in sample_idx],
+        shard(sample_seeds(*seeds, prompts=len(drawn), group_size=group_size), rank, world_size),
+        sampling=rollout.sampling,
+        tool_use=rollout.tool_use,
+        tokenizer=rollout.tokenizer,
+        tp=rollout.tp,
+        ahead=ahead,
+    )
+    pending.sample_idx, pending.before, pending.ahead = sample_idx, before, ahead
+    return pending
+
+
+def held_out_eval(
+    rollout: Rollout, prompts, log, *, step: int, k: int, temperature: float, top_p: float, seed: int
+) -> int:
+    """Greedy accuracy on the held-out `prompts` (data.Prompts; the engine awake), each rank a strided share, with the
+    rollout's token limit and stop tokens; with k > 0, k samples a prompt too, at `temperature` and `top_p`: avg@k,
+    pass@1..k, maj@k (reward.sampled_eval_stats). One console line, one row of `log` (runlog.RunLog). Returns the
+    signal that cut it short, agreed by every rank (then nothing is logged), else 0."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    share = range(rank, len(prompts.ids), world_size)
+    prompt_ids, examples = [prompts.ids[i] for i in share], [prompts.examples[i] for i in share]
+    on = dict(tokenizer=rollout.tokenizer, tp=rollout.tp, tool_use=rollout.tool_use)
+    greedy = dataclasses.replace(rollout.sampling, temperature=0.0, top_p=1.0)
+    samples = generate(rollout.engine, prompt_ids, [0] * len(share), sampling=greedy, **on)
+    sampled = dataclasses.replace(rollout.sampling, temperature=temperature, top_p=top_p)
+    seeds = [seed_for(seed, "eval", step, i) for i in share]  # a prompt's own, whichever rank evaluates it
+    groups = generate_groups(rollout.engine, prompt_ids, k, seeds=seeds, sampling=sampled, **on) if k else []
+    if signum := agreed_signal():
+        return signum
+    label(samples + sum(groups, []), examples + [ex for ex in examples for _ in range(k)])
+    out = eval_stats(samples, sources=prompts.sources)
+    out |= sampled_eval_stats(groups, sources=prompts.sources) if k else {}
+    shown = EVAL_LINE + sampled_line(k) + EVAL_TOOLS_LINE * bool(rollout.tool_use)
+    print0(log_line(f"eval after step {step}", out, shown))
+    log.log({"step": step, **out})
+    return 0
+
+
 def run_requests(
     engine, prompts: list[list[int]], seeds: list[int], *, sampling: Sampling, tokenizer, tool_use
 ) -> list[Sample]:
@@ -599,6 +674,28 @@ class ToolUse:
     pool: concurrent.futures.Executor
     max_turns: int = 4
     max_reply_tokens: int = 256
+
+
+def tools_for(
+    tokenizer,
+    tools: dict,
+    *,
+    template: str | None,
+    datasets: tuple[str, ...],
+    workers: int,
+    max_turns: int,
+    max_reply_tokens: int,
+) -> tuple[list[dict] | None, list[dict] | None, ToolUse | None]:
+    """With `tools` (tools.select_tools' choice): the messages before every question and the tools' schemas
+    (tools.tools_prompt: a system prompt, two worked calls asked through `template`, else through the datasets' kind's:
+    addition's for the built-in tasks, GSM8K's for any other), and how samples call them (ToolUse, the calls in
+    `workers` threads). Without tools: (None, None, None)."""
+    if not tools:
+        return None, None, None
+    template = template or (ADDITION_PROMPT if set(datasets) <= set(BUILTIN_TASKS) else GSM8K_PROMPT)
+    context, specs = tools_prompt(tokenizer, tools, template)
+    pool = concurrent.futures.ThreadPoolExecutor(workers)
+    return context, specs, ToolUse(tools, tokenizer, pool, max_turns=max_turns, max_reply_tokens=max_reply_tokens)
 
 
 async def episode(engine, prompt: list[int], seed: int, *, sampling: Sampling, tool_use: ToolUse) -> Sample:

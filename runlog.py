@@ -7,7 +7,8 @@
     log.samples(3, samples)                                    # a few completions: console, samples.jsonl
     print0(legend(console))                                    # once: what each name of a step's line is
     clock = StepClock(total=200, start=0, launched=launch_time())
-    print0(log_line(clock.label(3), metrics, console))         # 'step 3/200 | eta 1:02:03 | reward 0.41 | ...'
+    metrics |= clock.times(3, seconds, mem.metrics())          # perf/step_s, time/ and memory/ by phase; the start-up's
+    print0(log_line(clock.label(3), metrics, console, rare))   # 'step 3/200 | eta 1:02:03 | reward 0.41 | ...'
     clock.summary(run_dir, eval_line)                          # the run's last lines: time, held-out metrics, files
     for rows in progress(micro_batches, "update", rank):       # a bar on rank 0 when a person watches
 
@@ -56,6 +57,12 @@ def claim_run_dir(output_dir: str, run_name: str, *, resume: bool) -> str:
     if problem[0]:
         raise InputError(problem[0])
     return run_dir
+
+
+def default_run_name(script: str, model: str, sources: list[str], seed: int) -> str:
+    """A run's folder name where --run-name is not given: grpo-<model>-<source>[+<source>...]-s<seed>, each dataset by
+    its short name (data.source_name)."""
+    return f"{script}-{os.path.basename(model.rstrip('/'))}-{'+'.join(sources)}-s{seed}"
 
 
 def claim(run_dir: str, *, script: str, resume: bool) -> str | None:
@@ -232,8 +239,10 @@ TRUNC = ("trunc", "rollout/truncated_frac", ".2f", "share cut at --max-new-token
 CLIP = ("clip", "train/clip_frac", ".2g", "share of tokens clipped (where not 0: several updates a batch)")
 
 
-def log_line(label: str, metrics: dict, keys: list[tuple]) -> str:
-    """One console line: 'step 12/200 | reward 0.41 | acc 0.33 | ...' from (name, metric key, format[, meaning])."""
+def log_line(label: str, metrics: dict, keys: list[tuple], rare: list[tuple] = ()) -> str:
+    """One console line: 'step 12/200 | reward 0.41 | acc 0.33 | ...' from (name, metric key, format[, meaning]);
+    then those of `rare` whose value is not 0 (a share truncated, samples that scored 0 for an error, ...)."""
+    keys = list(keys) + [k for k in rare if metrics.get(k[1])]
     shown = [f"{name} {format(metrics[key], fmt)}" for name, key, fmt, *_ in keys if key in metrics]
     return " | ".join([label, *shown])
 
@@ -255,9 +264,19 @@ class StepClock:
     """A step line's 'step 3/200 | eta 1:02:03' (the steps left times the median seconds of the last 10 steps: an
     evaluation or a checkpoint makes one step slow, not the estimate), and the run's closing lines."""
 
-    def __init__(self, *, total: int, start: int, launched: float):
+    def __init__(self, *, total: int, start: int, launched: float, startup: dict | None = None):
         self.total, self.start, self.done, self.launched = total, start, start, launched
-        self.seconds, self.last = [], time.time()
+        self.seconds, self.last, self.startup = [], time.time(), startup or {}
+
+    def times(self, step: int, seconds: float, phases: dict) -> dict:
+        """A step's perf/step_s (`seconds`), its phases' time/ and memory/ metrics (MemoryLog.metrics), and on the
+        first step of this launch the start-up's: time/startup_to_first_step_s, and time/startup_<part> of each part
+        of `startup` (seconds: set-up, engine, models)."""
+        out = {"perf/step_s": seconds, **phases}
+        if step == self.start + 1:
+            out["time/startup_to_first_step_s"] = time.time() - self.launched
+            out.update({f"time/startup_{k}": v for k, v in self.startup.items()})
+        return out
 
     def label(self, step: int) -> str:
         now, self.done = time.time(), step
@@ -281,6 +300,12 @@ class StepClock:
         print0(f"{'stopped' if stopped else 'done'}: {steps} in {took} | {held}")
         curves = curves if os.path.exists(curves) else "not drawn"
         print0(f"  checkpoint: {latest_checkpoint(run_dir) or 'none saved'} | curves: {curves} | metrics: {metrics}")
+
+
+def eval_due(done: int, *, every: int, before_train: bool) -> bool:
+    """Evaluate after `done` updates (at the start of step done + 1)? Every `every` steps (0: never), and before the
+    first update with `before_train`."""
+    return bool(every) and done % every == 0 and (done > 0 or before_train)
 
 
 def progress(items, desc: str, rank: int):

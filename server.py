@@ -11,6 +11,9 @@ or the job starts them itself on GPUs of its own (grpo.py --rollout-mode server 
     engine = ServerEngine(urls, timeout_s=600, processes=processes)    # watched, and stopped with the run
     engine.generate(input_ids=[[...], ...], sampling_params=[{...}, ...], return_logprob=True)
 
+`start_rollout` starts either kind for grpo.py and ppo.py: the colocated engines (rollout.start_engine), or the
+servers at --rollout-url, or those it launches (--rollout-gpus); rank 0 speaks to servers for every rank.
+
 `generate` and `async_generate` take and return what sglang.Engine's do (token ids in, token ids
 and per-token log-probs out), so rollout.generate and rollout.episode drive either. Requests go
 over HTTP to SGLang's `/generate` (endpoints of SGLang 0.5.16); a batch is split evenly over the
@@ -31,6 +34,7 @@ read at the same path (this machine, or a shared file system). The servers run w
 """
 
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -47,9 +51,10 @@ import torch
 import torch.distributed as dist
 
 from fsdp import without_agent_store
+from memory import ALL_TAGS, release
 from preflight import InputError, Interrupted, RunFailed, first_line
-from rollout import SGLangOptions
-from stop import kill, requested
+from rollout import Rollout, Sampling, SGLangOptions, graph_batch, start_engine, tp_group
+from stop import EngineWatch, kill, requested
 
 SHAPES = (
     "hidden_size",
@@ -434,6 +439,78 @@ class ServerEngine:
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+def start_rollout(
+    kind: str,
+    model: str,
+    *,
+    samples: int,
+    eval_samples: int = 0,
+    options: SGLangOptions,
+    seed: int,
+    dtype: torch.dtype,
+    sampling: Sampling,
+    tokenizer=None,
+    tool_use=None,
+    urls: tuple[str, ...] = (),
+    gpus: int = 0,
+    timeout_s: float = 600.0,
+    sync_backend: str = "auto",
+    sync_address: str | None = None,
+    log_dir: str = ".",
+    phase=lambda: "start-up",
+) -> tuple[Rollout, EngineWatch]:
+    """The rollout engines, started before any model loads (SGLang sizes its KV cache from the free memory it finds).
+    `kind` "sglang" or "hf": colocated, the first rank of each options.tp_size owns one (rollout.start_engine);
+    "server": rank 0 speaks to the servers for all ranks, those at `urls` or, with `gpus` k, servers it launches on the
+    last k GPUs of its node (launch_servers, their logs in `log_dir`). Each decodes its share of `samples` (a step's,
+    all ranks') or of `eval_samples` (an evaluation's) up to 1024 at once: its CUDA graphs are sized to it
+    (rollout.graph_batch) unless options.cuda_graph_max_bs says: beyond, the few large evaluations decode without
+    graphs rather than every start capturing thousands of batch sizes. options.deterministic and options.lora_rank
+    (--lora-sync adapter, the adapter written under `log_dir`/adapter_sync for servers) hold for servers too. Its memory is released until the first weight sync, a watch ends the run
+    if it dies (stop.EngineWatch, naming `phase()`), and no rank goes on before every engine has started.
+    Returns (a rollout.Rollout: this rank's engine, None where it owns none, its TP group, `sampling`, `tokenizer` and
+    `tool_use`; the watch)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    server = kind == "server"
+    engines = (len(urls) or gpus // options.tp_size) if server else world_size // options.tp_size
+    batch = max(samples // engines, min(eval_samples // engines, 1024))  # decoded at once: its CUDA graphs
+    options = dataclasses.replace(options, cuda_graph_max_bs=graph_batch(batch, options.cuda_graph_max_bs))
+    if server:  # rank 0 speaks to the servers for all ranks, as one TP group's owner
+        tp, urls, processes = tp_group(world_size), list(urls), None
+        if gpus and rank == 0:  # servers of this job's own, on the last GPUs of rank 0's node
+            urls, processes = launch_servers(
+                model,
+                gpus=list(range(torch.cuda.device_count()))[-gpus:],
+                tp_size=options.tp_size,
+                seed=seed,
+                options=options,
+                log_dir=log_dir,
+            )
+        engine = (
+            ServerEngine(
+                urls,
+                processes=processes,
+                model=model,
+                timeout_s=timeout_s,
+                sync_backend=sync_backend,
+                sync_address=sync_address,
+                batch=batch,
+                deterministic=options.deterministic,
+                lora_rank=options.lora_rank,
+                adapter_dir=os.path.join(log_dir, "adapter_sync"),
+            )
+            if rank == 0
+            else None
+        )
+    else:
+        tp = tp_group(options.tp_size)
+        engine = start_engine(kind, model, seed=seed, sglang=options, dtype=dtype) if rank == tp.owner else None
+    release(engine, ALL_TAGS)  # until the first weight sync
+    watch = EngineWatch(engine, phase=phase)  # a dead engine ends the run
+    dist.barrier()  # no rank loads its model before every engine has measured free memory
+    return Rollout(engine, tp, sampling, tokenizer, tool_use), watch
 
 
 class ServerProcess(subprocess.Popen):

@@ -5,7 +5,7 @@
     with interruptible():              # a wait on the engine (generation) is cut short by a signal
         outputs = engine.generate(...)
     if (signum := agreed_signal()):    # every rank, at the same places: did any rank get a signal?
-        ...save the finished steps, shut the engine down, exit 128 + signum
+        stop_run(signum, step, sampler.state_dict(), engine=engine, ...)  # engine down, a checkpoint, exit 128 + n
     watch = EngineWatch(engine, phase=lambda: mem.current)   # an engine that fails ends the run, naming the phase
     stop_engine(engine, watch)         # on purpose (also at exit, whatever way the trainer exits)
     nonfinite = NonFinite(limit=3)     # K steps in a row with a NaN/inf loss or gradient: stop, naming the likely causes
@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -26,7 +27,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from fsdp import all_reduce
+from memory import sleep
 from preflight import InputError, Interrupted, tell_torchrun
+from runlog import print0
 
 _state = {"signum": 0, "interruptible": False, "first_at": 0.0}
 
@@ -86,6 +89,44 @@ def agreed_signal() -> int:
     """The signal any rank got (SIGTERM wins), 0 if none. A collective: every rank calls it at the
     same places, so all ranks stop together and can save together."""
     return int(all_reduce(_state["signum"], dist.ReduceOp.MAX)) if dist.is_initialized() else _state["signum"]
+
+
+def stop_run(
+    signum: int,
+    done: int,
+    sampler_state: dict,
+    *,
+    engine,
+    watch: "EngineWatch",
+    phases: dict,
+    device,
+    checkpoints,
+    save: bool,
+    mem,
+    log,
+    clock,
+    eval_line: list[tuple],
+    resume: bool,
+):
+    """Every rank, after agreeing on signal `signum` (agreed_signal) with `done` steps finished: the engine down, the
+    training state back on the device (memory.sleep with no engine, `phases` as the step's), a checkpoint of the
+    finished steps not yet saved (`save`: --save-on-signal; checkpoint.Checkpoints, at data position `sampler_state`),
+    the run's record closed (the memory log `mem`, runlog.RunLog `log`: metrics and curves, runlog.StepClock `clock`:
+    the closing lines, the last held-out `eval_line`), a line on how to go on, then exit 128 + signum."""
+    stop_engine(engine, watch)
+    sleep(None, device=device, **phases)  # offloaded training state back
+    if save and checkpoints.every >= 0 and done > checkpoints.last:
+        checkpoints.save(done, sampler_state)
+    launcher = f"torchrun --nproc_per_node={dist.get_world_size()}" if "RANK" in os.environ else "python"
+    again = f"{launcher} {' '.join(sys.argv)}{'' if resume else ' --resume'}"  # no checkpoint: from step 0 (checkpoint_to_resume)
+    mem.close()
+    log.finish()  # curves.png too
+    clock.summary(checkpoints.run_dir, eval_line, stopped=True)
+    print0(
+        f"stopped by {signal.Signals(signum).name} after step {done}; continue from step {checkpoints.last} with: {again}"
+    )
+    dist.destroy_process_group()
+    raise SystemExit(128 + signum)
 
 
 # ----------------------------------------------------------------------------------------------

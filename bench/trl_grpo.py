@@ -168,7 +168,7 @@ def main(args: Args):
         [{"prompt": [{"role": "user", "content": e.prompt}], "answer": e.answer} for e in train_examples]
     )
 
-    # ALGO: the reward of grpo.py's reward_fn (format_weight 0), through reward.score (a raising reward is a 0)
+    # ALGO: grpo.py's reward (reward.reward_fn, format_weight 0), through reward.score (a raising reward is a 0)
     def reward_one(completion: str, answer: str) -> float:
         if int_match_reward(completion, answer, "strict"):
             return 1.0
