@@ -222,10 +222,12 @@ def assert_close_runs(padded, packed, keys):
 
 def test_grpo_packed_matches_padded_two_ranks(trained_tiny_model_dir, tmp_path):
     padded, packed = smoke_pair(
-        trained_tiny_model_dir, tmp_path, "grpo.py", "--beta", "0.05", "--gradient-checkpointing"
+        trained_tiny_model_dir, tmp_path, "grpo.py", "--beta", "0.05", "--gradient-checkpointing", "--seed", "2"
     )
     assert_close_runs(padded, packed, ["train/loss", "train/entropy", "train/grad_norm"])
-    assert packed[1]["train/kl"] > 0  # step 2: the reference model's packed log-probs are in use
+    # step 2: the reference model's packed log-probs are in use (seed 2: at seeds 0 and 1 every group of step 1 is all
+    # right or all wrong on this model since the samples' seeds follow their place in the draw: no update, KL 0)
+    assert packed[1]["train/kl"] > 0
     # the busiest rank's tokens over the mean (the deal itself: tests/packing_check.py); here ~1.002 and ~1.007
     spread = [r["perf/rank_tokens_max_over_mean"] for r in padded + packed]
     assert all(1 <= x < 1.2 for x in spread) and spread[0] == spread[2], spread  # padded or packed: the same deal
