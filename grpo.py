@@ -68,7 +68,7 @@ from fsdp import (
     throughput,
     token_logprobs,
 )
-from lora import GapCheck, adapter_off, apply_lora, check_lora, lora_rules, trainable
+from lora import GapCheck, adapter_off, apply_lora, check_lora, lora_line, lora_rules, trainable
 from memory import MemoryLog, sleep, wake_up
 from preflight import (
     check_engine,
@@ -884,7 +884,8 @@ def main(args: Args):
     t0 = time.time()
     masters = torch.bfloat16 if args.lora_rank else torch.float32  # LoRA: the base frozen in bf16, the adapter fp32
     policy = load_model(args.model, device, masters, args.gradient_checkpointing, args.attn_implementation)
-    apply_lora(policy, args.lora_rank, args.lora_alpha, lora_targets)  # rank 0: nothing (lora.py)
+    if apply_lora(policy, args.lora_rank, args.lora_alpha, lora_targets):  # rank 0: nothing (lora.py)
+        print0(lora_line(policy, args.lora_sync))
     shard_model(policy, param_dtype=dtype, compile=args.compile)
     ref = None
     if args.beta > 0 and args.lora_rank:

@@ -94,6 +94,16 @@ def apply_lora(model, rank: int, alpha: float, targets, dtype: torch.dtype = tor
     return len(names)
 
 
+def lora_line(model, sync: str) -> str:
+    """The console's line for a LoRA model: its adapters, the share of parameters that train, how the engine gets them."""
+    trained, total = sum(p.numel() for p in trainable(model)), sum(p.numel() for p in model.parameters())
+    m = lora_modules(model)[0][1]
+    return (
+        f"LoRA: rank {m.rank}, alpha {m.alpha:g} on {len(lora_modules(model))} linear layers: {trained / 1e6:.2f}M of "
+        f"{total / 1e6:.1f}M parameters train ({trained / total:.2%}); the engine gets them by --lora-sync {sync}"
+    )
+
+
 def lora_modules(model) -> list[tuple[str, LoRALinear]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
 

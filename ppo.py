@@ -55,7 +55,7 @@ from fsdp import (
     throughput,
     token_logprobs,
 )
-from lora import GapCheck, adapter_off, apply_lora, check_lora, lora_rules, trainable
+from lora import GapCheck, adapter_off, apply_lora, check_lora, lora_line, lora_rules, trainable
 from memory import MemoryLog, sleep, wake_up
 from preflight import (
     check_engine,
@@ -756,7 +756,8 @@ def main(args: Args):
     t0 = time.time()
     masters = torch.bfloat16 if args.lora_rank else torch.float32  # LoRA: the bases frozen in bf16, adapters fp32
     policy = load_model(args.model, device, masters, args.gradient_checkpointing, args.attn_implementation)
-    apply_lora(policy, args.lora_rank, args.lora_alpha, lora_targets)  # rank 0: nothing (lora.py)
+    if apply_lora(policy, args.lora_rank, args.lora_alpha, lora_targets):  # rank 0: nothing (lora.py)
+        print0(lora_line(policy, args.lora_sync))
     shard_model(policy, param_dtype=dtype, compile=args.compile)
     ref = None
     if (args.kl_coef > 0 or args.adaptive_kl) and args.lora_rank:
