@@ -500,11 +500,13 @@ def throughput(
     forward_params: int,
     update_params: int,
     epochs: int,
+    weight_grads: bool = True,
 ) -> dict:
     """A step's perf/ metrics over all ranks, from each row's real tokens (`lengths`, prompt and response): tokens per
     second of the step so far (`seconds`); the busiest rank's tokens over the mean (1: even, `balance`); on a GPU of
     known peak FLOP/s (`device`'s, peak_flops: no MFU elsewhere), the MFU of the log-prob phase (a forward, 2N FLOPs a token, of `forward_params` N: every
-    model it runs) and of the update (6N of `update_params`, `epochs` passes), from `phase_seconds` (MemoryLog's)."""
+    model it runs) and of the update (6N of `update_params`, `epochs` passes; 4N without `weight_grads`: a frozen base under
+    LoRA has no weight gradients), from `phase_seconds` (MemoryLog's)."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
     real_tokens = float(all_reduce(lengths.sum()))
@@ -516,7 +518,10 @@ def throughput(
     }
     if peak:
         out["perf/logprob_mfu"] = mfu(2 * forward_params, real_tokens, phase_seconds["logprob"], peak, world_size)
-        out["perf/update_mfu"] = mfu(6 * update_params, real_tokens * epochs, phase_seconds["update"], peak, world_size)
+        per_token = 6 if weight_grads else 4  # forward 2N, backward 4N (2N without weight gradients)
+        out["perf/update_mfu"] = mfu(
+            per_token * update_params, real_tokens * epochs, phase_seconds["update"], peak, world_size
+        )
     return out
 
 

@@ -1126,7 +1126,8 @@ def main(args: Args):
                     phase_seconds=mem.seconds,
                     device=device,
                     forward_params=n_params * (1 + (ref is not None)),  # log-probs: policy, reference
-                    update_params=n_params * 2 // 3 if args.lora_rank else n_params,  # LoRA: 4N a token, not 6N
+                    update_params=n_params,
+                    weight_grads=not args.lora_rank,  # LoRA: the frozen base has no weight gradients
                     epochs=args.epochs,
                 )
             )

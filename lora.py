@@ -97,9 +97,10 @@ def apply_lora(model, rank: int, alpha: float, targets, dtype: torch.dtype = tor
 def lora_line(model, sync: str) -> str:
     """The console's line for a LoRA model: its adapters, the share of parameters that train, how the engine gets them."""
     trained, total = sum(p.numel() for p in trainable(model)), sum(p.numel() for p in model.parameters())
-    m = lora_modules(model)[0][1]
+    modules = [m for _, m in lora_modules(model)]
     return (
-        f"LoRA: rank {m.rank}, alpha {m.alpha:g} on {len(lora_modules(model))} linear layers: {trained / 1e6:.2f}M of "
+        f"LoRA: rank {modules[0].rank}, alpha {modules[0].alpha:g} on {len(modules)} linear layers: "
+        f"{trained / 1e6:.2f}M of "
         f"{total / 1e6:.1f}M parameters train ({trained / total:.2%}); the engine gets them by --lora-sync {sync}"
     )
 

@@ -1026,9 +1026,8 @@ def main(args: Args):
                 phase_seconds=mem.seconds,
                 device=device,
                 forward_params=n_policy * (1 + (ref is not None)) + n_critic,  # log-probs: actor, reference, critic
-                update_params=(n_policy * update_actor + n_critic)
-                * (2 if args.lora_rank else 3)
-                // 3,  # LoRA: 4N not 6N
+                update_params=n_policy * update_actor + n_critic,
+                weight_grads=not args.lora_rank,  # LoRA: the frozen bases have no weight gradients
                 epochs=args.epochs,
             )
         )

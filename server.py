@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from fsdp import without_agent_store
 from memory import ALL_TAGS, release
-from preflight import InputError, Interrupted, RunFailed, first_line
+from preflight import InputError, Interrupted, RunFailed, engine_count, first_line
 from rollout import Rollout, Sampling, SGLangOptions, graph_batch, start_engine, tp_group
 from stop import EngineWatch, kill, requested
 
@@ -474,7 +474,7 @@ def start_rollout(
     `tool_use`; the watch)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     server = kind == "server"
-    engines = (len(urls) or gpus // options.tp_size) if server else world_size // options.tp_size
+    engines = engine_count(world_size, options.tp_size, (len(urls) or gpus // options.tp_size) * server)
     batch = max(samples // engines, min(eval_samples // engines, 1024))  # decoded at once: its CUDA graphs
     options = dataclasses.replace(options, cuda_graph_max_bs=graph_batch(batch, options.cuda_graph_max_bs))
     if server:  # rank 0 speaks to the servers for all ranks, as one TP group's owner
