@@ -122,6 +122,8 @@ def load_model(
     )
     if new_head:
         loader_log.addFilter(new_by_design)
+    if attn_implementation == VARLEN:
+        register_varlen()
     try:
         model = model_class.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
     except OSError as e:
@@ -258,16 +260,66 @@ def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             out = x.new_zeros(shape)  # [b, t]
             return out.index_put((rows[:-1], cols[:-1]), x[0] * own)[:, :-1]
 
+    sequences = {}  # varlen_attention's sequences in the packed row (else it finds them: one sync a layer)
+    if packed and getattr(model.config, "_attn_implementation", None) == VARLEN:
+        ends = real.sum(-1).cumsum(0).int()  # [b]
+        longest = int((ends - torch.cat([ends.new_zeros(1), ends[:-1]])).max())
+        sequences = dict(cu_seq_lens_q=torch.cat([ends.new_zeros(1), ends]), max_length_q=longest)
     if head is not None:  # on this module object, for this call only
         model.get_output_embeddings().forward = lambda hidden: head(hidden, input_ids)
     try:
         logits = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **sequences
         ).logits  # [b, t, V] or [1, n, V]
     finally:
         if head is not None:
             del model.get_output_embeddings().forward  # the class's forward again
     return logits, input_ids, unpack
+
+
+VARLEN = "varlen"  # --attn-implementation varlen: varlen_attention
+
+
+def varlen_attention(
+    module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None, max_length_q=None, **kwargs
+):
+    """transformers' attention for --attn-implementation varlen: query [b, h, t, d], key and value [b, kv, t, d]
+    -> [b, t, h, d], each sequence attending causally to its own tokens only, by the FlashAttention-2 kernel that
+    torch itself ships (torch.nn.attention.varlen: CUDA, no flash-attn package). A packed row costs the sum of its
+    sequences' squared lengths, not the square of the row's as sdpa's block-diagonal mask does. The sequences:
+    forward_tokens' cu_seq_lens_q [s+1] in a packed row, else where position_ids restart at 0 (each row of an
+    unpadded batch). A padded batch (sdpa's [b, 1, t, t] mask) and a KV cache go to sdpa."""
+    from torch.nn.attention.varlen import varlen_attn
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None or query.shape[2] != key.shape[2]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if kwargs.get("softcap"):
+        raise ValueError("--attn-implementation varlen has no logit soft-capping (Gemma 2): use sdpa or eager")
+    b, h, t, d = query.shape
+    if cu_seq_lens_q is None:
+        starts = (kwargs["position_ids"].expand(b, t).flatten() == 0).nonzero().flatten()  # [s]
+        cu_seq_lens_q, max_length_q = torch.cat([starts, starts.new_tensor([b * t])]).int(), t
+    window = kwargs.get("sliding_window") or 0  # keys within the last `window` positions, this one included
+    q, k, v = (x.transpose(1, 2).flatten(0, 1) for x in (query, key, value))  # [b*t, heads, d]: bf16 (FSDP2's)
+    cu, n = cu_seq_lens_q, max_length_q
+    out = varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, window_size=(window - 1, 0))  # [b*t, h, d]
+    return out.view(b, t, h, d), None
+
+
+def register_varlen():
+    """--attn-implementation varlen in transformers' tables (load_model, before from_pretrained): the attention, and
+    a mask only where rows are padded (no [n, n] mask for a packed row: its sequences go to the kernel instead)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(VARLEN, varlen_attention)
+    AttentionMaskInterface.register(
+        VARLEN,
+        lambda attention_mask=None, **kw: (
+            None if attention_mask is None else sdpa_mask(attention_mask=attention_mask, **kw)
+        ),
+    )
 
 
 LOGIT_CHUNK = 2048  # tokens whose [chunk, V] logits exist at once in token_logprobs (~3 GB fp32 at V = 152k)

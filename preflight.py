@@ -327,14 +327,15 @@ def shared_rules(a, world_size: int, tools: dict) -> list[tuple[str, object, boo
 def attn_problem(impl: str) -> str | None:
     """What --attn-implementation must be instead of `impl` (check_flags' words), None if it can train here. Each was
     a traceback after the models loaded: a name transformers does not know, flex_attention or a flash kernel on a
-    machine without a GPU (flex_attention has no backward on a CPU), flash_attention_N without its package."""
+    machine without a GPU (flex_attention has no backward on a CPU; varlen, fsdp.varlen_attention, is torch's CUDA
+    kernel), flash_attention_N without its package."""
     if impl in ("sdpa", "eager"):
         return None
     import torch
     from transformers.modeling_flash_attention_utils import FLASH_ATTENTION_COMPATIBILITY_MATRIX
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    known, base = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()], impl.removeprefix("paged|")
+    known, base = ["eager", "varlen", *ALL_ATTENTION_FUNCTIONS.valid_keys()], impl.removeprefix("paged|")
     if impl not in known and "/" not in impl:  # 'org/name': a kernel from the hub (transformers' kernels package)
         return f"one that transformers knows: {', '.join(k for k in known if '|' not in k)}"
     if not torch.cuda.is_available() and base not in ("sdpa", "eager"):

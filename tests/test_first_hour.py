@@ -1147,6 +1147,8 @@ def test_an_attention_that_cant_train_on_this_machine_is_refused_before_anything
         ("paged|sdpa", False, None),
         ("flash_attention_2", False, "sdpa or eager on a machine without a GPU: flash_attention_2 runs on a GPU only"),
         ("flex_attention", True, None),
+        ("varlen", True, None),  # fsdp.varlen_attention: ours, registered when a model loads
+        ("varlen", False, "sdpa or eager on a machine without a GPU: varlen runs on a GPU only"),
         ("sdpa2", True, "one that transformers knows: eager, "),  # a typo was transformers' ValueError after loading
     ],
 )

@@ -78,6 +78,59 @@ def test_packed_gradients_equal_padded(policy):
         torch.testing.assert_close(packed[n], padded[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
+def test_varlen_attention_gives_sdpa_numbers_sequence_by_sequence(policy, tiny_model_dir, monkeypatch):
+    """--attn-implementation varlen (fsdp.varlen_attention) with torch's CUDA-only kernel replaced by a stand-in that
+    runs sdpa over each [start, end) it is given: packed rows hand the kernel each sequence (forward_tokens' cu, no
+    [n, n] mask built), unpadded rows each row (found from the positions), padded rows go to sdpa; log-probs and
+    gradients as sdpa's padded ones. The kernel itself is compared on a GPU (tests/test_gpu.py)."""
+    import torch.nn.attention.varlen as kernel
+    import torch.nn.functional as F
+
+    calls = []
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, -1)):  # [n, h, d], [n, kv, d]
+        calls.append((cu_q.tolist(), max_q))
+        assert cu_q is cu_k and max_q == max_k and window_size == (-1, 0) and cu_q.dtype == torch.int32
+        assert max_q >= int((cu_q[1:] - cu_q[:-1]).max())
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))  # grouped heads, as the kernel
+        bounds = cu_q.tolist()
+        return torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=scale
+                ).transpose(0, 1)
+                for a, b in zip(bounds[:-1], bounds[1:])
+            ]
+        )
+
+    monkeypatch.setattr(kernel, "varlen_attn", stand_in)
+    varlen = load_model(tiny_model_dir, torch.device("cpu"), torch.float32, attn_implementation="varlen")
+    batch, real = tiny_batch(seed=6)
+    weights = torch.rand(real.shape, generator=torch.Generator().manual_seed(7)) * batch.response_mask
+
+    def run(model, packed):
+        model.zero_grad(set_to_none=True)
+        logp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, 0.7, packed=packed)
+        (logp * weights).sum().backward()
+        return logp.detach() * real, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want_logp, want_grads = run(policy, False)
+    got_logp, got_grads = run(varlen, True)
+    lengths = [p + r for p, r in SHAPES]
+    assert calls and all(c == ([sum(lengths[:i]) for i in range(len(lengths) + 1)], max(lengths)) for c in calls)
+    torch.testing.assert_close(got_logp, want_logp, rtol=0, atol=2e-5)
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    calls.clear()  # padded rows: sdpa, the kernel never called
+    torch.testing.assert_close(run(varlen, False)[0], want_logp, rtol=0, atol=2e-5)
+    assert calls == []
+    ids = batch.input_ids[:, :40]  # rows without padding, positions 0..39 each: one sequence a row
+    with torch.no_grad():
+        want, got = (m(input_ids=ids, use_cache=False).logits for m in (policy, varlen))
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    assert calls[0] == ([0, 40, 80, 120, 160, 200, 240], 40)
+
+
 @pytest.mark.usefixtures("gloo")
 def test_logit_chunks_and_compiled_layers_keep_the_numbers(tiny_model_dir, monkeypatch):
     """token_logprobs' head LOGIT_CHUNK tokens at a time (recomputed in backward), and --compile's layers and head math, under
