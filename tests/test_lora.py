@@ -223,6 +223,16 @@ def test_resume_continues_exactly_and_the_exports_give_the_trained_model(tiny_mo
         peft_logp = torch.log_softmax(base(ids, attention_mask=mask).logits[:, :-1], -1)
     peft_logp = peft_logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
     assert (peft_logp - trained)[real].abs().max() < 1e-4
+    from peft import PeftModel  # PEFT itself reads the folder as the README says: the same log-probs
+
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).float(),
+        os.path.join(path, "adapter"),
+    )
+    with torch.no_grad():
+        logits = peft_model(input_ids=ids, attention_mask=mask).logits
+    by_peft = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    assert (by_peft - trained)[real].abs().max() < 1e-4 and (by_peft - peft_logp)[real].abs().max() < 1e-5
     with pytest.raises(KeyError, match="1 unknown"):  # a name the model does not have is never skipped silently
         load_adapter(
             base, {**tensors, "base_model.model.model.layers.9.mlp.up_proj.lora_A.weight": tensors[next(iter(tensors))]}
