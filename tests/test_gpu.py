@@ -353,3 +353,14 @@ def test_varlen_attention_on_the_gpu_kernel():
         cosine = torch.nn.functional.cosine_similarity(grads, want_grads, dim=0)
         print(f"varlen vs {name}: mean |dlogp| {diff.sum() / real.sum():.2e}, max {diff.max():.2e}, cos {cosine:.5f}")
         assert diff.sum() / real.sum() < 5e-3 and diff.max() < 0.1 and cosine > 0.999, name
+
+
+def test_sglang_serves_the_exported_adapter(tmp_path):
+    """The README's `sglang.launch_server ... --enable-lora --lora-paths policy=<checkpoint>/adapter` loads what
+    lora.save_adapter writes: requests naming it score a text as transformers does the merged model/, requests
+    without it as the base (tests/adapter_server_check.py)."""
+    out = tmp_path / "adapter.json"
+    run([sys.executable, "tests/adapter_server_check.py", "--model", MODEL, "--out", str(out)], timeout=600)
+    r = json.loads(out.read_text())
+    assert r["adapter_vs_merged"] < LOGPROB_TOLERANCE and r["base_vs_base"] < LOGPROB_TOLERANCE
+    assert r["adapter_vs_base"] > 2 * LOGPROB_TOLERANCE and r["merged_vs_base_hf"] > 2 * LOGPROB_TOLERANCE
