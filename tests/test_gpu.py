@@ -330,9 +330,9 @@ def test_grpo_against_an_sglang_server_sync_then_async_with_tools(tmp_path, sgla
 
 def test_varlen_attention_on_the_gpu_kernel():
     """--attn-implementation varlen with torch's FlashAttention-2 kernel (fsdp.varlen_attention; the CPU test runs a
-    stand-in): packed log-probs and gradients of the real model in bf16 against sdpa's on the same packed row (its
-    block-diagonal mask) and on padded rows. bf16 attention kernels differ in rounding only: |logp| differences of
-    ~1e-2 at most, gradients pointing the same way."""
+    stand-in): packed log-probs and gradients of the real model in bf16 against sdpa's on padded rows, no further off
+    than sdpa's own packed row (its block-diagonal mask) is: bf16 kernels differ in rounding (SmolLM2, random ids:
+    ~4e-2 a token on 2026-11-26, as SGLang against transformers), a wrong boundary or scale by whole nats."""
     from fsdp import load_model, token_logprobs
     from test_packing import tiny_batch
 
@@ -347,12 +347,16 @@ def test_varlen_attention_on_the_gpu_kernel():
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
         return logp.detach().float() * real, grads
 
-    logp, grads = run("varlen", True)
-    for name, (want_logp, want_grads) in (("packed sdpa", run("sdpa", True)), ("padded sdpa", run("sdpa", False))):
-        diff = (logp - want_logp).abs()
+    (want, want_grads), got = run("sdpa", False), {"varlen": run("varlen", True), "packed sdpa": run("sdpa", True)}
+    off = {}
+    for name, (logp, grads) in got.items():
         cosine = torch.nn.functional.cosine_similarity(grads, want_grads, dim=0)
-        print(f"varlen vs {name}: mean |dlogp| {diff.sum() / real.sum():.2e}, max {diff.max():.2e}, cos {cosine:.5f}")
-        assert diff.sum() / real.sum() < 5e-3 and diff.max() < 0.1 and cosine > 0.999, name
+        off[name] = float((logp - want).abs().sum() / real.sum())
+        print(
+            f"{name} vs padded sdpa: mean |dlogp| {off[name]:.2e}, max {(logp - want).abs().max():.2e}, cos {cosine:.5f}"
+        )
+        assert cosine > 0.999, name
+    assert off["varlen"] < 2 * off["packed sdpa"] + 1e-2
 
 
 def test_sglang_serves_the_exported_adapter(tmp_path):
@@ -363,4 +367,5 @@ def test_sglang_serves_the_exported_adapter(tmp_path):
     run([sys.executable, "tests/adapter_server_check.py", "--model", MODEL, "--out", str(out)], timeout=600)
     r = json.loads(out.read_text())
     assert r["adapter_vs_merged"] < LOGPROB_TOLERANCE and r["base_vs_base"] < LOGPROB_TOLERANCE
-    assert r["adapter_vs_base"] > 2 * LOGPROB_TOLERANCE and r["merged_vs_base_hf"] > 2 * LOGPROB_TOLERANCE
+    noise = max(r["adapter_vs_merged"], r["base_vs_base"])  # bf16 SGLang against transformers: ~0.03-0.05
+    assert r["adapter_vs_base"] > 3 * noise and r["merged_vs_base_hf"] > 3 * noise  # the adapter moves it further
