@@ -47,6 +47,7 @@ from fsdp import (
     deterministic_training,
     forward_tokens,
     init_distributed,
+    kl_penalty,
     load_model,
     lr_lambda,
     matmul_params,
@@ -445,21 +446,6 @@ def the_task(args: Args, tokenizer, tools: dict, context_len: int):
 
 # ----------------------------------------------------------------------------------------------
 # ALGO: the PPO pieces, pure functions of tensors (tests/test_ppo_math.py checks them by hand)
-
-KL_EXP_CLAMP = 20.0  # k3's exponent is clamped to +-this: one outlier token can't overflow
-
-
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(policy || ref) from samples of the policy. [B, T] -> [B, T]"""
-    log_ratio = logp - ref_logp
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":  # unbiased and always >= 0
-        neg = (-log_ratio).clamp(-KL_EXP_CLAMP, KL_EXP_CLAMP)
-        return torch.exp(neg) - 1 - neg
-    raise ValueError(f"KL estimator {estimator!r} is unknown; use k1, k2 or k3")
 
 
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
