@@ -6,10 +6,10 @@
     python grpo.py --rollout-mode server --rollout-url http://HOST:30000 [--async-rollout]   # SGLang on GPUs of its own
 
 Each step (main's loop): wake SGLang up and sync the weights (memory.py), sample G completions per prompt and score
-them (the_task's reward), sleep SGLang, recompute old (and reference) log-probs, turn each group's rewards into
+them (start.the_task's reward), sleep SGLang, recompute old (and reference) log-probs, turn each group's rewards into
 advantages, then `update`: epochs x mini-batches x micro-batches of `grpo_loss`, an optimizer step per mini-batch.
-The file reads in that order: Args, the flags' checks, the task, the GRPO pieces (pure functions of tensors), update,
-main (its set-up, then the loop).
+The file reads in that order: Args, the flags' checks, the GRPO pieces (pure functions of tensors), update, main (its
+set-up: named calls of start.py, the task's start.the_task among them; then the loop).
 
 Variants, all flags (README: GRPO variants): the advantage (--advantage grpo, rloo, reinforce++; --no-scale-rewards
 + --loss-agg seq-mean-token-sum-norm: Dr.GRPO), the policy loss (--policy-loss ppo-clip, gspo, cispo, sapo;

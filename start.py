@@ -3,13 +3,15 @@ loops make on what it started (no algorithm here: each script's own is written o
 
     checked = checked_run("grpo", args, device)        # bad input fails here, before anything loads or is written
     tool_use, reward, train_prompts, eval_prompts, data_line = the_task(args, checked)   # the task: prompts, reward
+    seed_ranks(args.seed, rank)
     rollout, watch = start_engines(args, checked, tool_use=tool_use, dtype=dtype, mem=mem)  # before any model
     policy, ref = load_policy(args, device, dtype, checked.lora_targets, reference=args.beta > 0)
     optimizer, scheduler = adamw(policy, args.lr, args)
     phases, sync = memory_plan(args, checked, rollout, dtype=dtype, models=[...], optimizers=[...], mem=mem)
-    log, clock, stop_now = run_record(args, checked, ...)     # metrics, the console's clock, a run stopped on a signal
-    ... the loop: evaluate_due (the held-out evaluation when due), end_step (the step's line, row, checkpoint) ...
-    finish_run(...)                                            # the last evaluation, the closing lines
+    log, stop_now, evaluate, end_step, finish = run_record(args, checked, rollout, watch, ...)
+    ... the loop: evaluate(done, sampler_state) (evaluate_due: the held-out evaluation when due),
+        end_step(step, metrics, samples, ...) (end_of_step: the step's line, row, checkpoint) ...
+    finish(sampler)                                     # finish_run: the last evaluation, the closing lines
 
 Each takes the script's `args` where it reads many of the flags both scripts' Args share by name (STYLE: common fields
 carry identical names): the fields it reads are the flags its docstring names. A flag only one script has is passed
