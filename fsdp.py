@@ -336,6 +336,24 @@ def logits_to_logprobs(logits, targets, temperature: float, with_entropy: bool, 
     return torch.stack([logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy], -1)
 
 
+KL_EXP_CLAMP = 20.0  # k3's exponent is clamped to +-this: one outlier token can't overflow the loss
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref) from samples of the policy, r = ref/policy probability of the sampled
+    token: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (Schulman's). grpo.py and ppo.py each say where theirs
+    goes (the loss, the reward) and which estimator's gradient is the KL's there. [B, T] -> [B, T]"""
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":  # unbiased and always >= 0
+        neg = (-log_ratio).clamp(-KL_EXP_CLAMP, KL_EXP_CLAMP)
+        return torch.exp(neg) - 1 - neg
+    raise ValueError(f"KL estimator {estimator!r} is unknown; use k1, k2 or k3")
+
+
 def token_logprobs(
     model,
     input_ids: torch.Tensor,

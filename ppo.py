@@ -7,10 +7,10 @@
     python ppo.py --rollout-mode server --rollout-url http://HOST:30000 [--async-rollout]    # SGLang on GPUs of its own
 
 Each step (main's loop): wake SGLang up and sync the actor's weights (memory.py), sample completions, score them
-(the_task's reward), sleep SGLang, recompute old log-probs, reference log-probs and values, turn the score on the last
-token plus a per-token KL penalty into per-token rewards, estimate advantages by GAE, whiten them, then `update`:
+(start.the_task's reward), sleep SGLang, recompute old log-probs, reference log-probs and values, turn the score on the
+last token plus a per-token KL penalty into per-token rewards, estimate advantages by GAE, whiten them, then `update`:
 clipped-value steps on the critic and PPO-clip steps on the actor. The file reads as grpo.py: Args, the flags' checks,
-the task, the PPO pieces, update, main.
+the PPO pieces, update, main (its set-up: start.py's calls and the critic; then the loop).
 
 The recipe of Ziegler et al. (2019) / InstructGPT as verl and OpenRLHF run it. Options: a fixed KL
 coefficient or an adaptive controller toward --target-kl, critic warm-up steps, an entropy bonus.
@@ -19,7 +19,6 @@ are treated as ending (no bootstrap from the value of the cut-off state; see --o
 """
 
 import math
-import random
 import sys
 import time
 import warnings
@@ -30,12 +29,10 @@ from typing import Literal
 from preflight import exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
 
 exit_on_interrupt("ppo.py")
-import numpy as np
 import torch
-import torch.distributed as dist
 
-from checkpoint import Checkpoints, checkpoint_to_resume
-from data import PromptSampler, collate, label, seed_for, source_name, task_prompts, template_rule
+from checkpoint import Checkpoints
+from data import PromptSampler, collate, label, seed_for, template_rule
 from fsdp import (
     all_reduce,
     all_reduce_dict,
@@ -44,21 +41,19 @@ from fsdp import (
     batch_logprobs,
     clip_and_step,
     compute_dtype,
-    deterministic_training,
     forward_tokens,
     init_distributed,
+    kl_penalty,
     load_model,
-    lr_lambda,
     matmul_params,
     micro_batches,
     shard_model,
     throughput,
     token_logprobs,
 )
-from lora import GapCheck, adapter_off, apply_lora, check_lora, lora_line, lora_rules, trainable
+from lora import GapCheck, adapter_off, apply_lora, check_lora, lora_rules
 from memory import MemoryLog, sleep, wake_up
 from preflight import (
-    check_engine,
     check_flags,
     check_model,
     friendly_errors,
@@ -67,29 +62,23 @@ from preflight import (
     shared_rules,
     size_for_cpu,
 )
-from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
-from reward import EVAL_LINE, REWARD_LINE, load_reward, reward_fn, rollout_stats, score_samples
-from rollout import SGLangOptions, Sampling, held_out_eval, mismatch_stats, send_prompts, stop_token_ids, tools_for
+from reward_model import RM_LINE, load_reward_model, rm_flag_rules, rm_rewards
+from reward import rollout_stats, score_samples
+from rollout import mismatch_stats, send_prompts
 from runlog import (
     CLIP,
     SAMPLES_LINE,
     TIMES_LINE,
     TRUNC,
-    RunLog,
     StepClock,
-    claim_run_dir,
-    default_run_name,
-    eval_due,
     launch_time,
     legend,
-    log_line,
     print0,
     progress,
-    run_info,
 )
-from server import start_rollout
-from tools import TOOLS, TOOLS_LINE, select_tools, tool_call_stop_ids, tool_stats
-from stop import NonFinite, agreed_signal, allow_interrupt, handle_signals, stop_engine, stop_run
+from tools import TOOLS, TOOLS_LINE, tool_stats
+from start import adamw, checked_run, load_policy, memory_plan, run_record, seed_ranks, start_engines, the_task
+from stop import agreed_signal, handle_signals
 
 
 @dataclass
@@ -400,66 +389,7 @@ def check_args(args: Args, world_size: int):
 
 
 # ----------------------------------------------------------------------------------------------
-# ALGO: the task. How a prompt is asked (a template with {prompt}, then the chat template) and what a completion earns
-# (reward.reward_fn: 1 for an answer right in the asked format): any (completion, answer) -> float can be the reward
-# (--reward FILE.py:function)
-
-
-def the_task(args: Args, tokenizer, tools: dict, context_len: int):
-    """The tools' runner (None: one turn), the reward, the training and held-out prompts (data.Prompts) and the line
-    that says what was loaded: before any model loads, so a bad file fails fast."""
-    context, tool_specs, tool_use = tools_for(
-        tokenizer,
-        tools,
-        template=args.prompt_template,  # None: each kind's own (data.py)
-        datasets=args.dataset,
-        workers=args.tool_workers,
-        max_turns=args.max_turns,
-        max_reply_tokens=args.max_tool_reply_tokens,
-    )  # the tools' prompt (system prompt, worked calls) and their runner (rollout.py)
-    reward = partial(
-        reward_fn,
-        user_reward=load_reward(args.reward) if args.reward else None,
-        unformatted_credit=args.unformatted_credit,
-        format_weight=args.format_weight,
-    )
-    train_prompts, eval_prompts, data_line = task_prompts(
-        tokenizer,
-        list(args.dataset),
-        args.eval_dataset,
-        context_len=context_len,  # a prompt, the tools' and the response must fit: checked first
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        num_eval=args.num_eval_prompts,
-        max_prompt_len=args.max_prompt_len,
-        template=args.prompt_template,
-        system_prompt=args.system_prompt,
-        prompt_field=args.prompt_field,
-        answer_field=args.answer_field,
-        kind=args.answer_kind,
-        context=context,
-        tools=tool_specs,
-    )
-    return tool_use, reward, train_prompts, eval_prompts, data_line
-
-
-# ----------------------------------------------------------------------------------------------
 # ALGO: the PPO pieces, pure functions of tensors (tests/test_ppo_math.py checks them by hand)
-
-KL_EXP_CLAMP = 20.0  # k3's exponent is clamped to +-this: one outlier token can't overflow
-
-
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(policy || ref) from samples of the policy. [B, T] -> [B, T]"""
-    log_ratio = logp - ref_logp
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":  # unbiased and always >= 0
-        neg = (-log_ratio).clamp(-KL_EXP_CLAMP, KL_EXP_CLAMP)
-        return torch.exp(neg) - 1 - neg
-    raise ValueError(f"KL estimator {estimator!r} is unknown; use k1, k2 or k3")
 
 
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
@@ -663,6 +593,7 @@ def update(actor, critic, batch, args: Args, *, step: int, device, rank: int = 0
 
 
 # ----------------------------------------------------------------------------------------------
+# main: its set-up, each a named call (start.py), then the loop
 
 
 def main(args: Args):
@@ -672,110 +603,31 @@ def main(args: Args):
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
-    if args.deterministic_rollout:  # step 2 samples the same only from the same weights: the update deterministic too
-        deterministic_training()
-    tools = select_tools(
-        args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s, workers=args.tool_workers
-    )  # its sandbox checked, its memory said
-    run_name = args.run_name or default_run_name("ppo", args.model, list(map(source_name, args.dataset)), args.seed)
-    run_dir = claim_run_dir(args.output_dir, run_name, resume=args.resume)  # runlog.py: this script's, locked
-    resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
-    engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
-    tokenizer, context_len = check_model(args.model, rollout_tp=args.rollout_tp, generates=True)  # bad input: one line
-    adapter = args.lora_rank > 0 and args.lora_sync == "adapter"  # --lora-sync adapter: SGLang serves the adapter
-    lora_targets = check_lora(args.model, args.lora_rank, args.lora_targets, sglang=adapter and engine_kind != "hf")
+    checked = checked_run("ppo", args, device)  # tools, run folder, model, LoRA, reward model: bad input fails here
     from transformers import AutoModelForTokenClassification  # lazy: keeps `import ppo` fast
 
+    critic_path = args.critic_model or args.model
     critic_targets = check_lora(
-        args.critic_model or args.model,
-        args.lora_rank,
-        args.lora_targets,
-        "--critic-model",
-        AutoModelForTokenClassification,
-    )
-    rm_tokenizer, rm_template, rm_max_len = check_reward_model(
-        args.reward_model,
-        args.reward_model_template,  # None: none
-        args.reward_model_max_len,
-        system=bool(args.system_prompt),
-        tools=bool(tools),
+        critic_path, args.lora_rank, args.lora_targets, "--critic-model", AutoModelForTokenClassification
     )
     if args.critic_model:
         check_model(args.critic_model, "--critic-model", with_tokenizer=False)
-    stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    sampling = Sampling(
-        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p
-    )
-
-    tool_use, reward, train_prompts, eval_prompts, data_line = the_task(args, tokenizer, tools, context_len)  # ALGO
+    tool_use, reward, train_prompts, eval_prompts, data_line = the_task(args, checked)  # ALGO: the prompts, the reward
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
-    print0(f"data: {data_line} | {world_size} ranks, engine {engine_kind}")
-    random.seed(seed_for(args.seed, "rank", rank))
-    np.random.seed(seed_for(args.seed, "rank", rank))
-    torch.manual_seed(args.seed)  # same init on every rank
-    startup = {"setup_s": time.time() - t_launch}  # imports, process group, tokenizer, data
-
-    # ---- rollout engine first: SGLang sizes its KV cache from the free memory it finds ----------
-    t0 = time.time()
+    print0(f"data: {data_line} | {world_size} ranks, engine {checked.engine_kind}")
+    seed_ranks(args.seed, rank)  # numpy's and Python's per rank, torch's the same on every rank
+    clock = StepClock(total=args.steps, launched=t_launch)  # 'step 3/200 | eta 1:02', the start-up's seconds by part
+    clock.lap("setup_s")  # imports, process group, tokenizer, data
     mem = MemoryLog()
-    allow_interrupt(True)  # a signal during start-up ends the run at once: nothing to save yet
-    rollout, watch = start_rollout(
-        engine_kind,
-        args.model,
-        samples=args.prompts_per_step * args.group_size,
-        eval_samples=args.num_eval_prompts * args.eval_samples,
-        options=SGLangOptions(
-            mem_fraction=args.sglang_mem_fraction,
-            tp_size=args.rollout_tp,
-            attention_backend=args.sglang_attention_backend,
-            sampling_backend=args.sglang_sampling_backend,
-            cuda_graph_max_bs=args.sglang_cuda_graph_max_bs,  # None: sized to each engine's share of `samples`
-            disable_cuda_graph=args.sglang_disable_cuda_graph,
-            prefill_cuda_graph=args.sglang_prefill_cuda_graph,
-            deterministic=args.deterministic_rollout,
-            lora_rank=args.lora_rank if adapter else 0,
-            lora_targets=tuple(lora_targets),
-        ),
-        seed=args.seed,
-        dtype=dtype,
-        sampling=sampling,
-        tokenizer=tokenizer,
-        tool_use=tool_use,
-        urls=args.rollout_url,
-        gpus=args.rollout_gpus,
-        timeout_s=args.rollout_timeout,
-        sync_backend=args.rollout_sync_backend,
-        sync_address=args.rollout_sync_address,
-        log_dir=run_dir,
-        phase=lambda: mem.current,
-    )  # server.py: the engines on the training GPUs, or SGLang servers; watched. rollout.Rollout: how a rank samples
-    startup["engine_s"] = time.time() - t0
-
-    # ---- models: actor and critic (fp32 masters, `dtype` compute), the reference only if KL is on -
-    t0 = time.time()
-    masters = torch.bfloat16 if args.lora_rank else torch.float32  # LoRA: the bases frozen in bf16, adapters fp32
-    policy = load_model(args.model, device, masters, args.gradient_checkpointing, args.attn_implementation)
-    if apply_lora(policy, args.lora_rank, args.lora_alpha, lora_targets):  # rank 0: nothing (lora.py)
-        print0(lora_line(policy, args.lora_sync))
-    shard_model(policy, param_dtype=dtype, compile=args.compile)
-    ref = None
-    if (args.kl_coef > 0 or args.adaptive_kl) and args.lora_rank:
-        ref = policy  # ALGO: the actor with its adapter off (lora.adapter_off) is the reference: no second copy
-    elif args.kl_coef > 0 or args.adaptive_kl:
-        ref = load_model(args.model, device, dtype, attn_implementation=args.attn_implementation).eval()
-        shard_model(ref, param_dtype=None, compile=args.compile)
+    rollout, watch = start_engines(args, checked, tool_use=tool_use, dtype=dtype, mem=mem)  # before any model loads
+    clock.lap("engine_s")
+    # the actor and its reference, only if KL is on (the actor with its adapter off under LoRA)
+    policy, ref = load_policy(args, device, dtype, checked.lora_targets, reference=args.kl_coef > 0 or args.adaptive_kl)
     rm = load_reward_model(args.reward_model, device, dtype, args.attn_implementation) if args.reward_model else None
-    rm_read = dict(
-        tokenizer=rm_tokenizer,
-        template=rm_template,
-        max_len=rm_max_len,
-        micro_batch_size=args.reward_model_micro_batch_size,
-        device=device,
-    )  # how it reads a conversation
     # The critic: the LM's body with a one-output token-classification head, value per position.
+    masters = torch.bfloat16 if args.lora_rank else torch.float32  # LoRA: the bases frozen in bf16, adapters fp32
     critic = load_model(
-        args.critic_model or args.model,
+        critic_path,
         device,
         masters,
         args.gradient_checkpointing,
@@ -789,45 +641,19 @@ def main(args: Args):
     apply_lora(critic, args.lora_rank, args.lora_alpha, critic_targets)  # LoRA: the critic's body an adapter of its own
     critic.score.float().requires_grad_(True)  # its head is new: trained whole, in fp32 (full fine-tuning: as it was)
     shard_model(critic, param_dtype=dtype, compile=args.compile)
-    # fused: no temporaries (foreach allocates sqrt(v) for every parameter at once: +4 B/param)
-    optimizer = torch.optim.AdamW(
-        trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True
-    )
-    critic_optimizer = torch.optim.AdamW(
-        trainable(critic), lr=args.critic_lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True
-    )
-    total_optimizer_steps = args.steps * args.epochs * args.num_minibatches
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps)
-    )
-    critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
-        critic_optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, total_optimizer_steps)
-    )
+    optimizer, scheduler = adamw(policy, args.lr, args)
+    critic_optimizer, critic_scheduler = adamw(critic, args.critic_lr, args)
     actor, value = (policy, optimizer, scheduler), (critic, critic_optimizer, critic_scheduler)  # what update() trains
-    # PLUMBING: what the memory phases move around the engine (all of it leaves the GPU with --offload), and the
-    # weight sync's buckets and TP group (memory.py)
-    phases = dict(
-        models=[m for m in (policy, ref, critic, rm) if m is not None],
-        optimizers=[optimizer, critic_optimizer],
-        offload=args.offload,
-        mem=mem,
-    )
-    sync = dict(
-        bucket_bytes=args.sync_bucket_mb * 2**20,
-        tp_group=rollout.tp.process_group if engine_kind == "sglang" else None,
-        dtype=dtype if engine_kind == "hf" else torch.bfloat16,
-        adapter=adapter,
-    )  # the engine's dtype: SGLang computes in bf16
+    models, optimizers = [policy, ref, critic, rm], [optimizer, critic_optimizer]  # all off the GPU with --offload
+    phases, sync = memory_plan(args, checked, rollout, dtype=dtype, models=models, optimizers=optimizers, mem=mem)
     kl_coef = args.kl_coef
     n_policy, n_critic = matmul_params(policy), matmul_params(critic)  # the models' sizes, for MFU (fsdp.throughput)
-    startup["model_s"] = time.time() - t0
-
-    # ---- resume, and the run's record: checkpoints, metrics, the console ----------------------------
+    clock.lap("model_s")
     checkpoints = Checkpoints(
-        run_dir,
+        checked.run_dir,
         stateful={"policy": (policy, optimizer), "critic": (critic, critic_optimizer)},
         hf_models={"model": policy, "critic": critic},
-        tokenizer=tokenizer,
+        tokenizer=checked.tokenizer,
         state=lambda: {  # in trainer.pt, with the step and the data position
             "scheduler": scheduler.state_dict(),
             "critic_scheduler": critic_scheduler.state_dict(),
@@ -837,57 +663,29 @@ def main(args: Args):
         every=args.save_every,
         keep=args.keep_checkpoints,
     )
-    if state := checkpoints.resume(resume_from, sampler):  # weights, optimizers, RNG, data position; the rest:
+    if state := checkpoints.resume(checked.resume_from, sampler):  # weights, optimizers, RNG, data position; the rest:
         scheduler.load_state_dict(state["scheduler"])
         critic_scheduler.load_state_dict(state["critic_scheduler"])
         kl_coef = state["kl_coef"]
-    start_step = checkpoints.last  # 0: a new run
-    allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases
-    log = RunLog(
-        run_dir,
-        config=asdict(args),
-        start_step=start_step,
-        info=run_info(
-            world_size,
-            engine_kind,
-            python_sandbox=args.python_sandbox if "python" in tools else None,
-            tool_workers=args.tool_workers,
-        ),
-        track=args.track,
-        project=args.wandb_project,
-        run_name=run_name,
-        eval_redone=start_step < args.steps
-        and eval_due(start_step, every=args.eval_every, before_train=args.eval_before_train),
-    )
-    nonfinite = NonFinite(args.max_nonfinite_steps)
+    start_step = clock.begin(checkpoints.last)  # 0: a new run
+    console = CONSOLE + TOOLS_LINE * bool(checked.tools) + RM_LINE * bool(rm)
+    print0(legend(console + IF_NOT_0))
     # the engine holds the trained weights (not checked with --async-rollout: its samples are one update old by design)
     gap_check = GapCheck(args.lora_gap_ratio if args.lora_rank and not args.async_rollout else 0)
-    console = CONSOLE + TOOLS_LINE * bool(tools) + RM_LINE * bool(rm)
-    print0(legend(console + IF_NOT_0))
-    clock = StepClock(total=args.steps, start=start_step, launched=t_launch, startup=startup)  # 'step 3/200 | eta 1:02'
-    stop_now = partial(  # stop.py: engine down, training state back, the finished steps saved, exit 128 + signal
-        stop_run,
-        engine=rollout.engine,
-        watch=watch,
+    # the run's record, and the calls the loop makes on it: a held-out evaluation, a step's end, a signal's stop
+    log, stop_now, evaluate, end_step, finish = run_record(
+        args,
+        checked,
+        rollout,
+        watch,
         phases=phases,
         device=device,
         checkpoints=checkpoints,
-        save=args.save_on_signal,
-        mem=mem,
-        log=log,
         clock=clock,
-        eval_line=EVAL_LINE,
-        resume=args.resume,
-    )
-    evaluate = partial(  # rollout.py: greedy (and --eval-samples) accuracy on the held-out prompts, logged
-        held_out_eval,
-        rollout,
-        eval_prompts,
-        log,
-        k=args.eval_samples,
-        temperature=args.eval_temperature,
-        top_p=args.eval_top_p,
-        seed=args.seed,
+        eval_prompts=eval_prompts,
+        console=console,
+        rare=IF_NOT_0,
+        wake=lambda: wake_up(rollout.engine, policy=policy, **sync, **phases),
     )
     # rollout.py: draw this rank's prompts, --group-size samples each, send them to the engine
     send_rollout = partial(
@@ -898,9 +696,8 @@ def main(args: Args):
     max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
     ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
     for step in range(start_step + 1, args.steps + 1):
-        t_step = time.time()
+        t_step, metrics = time.time(), {"step": step}
         mem.reset()
-        metrics = {"step": step}
         sampler_state = ahead.before if ahead else sampler.state_dict()  # the data position after step - 1
 
         # -- 1. wake SGLang up with the actor's weights (memory.py: the first half of the diagram). With
@@ -909,10 +706,7 @@ def main(args: Args):
             with mem.phase("generate"):
                 ahead.result()
         wake_up(rollout.engine, policy=policy, **sync, **phases)
-        if eval_due(step - 1, every=args.eval_every, before_train=args.eval_before_train):
-            with mem.phase("eval"):
-                if signum := evaluate(step=step - 1):  # after step-1 updates; a signal cut it short: not logged
-                    stop_now(signum, step - 1, sampler_state)
+        evaluate(step - 1, sampler_state)  # when due: after step-1 updates (start.evaluate_due)
 
         # -- 2. rollout: group_size episodes per prompt, scored
         with mem.phase("generate"):
@@ -930,17 +724,19 @@ def main(args: Args):
         if rm is not None:  # ALGO: each reward becomes w_rule * rule + w_rm * the RM's score (reward_model.py)
             with mem.phase("reward_model"):
                 metrics.update(
-                    rm_rewards(rm, samples, weights=args.reward_weights, whiten=args.reward_model_norm, **rm_read)
+                    rm_rewards(
+                        rm, samples, weights=args.reward_weights, whiten=args.reward_model_norm, **checked.rm_read
+                    )
                 )
         metrics.update(rollout_stats(samples, seconds=pending.seconds if pending.ahead else mem.seconds["generate"]))
         metrics["rollout/staleness"] = float(pending.ahead)  # updates between the sampling weights and the trained ones
-        if tools:
+        if checked.tools:
             metrics.update(tool_stats(samples))
 
         # -- 4. the batch: old log-probs, reference log-probs and values, all from the training side
         # PLUMBING: samples change ranks, as many on each, evening out the ranks' tokens (fsdp.balance)
         samples = balance(samples, [len(s.prompt_ids) + len(s.response_ids) for s in samples], world_size)
-        batch = collate(samples, pad_id)
+        batch = collate(samples, checked.pad_id)
         lengths = batch.attention_mask.sum(-1)  # [B] real tokens
         batch.loss_mask = batch.response_mask.clone()
         if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
@@ -1033,31 +829,14 @@ def main(args: Args):
         )
 
         # -- 7. metrics, log, checkpoint
-        times = clock.times(step, time.time() - t_step, mem.metrics())  # step and phase seconds, memory (runlog.py)
-        metrics = {k: float(v) for k, v in (metrics | times).items()}
-        print0(log_line(clock.label(step), metrics, console, rare=IF_NOT_0 + REWARD_LINE))  # REWARD_LINE: scored 0
-        log.log(metrics)
-        n_updates = args.epochs * args.num_minibatches * (2 if update_actor else 1)
-        if warning := nonfinite.after_step(step, int(metrics["train/nonfinite_skips"]), n_updates):
-            print0(warning)
-        if args.log_samples_every and step % args.log_samples_every == 0:
-            log.samples(step, samples)
         after = ahead.before if ahead else sampler.state_dict()  # the data position after this step
-        if checkpoints.due(step, args.steps):
-            checkpoints.save(step, after)
-        if signum := agreed_signal():
-            stop_now(signum, step, after)
+        updates = args.epochs * args.num_minibatches * (2 if update_actor else 1)
+        end_step(
+            step, metrics, samples, after=after, seconds=time.time() - t_step, updates=updates
+        )  # start.end_of_step
 
     # ---- final evaluation and cleanup --------------------------------------------------------------
-    if args.eval_every and start_step < args.steps:
-        wake_up(rollout.engine, policy=policy, **sync, **phases)
-        if signum := evaluate(step=args.steps):
-            stop_now(signum, args.steps, sampler.state_dict())
-    mem.close()
-    stop_engine(rollout.engine, watch)
-    log.finish()
-    clock.summary(run_dir, EVAL_LINE)  # steps, time, held-out accuracy, where the checkpoint and curves are
-    dist.destroy_process_group()
+    finish(sampler)  # start.finish_run: the last evaluation where due, the closing lines
 
 
 if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard

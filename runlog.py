@@ -162,7 +162,8 @@ class RunLog:
         eval_redone: bool = False,
     ):
         rank = dist.get_rank() if dist.is_initialized() else 0
-        self.rank0, self.path, self.wandb = rank == 0, os.path.join(run_dir, "metrics.jsonl"), None
+        self.rank0, self.run_dir, self.wandb = rank == 0, run_dir, None
+        self.path = os.path.join(run_dir, "metrics.jsonl")
         self.undrawn = (
             True  # rows in metrics.jsonl that curves.png does not show yet (a resumed run's trimmed ones too)
         )
@@ -264,9 +265,20 @@ class StepClock:
     """A step line's 'step 3/200 | eta 1:02:03' (the steps left times the median seconds of the last 10 steps: an
     evaluation or a checkpoint makes one step slow, not the estimate), and the run's closing lines."""
 
-    def __init__(self, *, total: int, start: int, launched: float, startup: dict | None = None):
+    def __init__(self, *, total: int, start: int = 0, launched: float, startup: dict | None = None):
         self.total, self.start, self.done, self.launched = total, start, start, launched
-        self.seconds, self.last, self.startup = [], time.time(), startup or {}
+        self.seconds, self.last, self.startup, self.lapped = [], time.time(), startup or {}, launched
+
+    def lap(self, part: str):
+        """The start-up's seconds of `part` (set-up, engine, models: time/startup_<part>), since the last lap or launch."""
+        now = time.time()
+        self.startup[part], self.lapped = now - self.lapped, now
+
+    def begin(self, start: int) -> int:
+        """The loop begins after `start` steps (a resumed run's; 0: a new one): the step clock runs from now."""
+        self.start = self.done = start
+        self.last = time.time()
+        return start
 
     def times(self, step: int, seconds: float, phases: dict) -> dict:
         """A step's perf/step_s (`seconds`), its phases' time/ and memory/ metrics (MemoryLog.metrics), and on the
