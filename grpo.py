@@ -271,8 +271,8 @@ class Args:
     offload: bool = False
     """move parameters and optimizer state to CPU while SGLang generates"""
     attn_implementation: str = "sdpa"
-    """transformers attention for training ('flash_attention_2' if flash-attn is installed); packed, sdpa computes all
-    n^2 token pairs of a micro-batch, flex_attention (GPU) only each sequence's own (README: packing)"""
+    """transformers attention for training; packed, sdpa computes all n^2 token pairs of a micro-batch, varlen (GPU:
+    torch's FlashAttention-2, fsdp.varlen_attention) and flex_attention (GPU) only each sequence's own (README: packing)"""
     rollout_engine: Literal["auto", "sglang", "hf"] = "auto"
     """'sglang' (GPU), 'hf' (plain transformers, CPU tests), 'auto': sglang when CUDA is available"""
     rollout_tp: int = 1
