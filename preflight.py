@@ -18,6 +18,7 @@ import dataclasses
 import gc
 import inspect
 import json
+import math
 import os
 import re
 import signal
@@ -53,7 +54,8 @@ class Interrupted(BaseException):
 
 OOM_HINT = (
     "lower --micro-batch-size (one micro-batch's log-probs take micro-batch x tokens x vocabulary x 4 "
-    "bytes) or the engine's share, --sglang-mem-fraction"
+    "bytes) or the engine's share, --sglang-mem-fraction; in the optimizer's step, the training state (16 bytes a "
+    "trained parameter, shared by the ranks): more GPUs, or --lora-rank"
 )
 ENGINE_HINT = (
     "SGLang's --mem-fraction-static is --sglang-mem-fraction here: change it as that error says, "
@@ -658,6 +660,49 @@ def weights_problem(folder: str) -> str | None:
         if lost:
             return f"model.safetensors.index.json names {', '.join(lost)}, not in the folder"
     return None
+
+
+def parameter_count(name: str) -> int | None:
+    """The parameters of model `name` from its safetensors headers, the weights unread: a local folder, or a hub id's
+    downloaded snapshot; None where there is no header to read (.bin weights, a hub id not downloaded yet)."""
+    folder = os.path.expanduser(name)
+    if not looks_like_path(name):
+        from huggingface_hub import try_to_load_from_cache
+
+        config = try_to_load_from_cache(name, "config.json")
+        folder = os.path.dirname(config) if isinstance(config, str) else None
+    if not folder or not os.path.isdir(folder):
+        return None
+    total = 0
+    for file in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        with open(os.path.join(folder, file), "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return total or None
+
+
+TRAINED_BYTES, FROZEN_BYTES = 16, 2  # on the GPUs a parameter: fp32 weight and gradient + AdamW's 2 moments; bf16
+
+
+def state_problem(params: int, *, lora: bool, reference: bool, world_size: int, gpu_bytes: int) -> str | None:
+    """What --model's training state needs of each GPU where it can't fit before a single activation (None where it
+    can): full fine-tuning TRAINED_BYTES a parameter, a LoRA base FROZEN_BYTES (its adapter's few aside), the
+    reference model (--beta > 0 without LoRA) FROZEN_BYTES more, FSDP2 sharding it all over the ranks. --offload
+    moves it off the GPU only while the engine generates: the update needs it whole."""
+    per_param = (FROZEN_BYTES if lora else TRAINED_BYTES) + FROZEN_BYTES * (reference and not lora)
+    need = params * per_param / world_size
+    if need <= 0.95 * gpu_bytes:  # CUDA's context and the engine's leftovers take the rest, activations come on top
+        return None
+    gib, gpus = 2**30, math.ceil(params * per_param / (0.95 * gpu_bytes))
+    what = "a LoRA base in bf16" if lora else "full fine-tuning: fp32 weights and gradients, AdamW's two moments"
+    fixes = f"train on {gpus} GPUs or more (torchrun --nproc_per_node {gpus}: FSDP2 shards it over them)"
+    fixes += "" if lora else f", or a LoRA adapter (--lora-rank 8: the base frozen in bf16, {params * 2 / gib:.0f} GiB)"
+    return (
+        f"--model's {params / 1e9:.1f}B parameters need {params * per_param / gib:.0f} GiB of training state ({what}"
+        + ", the reference model in bf16" * (reference and not lora)
+        + f"), {need / gib:.0f} GiB on each of {world_size} GPU(s), over this GPU's {gpu_bytes / gib:.0f} GiB before "
+        f"any activation (--offload frees it only while the engine generates): {fixes}"
+    )
 
 
 def hub_reachable(name: str, flag: str):

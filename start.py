@@ -29,7 +29,7 @@ from checkpoint import checkpoint_to_resume
 from data import seed_for, source_name, task_prompts
 from fsdp import deterministic_training, load_model, lr_lambda, shard_model
 from lora import apply_lora, check_lora, lora_line, trainable
-from preflight import check_engine, check_model
+from preflight import InputError, check_engine, check_model, parameter_count, state_problem
 from reward import EVAL_LINE, REWARD_LINE, load_reward, reward_fn
 from reward_model import check_reward_model
 from rollout import SGLangOptions, Sampling, held_out_eval, stop_token_ids, tools_for
@@ -60,7 +60,8 @@ class Checked:
 def checked_run(script: str, args, device) -> Checked:
     """Bad input fails here, before anything loads or is written, each in one line: the tools (--tools, their sandbox),
     the run folder claimed (--output-dir, --run-name, --resume: `script`'s), the engine (--rollout-engine,
-    --rollout-mode), the model and its context (--model, --rollout-tp), LoRA's layers (--lora-*), the reward model
+    --rollout-mode), the model and its context (--model, --rollout-tp), LoRA's layers (--lora-*), on a GPU the
+    training state the model needs of each (preflight.state_problem: a 7B full fine-tuning on one GPU), the reward model
     (--reward-model*); the stop tokens and sampling (--max-new-tokens, --temperature, --top-p). With
     --deterministic-rollout the update is made deterministic too (step 2 samples the same only from the same weights)."""
     if args.deterministic_rollout:
@@ -75,6 +76,11 @@ def checked_run(script: str, args, device) -> Checked:
     tokenizer, context_len = check_model(args.model, rollout_tp=args.rollout_tp, generates=True)  # bad input: one line
     adapter = args.lora_rank > 0 and args.lora_sync == "adapter"  # --lora-sync adapter: SGLang serves the adapter
     lora_targets = check_lora(args.model, args.lora_rank, args.lora_targets, sglang=adapter and engine_kind != "hf")
+    if device.type == "cuda" and (params := parameter_count(args.model)):  # a 7B full fine-tuning on one GPU, say
+        gpu_bytes, reference = torch.cuda.get_device_properties(device).total_memory, args.beta > 0
+        lora, world_size = args.lora_rank > 0, dist.get_world_size()
+        if problem := state_problem(params, lora=lora, reference=reference, world_size=world_size, gpu_bytes=gpu_bytes):
+            raise InputError(problem)
     rm_tokenizer, rm_template, rm_max_len = check_reward_model(
         args.reward_model,
         args.reward_model_template,  # None: none

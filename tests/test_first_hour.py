@@ -1161,6 +1161,41 @@ def test_attention_implementations_by_machine(monkeypatch, impl, gpu, must):
     assert attn_problem(impl) == must or attn_problem(impl).startswith(must)
 
 
+@pytest.mark.usefixtures("gloo")  # checked_run counts the ranks
+def test_training_state_that_cant_fit_a_gpu_is_one_line_before_anything_loads(tiny_model_dir, tmp_path, monkeypatch):
+    """A Qwen2.5-7B full fine-tuning on one 80 GB GPU ran out of memory at its first optimizer step, with --offload
+    too, after SGLang and the model had loaded (bench/results/lora_7b_h100.json), and the hint named the micro-batch:
+    now preflight.state_problem says so before anything loads, from the safetensors headers
+    (preflight.parameter_count), with the fixes that fit: more GPUs, or LoRA."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import grpo
+    import start
+    from preflight import InputError, parameter_count, state_problem
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert parameter_count(tiny_model_dir) == sum(p.numel() for p in model.parameters())  # tied head counted once
+    gpu, p7 = 80 * 10**9, 7_615_616_512  # an H100's bytes, Qwen2.5-7B's parameters
+    problem = state_problem(p7, lora=False, reference=False, world_size=1, gpu_bytes=gpu)
+    assert "7.6B parameters need 113 GiB of training state" in problem  # 16 bytes each: 121.8e9 bytes
+    assert "113 GiB on each of 1 GPU(s), over this GPU's 75 GiB" in problem
+    assert "train on 2 GPUs or more (torchrun --nproc_per_node 2" in problem and "--lora-rank 8" in problem
+    assert "14 GiB" in problem  # the base in bf16: 2 bytes a parameter
+    assert state_problem(p7, lora=False, reference=False, world_size=2, gpu_bytes=gpu) is None  # 57 GiB each
+    assert (
+        state_problem(p7, lora=True, reference=True, world_size=1, gpu_bytes=gpu) is None
+    )  # 14 GiB (ref: adapter off)
+    with_ref = state_problem(p7, lora=False, reference=True, world_size=2, gpu_bytes=gpu)  # 18 bytes: 64 GiB each
+    assert with_ref is None and state_problem(p7, lora=False, reference=True, world_size=2, gpu_bytes=70 * 10**9)
+
+    # in checked_run, on a "GPU" whose memory the tiny model's 16 bytes a parameter overflow: one line, nothing loaded
+    args = grpo.Args(model=tiny_model_dir, output_dir=str(tmp_path), run_name="r")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 10**6})())
+    with pytest.raises(InputError, match=r"on each of 1 GPU\(s\), over this GPU's 0 GiB .*--lora-rank 8"):
+        start.checked_run("grpo", args, torch.device("cuda", 0))
+
+
 def scorer_folder(tiny_model_dir, folder, architecture: str) -> str:
     """The tiny model's files with config.json naming a scoring head of one label (what train_rm.py and ppo.py's
     critic export write): enough for every check before loading."""
