@@ -242,6 +242,12 @@ def shared_rules(a, world_size: int, tools: dict) -> list[tuple[str, object, boo
             a.max_tokens_per_micro_batch >= 0,
             ">= 0 (0: off)",
         ),
+        (  # fsdp.varlen_attention hands a packed row's sequences to the kernel; padded rows would go to sdpa, silently
+            "--attn-implementation",
+            a.attn_implementation,
+            a.attn_implementation != "varlen" or a.max_tokens_per_micro_batch > 0,
+            "given with --max-tokens-per-micro-batch N (e.g. 8192) for varlen: it attends within packed rows",
+        ),
         ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
         (
             "--num-minibatches",

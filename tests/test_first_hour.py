@@ -1139,6 +1139,23 @@ def test_an_attention_that_cant_train_on_this_machine_is_refused_before_anything
             script.check_args(script.Args(attn_implementation="flex_attention"), world_size=1)
 
 
+def test_varlen_without_packing_is_refused(monkeypatch):
+    """--attn-implementation varlen gives the kernel a packed row's sequences; without --max-tokens-per-micro-batch the
+    rows are padded and would go to sdpa, silently: one line instead (both scripts, on a GPU: the CPU refuses varlen)."""
+    import torch
+
+    import grpo
+    import ppo
+    from preflight import InputError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for script in (grpo, ppo):
+        with pytest.raises(InputError, match="varlen must be given with --max-tokens-per-micro-batch N") as e:
+            script.check_args(script.Args(model="m", attn_implementation="varlen"), world_size=1)
+        assert "--attn-implementation" in str(e.value) and str(e.value).count("must be") == 1
+        script.check_args(script.Args(model="m", attn_implementation="varlen", max_tokens_per_micro_batch=8192), 1)
+
+
 @pytest.mark.parametrize(
     "impl, gpu, must",
     [
