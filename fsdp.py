@@ -298,7 +298,9 @@ def varlen_attention(
         raise ValueError("--attn-implementation varlen has no logit soft-capping (Gemma 2): use sdpa or eager")
     b, h, t, d = query.shape
     if cu_seq_lens_q is None:
-        starts = (kwargs["position_ids"].expand(b, t).flatten() == 0).nonzero().flatten()  # [s]
+        positions = kwargs.get("position_ids")  # a model that does not pass them: each row one sequence
+        positions = torch.arange(t, device=query.device)[None] if positions is None else positions
+        starts = (positions.expand(b, t).flatten() == 0).nonzero().flatten()  # [s]
         cu_seq_lens_q, max_length_q = torch.cat([starts, starts.new_tensor([b * t])]).int(), t
     window = kwargs.get("sliding_window") or 0  # keys within the last `window` positions, this one included
     q, k, v = (x.transpose(1, 2).flatten(0, 1) for x in (query, key, value))  # [b*t, heads, d]: bf16 (FSDP2's)
