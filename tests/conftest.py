@@ -98,6 +98,28 @@ def tool_model_dir(tmp_path_factory, trained_tiny_model_dir) -> str:
     return one_model(tmp_path_factory, "tiny-model-tools", build=widen)
 
 
+@pytest.fixture(scope="session")
+def one_grpo_step(tmp_path_factory, trained_tiny_model_dir) -> str:
+    """A finished grpo.py run of one step on the SFT'd model (--eval-every 0, the checkpoint of step 1), made once a
+    session for the tests that damage, rerun or resume such a run (each ran this same command first): they copy its
+    folder, copy_run(one_grpo_step, tmp_path), and act on their copy. A resume may name another --output-dir."""
+
+    def run(folder: str) -> str:
+        from test_smoke import run_grpo
+
+        run_grpo(trained_tiny_model_dir, folder, "--steps", "1", "--eval-every", "0", "--log-samples-every", "1")
+        return folder
+
+    return one_model(tmp_path_factory, "one-grpo-step", build=run)
+
+
+def copy_run(shared: str, out_dir) -> None:
+    """The shared run's folder as out_dir/r, the run folder of run_grpo(model, out_dir, ...)."""
+    import shutil
+
+    shutil.copytree(os.path.join(shared, "r"), os.path.join(out_dir, "r"))
+
+
 def install_fake_sglang(monkeypatch, engine_class):
     """Make `from sglang.srt.entrypoints.engine import Engine` give `engine_class` (SGLang is not
     installed on CPU machines)."""

@@ -16,6 +16,7 @@ import torch
 from test_smoke import metrics, run_grpo
 
 from checkpoint import damage
+from conftest import copy_run
 
 QUIET = ["--eval-every", "0", "--log-samples-every", "1"]
 
@@ -36,8 +37,9 @@ def test_resume_without_a_checkpoint_refuses(tiny_model_dir, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_a_folder_with_metrics_is_never_wiped(trained_tiny_model_dir, tmp_path):
-    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", "--save-every", "-1", *QUIET)
+def test_a_folder_with_metrics_is_never_wiped(trained_tiny_model_dir, one_grpo_step, tmp_path):
+    copy_run(one_grpo_step, tmp_path)  # a finished run, its checkpoint taken away: what --save-every -1 leaves
+    shutil.rmtree(tmp_path / "r" / "checkpoints")
     before = (tmp_path / "r" / "metrics.jsonl").read_text()
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", *QUIET, expect_ok=False)
     assert (
@@ -70,8 +72,8 @@ def test_resume_trims_metrics_and_samples_alike_and_never_doubles_an_eval_row(tr
     assert [r["step"] for r in rows(tmp_path, "samples.jsonl")] == [1] * 4 + [2] * 4 + [3] * 4
 
 
-def test_damage_names_what_is_wrong(trained_tiny_model_dir, tmp_path):
-    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", *QUIET)
+def test_damage_names_what_is_wrong(one_grpo_step, tmp_path):
+    copy_run(one_grpo_step, tmp_path)
     good = tmp_path / "r" / "checkpoints" / "step_000001"
     assert damage(str(good)) is None
     shard = next(p.name for p in (good / "state").iterdir() if p.suffix == ".distcp")
@@ -147,8 +149,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one(trained_tiny_mode
     assert [r["step"] for r in metrics(tmp_path)[0]] == [1, 2, 3]
 
 
-def test_every_checkpoint_damaged_refuses_naming_them(trained_tiny_model_dir, tmp_path):
-    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", *QUIET)
+def test_every_checkpoint_damaged_refuses_naming_them(trained_tiny_model_dir, one_grpo_step, tmp_path):
+    copy_run(one_grpo_step, tmp_path)
     (tmp_path / "r" / "checkpoints" / "step_000001" / "state" / ".metadata").write_bytes(b"")
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--resume", *QUIET, expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
@@ -437,9 +439,9 @@ def test_sigterm_under_torchrun_stops_every_rank_and_saves(trained_tiny_model_di
     assert len(ckpts) == 1 and ckpts[0].startswith("step_") and not ckpts[0].endswith(".tmp")
 
 
-def test_a_killed_save_is_never_resumed(trained_tiny_model_dir, tmp_path):
+def test_a_killed_save_is_never_resumed(trained_tiny_model_dir, one_grpo_step, tmp_path):
     """A save killed half-way leaves step_N.tmp: --resume takes the older complete checkpoint."""
-    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", *QUIET)
+    copy_run(one_grpo_step, tmp_path)
     ckpts = tmp_path / "r" / "checkpoints"
     shutil.copytree(ckpts / "step_000001", ckpts / "step_000002.tmp")
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--resume", *QUIET)
