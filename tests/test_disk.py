@@ -281,24 +281,6 @@ def run_printed(line: str, *extra: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_ctrl_c_saves_the_finished_steps_and_the_line_it_prints_goes_on(trained_tiny_model_dir, tmp_path, script):
-    """Ctrl-C long before the first checkpoint (--save-every 100) saves the finished steps, as SIGTERM
-    does; the last line's command continues from there."""
-    from test_failures import console_lines, start, stop_with, wait_for
-
-    proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--save-every", "100", *QUIET, script=script)
-    wait_for(tmp_path, "step 2/", proc)
-    assert stop_with(proc, signal.SIGINT) < 30 and proc.returncode == 130
-    last = console_lines(tmp_path)[-1]
-    done = int(last.split("after step ")[1].split(";")[0])
-    assert last.startswith(f"stopped by SIGINT after step {done}; continue from step {done} with: python {script} ")
-    assert last.endswith(" --resume") and os.listdir(tmp_path / "r" / "checkpoints") == [f"step_{done:06d}"]
-    resumed = run_printed(last, "--steps", str(done + 1))
-    assert resumed.returncode == 0 and f"step_{done:06d}: step {done}" in resumed.stdout, resumed.stderr[-3000:]
-    assert steps_logged(tmp_path / "r") == list(range(1, done + 2))
-
-
-@pytest.mark.parametrize("script", SCRIPTS)
 def test_a_run_stopped_before_its_first_checkpoint_has_one_way_on(trained_tiny_model_dir, tmp_path, script):
     """Stopped with nothing saved (--no-save-on-signal): the last line, the plain rerun's refusal and
     --resume all name the same way on, --resume, which starts the run again from step 0 in its folder."""

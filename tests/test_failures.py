@@ -287,8 +287,11 @@ def console_lines(out_dir) -> list[str]:
 @pytest.mark.parametrize("when", ["start-up", "step 1/", "step 2/"])
 def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp_path, script, when):
     """SIGINT during start-up or anywhere in a step: out in seconds, exit code 130, a last line
-    that says so, and no traceback; the finished steps are saved (none during start-up)."""
-    proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "3", script=script)
+    that says so, and no traceback; the finished steps are saved (none during start-up), long before the first
+    checkpoint (--save-every 100) as SIGTERM does, and the last line's command, run as printed, goes on from there."""
+    proc = start(
+        trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "3", "--save-every", "100", script=script
+    )
     wait_for(tmp_path, "model " if when == "start-up" else when, proc)
     seconds = stop_with(proc, signal.SIGINT)
     lines = console_lines(tmp_path)
@@ -301,7 +304,6 @@ def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp
         assert not (tmp_path / "r" / "checkpoints").exists()
     else:
         done = int(lines[-1].split("after step ")[1].split(";")[0])
-        assert lines[-1].startswith(f"stopped by SIGINT after step {done}; continue from step {done} with: ")
         assert os.listdir(tmp_path / "r" / "checkpoints") == [f"step_{done:06d}"]
         # the closing summary before it (issue 40, item 16): steps, time, the last evaluation, where things are
         assert re.match(
@@ -310,6 +312,14 @@ def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp
             lines[-3],
         ), lines[-3]
         assert lines[-2].startswith(f"  checkpoint: {tmp_path / 'r' / 'checkpoints' / f'step_{done:06d}'} | curves: ")
+        last = f"stopped by SIGINT after step {done}; continue from step {done} with: python {script} "
+        assert lines[-1].startswith(last) and lines[-1].endswith(" --resume")
+        if when == "step 2/":  # once a script: the printed command goes on (test_disk.run_printed)
+            from test_disk import run_printed
+
+            resumed = run_printed(lines[-1], "--steps", str(done + 1))
+            assert resumed.returncode == 0 and f"step_{done:06d}: step {done}" in resumed.stdout, resumed.stderr[-3000:]
+            assert [r["step"] for r in rows(tmp_path) if "rollout/reward_mean" in r] == list(range(1, done + 2))
 
 
 OTHER_FLAGS = {  # resumed with other algorithm flags: the refusal names them as saved and as given
