@@ -409,8 +409,9 @@ def test_a_reward_past_its_time_limit_scores_zero_and_the_run_goes_on(trained_ti
     assert seconds < 60 and os.path.isdir(tmp_path / "r" / "checkpoints" / "step_000002")
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(  # one handler takes both signals (stop._on_signal): each script with one, each signal once
+    "script, signum", [("grpo.py", signal.SIGINT), ("ppo.py", signal.SIGTERM)], ids=["grpo.py-SIGINT", "ppo.py-SIGTERM"]
+)
 def test_a_signal_while_a_slow_reward_runs_stops_the_run_in_seconds(trained_tiny_model_dir, tmp_path, script, signum):
     """Step 2's rewards sleep 10 s each (under the 30 s limit): Ctrl-C or SIGTERM ends the run within seconds, as a
     signal between phases does: 130 / 143, step 1 saved (both save the finished steps)."""
