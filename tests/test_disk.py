@@ -245,7 +245,8 @@ def test_a_shard_overwritten_in_place_is_named_moved_aside_and_the_older_checkpo
 ):
     """200 kB of random bytes in the middle of step 2's shard (of the last rank, which checks it), its
     size unchanged: --resume names the file, moves the checkpoint aside as it is and goes on from
-    step 1, with no traceback."""
+    step 1, with no traceback. (Any damage takes this way: what `damage` names for each kind, a missing file among
+    them, is test_failures.test_damage_names_what_is_wrong.)"""
     from test_failures import overwrite
 
     args, shard = ["--save-every", "1", "--keep-checkpoints", "0", *QUIET], f"state/__{nproc - 1}_0.distcp"
@@ -260,7 +261,9 @@ def test_a_shard_overwritten_in_place_is_named_moved_aside_and_the_older_checkpo
         f"0-{len(step2[shard])} fail their checksum in manifest.json): moved aside to "
         f"{ckpts / 'step_000002'}.damaged"
     ], proc.stdout
-    assert f"resumed from {ckpts / 'step_000001'}: step 1" in proc.stdout and "Traceback" not in proc.stderr
+    assert (
+        f"resumed from {ckpts / 'step_000001'}: step 1, data epoch " in proc.stdout and "Traceback" not in proc.stderr
+    )
     assert sorted(os.listdir(ckpts)) == ["step_000001", "step_000002", "step_000002.damaged", "step_000003"]
     assert file_bytes(ckpts / "step_000002.damaged") == step2 and file_bytes(ckpts / "step_000001") == step1
     assert steps_logged(tmp_path / "r") == [1, 2, 3]
