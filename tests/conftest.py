@@ -49,9 +49,10 @@ def gloo():
     dist.destroy_process_group()
 
 
-def one_model(tmp_path_factory, name: str, **how) -> str:
+def one_model(tmp_path_factory, name: str, build=None, **how) -> str:
     """A tiny model built once per test session: under pytest-xdist (-n 2) the workers' temp folders share this
-    session's parent, and a lock makes one build it while the other waits (each built its own: 150 SFT steps, twice)."""
+    session's parent, and a lock makes one build it while the other waits (each built its own: 150 SFT steps, twice).
+    `build(folder)` makes it instead of build_tiny_model(folder, **how)."""
     from filelock import FileLock
     from tiny_model import build_tiny_model
 
@@ -59,7 +60,7 @@ def one_model(tmp_path_factory, name: str, **how) -> str:
     folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
     with FileLock(f"{folder}.lock"):
         if not folder.exists():  # built beside it, then renamed: a folder there is whole
-            os.rename(build_tiny_model(f"{folder}.building", **how), folder)
+            os.rename((build or (lambda f: build_tiny_model(f, **how)))(f"{folder}.building"), folder)
     return str(folder)
 
 
@@ -77,9 +78,46 @@ def trained_tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def tool_model_dir(tmp_path_factory) -> str:
-    """The SFT'd tiny model with a 2048-token context: the tools' system prompt alone is ~600 of its tokens."""
-    return one_model(tmp_path_factory, "tiny-model-tools", sft_steps=150, context=2048)
+def tool_model_dir(tmp_path_factory, trained_tiny_model_dir) -> str:
+    """The SFT'd tiny model with a 2048-token context: the tools' system prompt alone is ~600 of its tokens. The context
+    (max_position_embeddings) enters neither the tokenizer nor the SFT (its sequences are short; Llama's default RoPE
+    does not read it), so build_tiny_model(context=2048) makes the same files but config.json, byte for byte: the SFT'd
+    folder is copied and that one number changed (150 SFT steps once, not twice)."""
+
+    def widen(folder: str) -> str:
+        import json
+        import shutil
+
+        shutil.copytree(trained_tiny_model_dir, folder)
+        with open(path := os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**config, "max_position_embeddings": 2048}, f, indent=2)
+        return folder
+
+    return one_model(tmp_path_factory, "tiny-model-tools", build=widen)
+
+
+@pytest.fixture(scope="session")
+def one_grpo_step(tmp_path_factory, trained_tiny_model_dir) -> str:
+    """A finished grpo.py run of one step on the SFT'd model (--eval-every 0, the checkpoint of step 1), made once a
+    session for the tests that damage, rerun or resume such a run (each ran this same command first): they copy its
+    folder, copy_run(one_grpo_step, tmp_path), and act on their copy. A resume may name another --output-dir."""
+
+    def run(folder: str) -> str:
+        from test_smoke import run_grpo
+
+        run_grpo(trained_tiny_model_dir, folder, "--steps", "1", "--eval-every", "0", "--log-samples-every", "1")
+        return folder
+
+    return one_model(tmp_path_factory, "one-grpo-step", build=run)
+
+
+def copy_run(shared: str, out_dir) -> None:
+    """The shared run's folder as out_dir/r, the run folder of run_grpo(model, out_dir, ...)."""
+    import shutil
+
+    shutil.copytree(os.path.join(shared, "r"), os.path.join(out_dir, "r"))
 
 
 def install_fake_sglang(monkeypatch, engine_class):

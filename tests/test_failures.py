@@ -16,6 +16,7 @@ import torch
 from test_smoke import metrics, run_grpo
 
 from checkpoint import damage
+from conftest import copy_run
 
 QUIET = ["--eval-every", "0", "--log-samples-every", "1"]
 
@@ -36,8 +37,9 @@ def test_resume_without_a_checkpoint_refuses(tiny_model_dir, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_a_folder_with_metrics_is_never_wiped(trained_tiny_model_dir, tmp_path):
-    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", "--save-every", "-1", *QUIET)
+def test_a_folder_with_metrics_is_never_wiped(trained_tiny_model_dir, one_grpo_step, tmp_path):
+    copy_run(one_grpo_step, tmp_path)  # a finished run, its checkpoint taken away: what --save-every -1 leaves
+    shutil.rmtree(tmp_path / "r" / "checkpoints")
     before = (tmp_path / "r" / "metrics.jsonl").read_text()
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", *QUIET, expect_ok=False)
     assert (
@@ -70,8 +72,8 @@ def test_resume_trims_metrics_and_samples_alike_and_never_doubles_an_eval_row(tr
     assert [r["step"] for r in rows(tmp_path, "samples.jsonl")] == [1] * 4 + [2] * 4 + [3] * 4
 
 
-def test_damage_names_what_is_wrong(trained_tiny_model_dir, tmp_path):
-    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", *QUIET)
+def test_damage_names_what_is_wrong(one_grpo_step, tmp_path):
+    copy_run(one_grpo_step, tmp_path)
     good = tmp_path / "r" / "checkpoints" / "step_000001"
     assert damage(str(good)) is None
     shard = next(p.name for p in (good / "state").iterdir() if p.suffix == ".distcp")
@@ -83,6 +85,7 @@ def test_damage_names_what_is_wrong(trained_tiny_model_dir, tmp_path):
         "shard_missing": (lambda d: (d / "state" / shard).unlink(), f"state/{shard} is missing"),
         "metadata_missing": (lambda d: (d / "state" / ".metadata").unlink(), "FileNotFoundError"),
         "rng_truncated": (lambda d: (d / "rng_rank0.pt").write_bytes(b"\x80\x02"), "Error"),
+        "rng_missing": (lambda d: (d / "rng_rank0.pt").unlink(), "FileNotFoundError"),
         "shard_overwritten": (
             lambda d: overwrite(d / "state" / shard, 200_000),
             f"state/{shard} changed since the save: bytes 0-",
@@ -135,20 +138,8 @@ def test_checksums_by_hand(tmp_path):
     ] == [3, 2, 0, 0, 0]
 
 
-def test_damaged_newest_checkpoint_falls_back_to_the_older_one(trained_tiny_model_dir, tmp_path):
-    args = ["--save-every", "1", "--keep-checkpoints", "0", *QUIET]
-    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", *args)
-    ckpts = tmp_path / "r" / "checkpoints"
-    (ckpts / "step_000002" / "rng_rank0.pt").unlink()
-    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "3", "--resume", *args)
-    assert f"checkpoint {ckpts / 'step_000002'} is damaged (FileNotFoundError" in proc.stdout
-    assert "moved aside to" in proc.stdout and "resumed from" in proc.stdout and "step 1, data epoch" in proc.stdout
-    assert sorted(os.listdir(ckpts)) == ["step_000001", "step_000002", "step_000002.damaged", "step_000003"]
-    assert [r["step"] for r in metrics(tmp_path)[0]] == [1, 2, 3]
-
-
-def test_every_checkpoint_damaged_refuses_naming_them(trained_tiny_model_dir, tmp_path):
-    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", *QUIET)
+def test_every_checkpoint_damaged_refuses_naming_them(trained_tiny_model_dir, one_grpo_step, tmp_path):
+    copy_run(one_grpo_step, tmp_path)
     (tmp_path / "r" / "checkpoints" / "step_000001" / "state" / ".metadata").write_bytes(b"")
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--resume", *QUIET, expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
@@ -285,8 +276,11 @@ def console_lines(out_dir) -> list[str]:
 @pytest.mark.parametrize("when", ["start-up", "step 1/", "step 2/"])
 def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp_path, script, when):
     """SIGINT during start-up or anywhere in a step: out in seconds, exit code 130, a last line
-    that says so, and no traceback; the finished steps are saved (none during start-up)."""
-    proc = start(trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "3", script=script)
+    that says so, and no traceback; the finished steps are saved (none during start-up), long before the first
+    checkpoint (--save-every 100) as SIGTERM does, and the last line's command, run as printed, goes on from there."""
+    proc = start(
+        trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "3", "--save-every", "100", script=script
+    )
     wait_for(tmp_path, "model " if when == "start-up" else when, proc)
     seconds = stop_with(proc, signal.SIGINT)
     lines = console_lines(tmp_path)
@@ -299,7 +293,6 @@ def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp
         assert not (tmp_path / "r" / "checkpoints").exists()
     else:
         done = int(lines[-1].split("after step ")[1].split(";")[0])
-        assert lines[-1].startswith(f"stopped by SIGINT after step {done}; continue from step {done} with: ")
         assert os.listdir(tmp_path / "r" / "checkpoints") == [f"step_{done:06d}"]
         # the closing summary before it (issue 40, item 16): steps, time, the last evaluation, where things are
         assert re.match(
@@ -308,6 +301,14 @@ def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp
             lines[-3],
         ), lines[-3]
         assert lines[-2].startswith(f"  checkpoint: {tmp_path / 'r' / 'checkpoints' / f'step_{done:06d}'} | curves: ")
+        last = f"stopped by SIGINT after step {done}; continue from step {done} with: python {script} "
+        assert lines[-1].startswith(last) and lines[-1].endswith(" --resume")
+        if when == "step 2/":  # once a script: the printed command goes on (test_disk.run_printed)
+            from test_disk import run_printed
+
+            resumed = run_printed(lines[-1], "--steps", str(done + 1))
+            assert resumed.returncode == 0 and f"step_{done:06d}: step {done}" in resumed.stdout, resumed.stderr[-3000:]
+            assert [r["step"] for r in rows(tmp_path) if "rollout/reward_mean" in r] == list(range(1, done + 2))
 
 
 OTHER_FLAGS = {  # resumed with other algorithm flags: the refusal names them as saved and as given
@@ -397,8 +398,9 @@ def test_a_reward_past_its_time_limit_scores_zero_and_the_run_goes_on(trained_ti
     assert seconds < 60 and os.path.isdir(tmp_path / "r" / "checkpoints" / "step_000002")
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(  # one handler takes both signals (stop._on_signal): each script with one, each signal once
+    "script, signum", [("grpo.py", signal.SIGINT), ("ppo.py", signal.SIGTERM)], ids=["grpo.py-SIGINT", "ppo.py-SIGTERM"]
+)
 def test_a_signal_while_a_slow_reward_runs_stops_the_run_in_seconds(trained_tiny_model_dir, tmp_path, script, signum):
     """Step 2's rewards sleep 10 s each (under the 30 s limit): Ctrl-C or SIGTERM ends the run within seconds, as a
     signal between phases does: 130 / 143, step 1 saved (both save the finished steps)."""
@@ -437,9 +439,9 @@ def test_sigterm_under_torchrun_stops_every_rank_and_saves(trained_tiny_model_di
     assert len(ckpts) == 1 and ckpts[0].startswith("step_") and not ckpts[0].endswith(".tmp")
 
 
-def test_a_killed_save_is_never_resumed(trained_tiny_model_dir, tmp_path):
+def test_a_killed_save_is_never_resumed(trained_tiny_model_dir, one_grpo_step, tmp_path):
     """A save killed half-way leaves step_N.tmp: --resume takes the older complete checkpoint."""
-    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", *QUIET)
+    copy_run(one_grpo_step, tmp_path)
     ckpts = tmp_path / "r" / "checkpoints"
     shutil.copytree(ckpts / "step_000001", ckpts / "step_000002.tmp")
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--resume", *QUIET)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from conftest import torchrun_check
+from conftest import copy_run, torchrun_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small and fast; --format-weight 0.5 makes rewards vary for the tiny model, so updates are real.
@@ -322,8 +322,8 @@ def test_two_nodes_without_a_shared_folder_stop_clearly(trained_tiny_model_dir, 
     assert not (tmp_path / "r" / "checkpoints" / "step_000001").exists()
 
 
-def test_existing_run_is_not_overwritten(trained_tiny_model_dir, tmp_path):
-    run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", "--eval-every", "0")
+def test_existing_run_is_not_overwritten(trained_tiny_model_dir, one_grpo_step, tmp_path):
+    copy_run(one_grpo_step, tmp_path)  # grpo.py --steps 1 --eval-every 0, as this test ran it
     before = sorted(os.listdir(tmp_path / "r" / "checkpoints"))
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--eval-every", "0", expect_ok=False)
     assert proc.returncode != 0 and "pass --resume" in proc.stderr

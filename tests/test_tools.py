@@ -348,15 +348,22 @@ def assert_trained_on_the_models_tokens(proc, out_dir):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("script, nproc", [("grpo.py", 2), ("ppo.py", 1)])
-def test_a_run_with_tools_trains_on_the_models_tokens(tool_model_dir, tmp_path, script, nproc):
-    proc = tool_run(tool_model_dir, tmp_path, "--steps", "2", "--eval-every", "2", script=script, nproc=nproc)
-    assert_trained_on_the_models_tokens(proc, tmp_path)
-
-
-def test_a_run_with_tools_resumes(tool_model_dir, tmp_path):
-    """grpo.py in one process (two ranks above): a step, then --resume to step 2; both steps pass the same checks."""
-    tool_run(tool_model_dir, tmp_path, "--steps", "1", "--eval-every", "0")
-    proc = tool_run(tool_model_dir, tmp_path, "--steps", "2", "--eval-every", "2", "--resume")
-    assert "resumed from" in proc.stdout
+@pytest.mark.parametrize("script, nproc, resume", [("grpo.py", 2, True), ("ppo.py", 1, False)])
+def test_a_run_with_tools_trains_on_the_models_tokens(tool_model_dir, tmp_path, script, nproc, resume):
+    """grpo.py under two ranks runs a step, then --resume to step 2 (a tool run resumes); ppo.py in one process runs
+    both steps in one launch: in each, both steps pass the same checks."""
+    if resume:
+        tool_run(tool_model_dir, tmp_path, "--steps", "1", "--eval-every", "0", script=script, nproc=nproc)
+    proc = tool_run(
+        tool_model_dir,
+        tmp_path,
+        "--steps",
+        "2",
+        "--eval-every",
+        "2",
+        *(["--resume"] if resume else []),
+        script=script,
+        nproc=nproc,
+    )
+    assert ("resumed from" in proc.stdout) == resume
     assert_trained_on_the_models_tokens(proc, tmp_path)
