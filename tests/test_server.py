@@ -473,7 +473,7 @@ def test_a_sync_that_fails_on_the_servers_side_never_hangs_the_run(stand_in, tin
     from test_failures import console_lines, start, wait_for
 
     url, _ = stand_in("--sync-fail-at" if case == "refused" else "--sync-hang-at", "2")
-    timeout = "600" if case == "SIGTERM" else "8"
+    timeout = "600" if case == "SIGTERM" else "15"  # 8 s: a loaded 2-core CI machine's step-1 generate ran past it
     proc = start(
         tiny_model_dir,
         tmp_path,
@@ -508,9 +508,9 @@ def test_a_sync_that_fails_on_the_servers_side_never_hangs_the_run(stand_in, tin
             and '"success"' not in lines[-1]
         )
     elif case == "no answer":
-        assert proc.returncode == 1 and 7 < seconds < 20, (seconds, lines[-3:])
+        assert proc.returncode == 1 and 14 < seconds < 30, (seconds, lines[-3:])
         assert lines[-1] == (
-            f"grpo.py: the weight sync did not finish within --rollout-timeout 8 s (no answer from {url}): "
+            f"grpo.py: the weight sync did not finish within --rollout-timeout 15 s (no answer from {url}): "
             f"is every server still running?"
         )
     else:
