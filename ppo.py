@@ -612,7 +612,7 @@ def main(args: Args):
     )
     if args.critic_model:
         check_model(args.critic_model, "--critic-model", with_tokenizer=False)
-    tool_use, reward, train_prompts, eval_prompts, data_line = the_task(args, checked)  # ALGO: the prompts, the reward
+    tool_use, reward, train_prompts, eval_prompts, data_line = the_task(args, checked)  # prompts, reward (reward.py)
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
     print0(f"data: {data_line} | {world_size} ranks, engine {checked.engine_kind}")
     seed_ranks(args.seed, rank)  # numpy's and Python's per rank, torch's the same on every rank

@@ -114,9 +114,9 @@ def checked_run(script: str, args, device) -> Checked:
 
 
 def the_task(args, checked: Checked):
-    """The task (ALGO, the script's to change: how a prompt is asked, a template with {prompt} then the chat template,
-    and what a completion earns, reward.reward_fn: 1 for an answer right in the asked format; any (completion, answer)
-    -> float can be the reward, --reward FILE.py:function). Returns the tools' runner (None: one turn), the reward, the
+    """The task's pieces bound to their flags: how a prompt is asked (data.task_prompts: a template with {prompt}, then
+    the chat template) and what a completion earns (reward.reward_fn, the ALGO to change: 1 for an answer right in the
+    asked format; any (completion, answer) -> float can be the reward, --reward FILE.py:function). Returns the tools' runner (None: one turn), the reward, the
     training and held-out prompts (data.Prompts) and the line that says what was loaded: before any model loads, so a
     bad file fails fast. Flags: --dataset, --eval-dataset, --prompt-template, --system-prompt, --prompt-field,
     --answer-field, --answer-kind, --num-eval-prompts, --max-prompt-len, --max-new-tokens, --seed, the tools'
