@@ -53,7 +53,7 @@ def test_a_folder_with_metrics_is_never_wiped(trained_tiny_model_dir, one_grpo_s
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+@pytest.mark.parametrize("script", ["ppo.py"])  # runlog's trim and checkpoint's resume: the same code for grpo.py
 def test_resume_trims_metrics_and_samples_alike_and_never_doubles_an_eval_row(trained_tiny_model_dir, tmp_path, script):
     """Steps 1-3 ran, evaluations after steps 0 and 2, the newest checkpoint is step 2 (step 3's was
     lost), and the kill cut the last metrics line short. --resume redoes step 3 and the eval after
