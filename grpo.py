@@ -8,8 +8,8 @@
 Each step (main's loop): wake SGLang up and sync the weights (memory.py), sample G completions per prompt and score
 them (start.the_task's reward), sleep SGLang, recompute old (and reference) log-probs, turn each group's rewards into
 advantages, then `update`: epochs x mini-batches x micro-batches of `grpo_loss`, an optimizer step per mini-batch.
-The file reads in that order: Args, the flags' checks, the GRPO pieces (pure functions of tensors), update, main (its
-set-up: named calls of start.py, the task's start.the_task among them; then the loop).
+The file reads in that order: Args, the flags' checks, the variants' pieces, then the default step in one stretch:
+its GRPO pieces (pure functions of tensors), update, main (its set-up: named calls of start.py; then the loop).
 
 Variants, all flags (README: GRPO variants): the advantage (--advantage grpo, rloo, reinforce++; --no-scale-rewards
 + --loss-agg seq-mean-token-sum-norm: Dr.GRPO), the policy loss (--policy-loss ppo-clip, gspo, cispo, sapo;
@@ -495,12 +495,8 @@ VARIANT_DEFAULTS = {
 }  # verl's geometric rejection (geo_rs)
 
 
-def group_advantages(rewards: torch.Tensor, scale: bool) -> torch.Tensor:
-    """rewards [num_groups, group_size] -> advantages, centred (and scaled) within each group."""
-    adv = rewards - rewards.mean(dim=1, keepdim=True)
-    if scale:
-        adv = adv / (rewards.std(dim=1, keepdim=True) + ADVANTAGE_EPS)  # unbiased std, as in the GRPO paper
-    return adv
+# The variants --advantage and --loss choose, each beside its siblings (VARIANT_DEFAULTS: their papers' settings);
+# then the default step's own pieces, update and the loop, in one stretch
 
 
 def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -519,29 +515,6 @@ def reinforce_pp_advantages(rewards: torch.Tensor, world_sum=all_reduce) -> torc
     mean = total / n  # 0 up to rounding: every group is centred already
     std = ((squares - n * mean**2) / (n - 1).clamp(min=1)).clamp(min=0).sqrt()  # unbiased, as group_advantages
     return ((adv - mean) / (std + ADVANTAGE_EPS)).to(rewards.dtype)
-
-
-def advantages(rewards: torch.Tensor, kind: str, scale: bool) -> torch.Tensor:
-    """--advantage: rewards [num_groups, G] -> advantages [num_groups, G]."""
-    if kind == "grpo":
-        return group_advantages(rewards, scale)
-    if kind == "rloo":
-        return rloo_advantages(rewards)
-    if kind == "reinforce++":
-        return reinforce_pp_advantages(rewards)
-    raise ValueError(f"--advantage {kind!r} is unknown; use grpo, rloo or reinforce++")
-
-
-def clipped_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: float):
-    """PPO-clip per token: max(-A r, -A clip(r, 1-clip_low, 1+clip_high)), r = exp(logp - old_logp). Returns (loss,
-    clipped), [B, T]."""
-    return ppo_clip(torch.exp(logp - old_logp), advantages, clip_low, clip_high)
-
-
-def ppo_clip(ratio, advantages, clip_low: float, clip_high: float):
-    """max(-A r, -A clip(r, 1-clip_low, 1+clip_high)) of any ratio r (a token's, GSPO's). Returns (loss, clipped), [B, T]."""
-    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
 def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float):
@@ -574,6 +547,37 @@ def sapo_policy_loss(logp, old_logp, advantages, tau_pos: float, tau_neg: float)
     tau = torch.where(advantages > 0, tau_pos, tau_neg)  # [B, T] or [B, 1]
     gate = torch.sigmoid(tau * (torch.exp(logp - old_logp) - 1)) * 4 / tau
     return -advantages * gate, torch.zeros_like(logp, dtype=torch.bool)
+
+
+def group_advantages(rewards: torch.Tensor, scale: bool) -> torch.Tensor:
+    """rewards [num_groups, group_size] -> advantages, centred (and scaled) within each group."""
+    adv = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale:
+        adv = adv / (rewards.std(dim=1, keepdim=True) + ADVANTAGE_EPS)  # unbiased std, as in the GRPO paper
+    return adv
+
+
+def advantages(rewards: torch.Tensor, kind: str, scale: bool) -> torch.Tensor:
+    """--advantage: rewards [num_groups, G] -> advantages [num_groups, G]."""
+    if kind == "grpo":
+        return group_advantages(rewards, scale)
+    if kind == "rloo":
+        return rloo_advantages(rewards)
+    if kind == "reinforce++":
+        return reinforce_pp_advantages(rewards)
+    raise ValueError(f"--advantage {kind!r} is unknown; use grpo, rloo or reinforce++")
+
+
+def clipped_policy_loss(logp, old_logp, advantages, clip_low: float, clip_high: float):
+    """PPO-clip per token: max(-A r, -A clip(r, 1-clip_low, 1+clip_high)), r = exp(logp - old_logp). Returns (loss,
+    clipped), [B, T]."""
+    return ppo_clip(torch.exp(logp - old_logp), advantages, clip_low, clip_high)
+
+
+def ppo_clip(ratio, advantages, clip_low: float, clip_high: float):
+    """max(-A r, -A clip(r, 1-clip_low, 1+clip_high)) of any ratio r (a token's, GSPO's). Returns (loss, clipped), [B, T]."""
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
 def rollout_correction(old_logp, sampler_logp, mask, kind: str, *, tis_cap: float, bounds: tuple[float, float] | None):
