@@ -117,13 +117,20 @@ def test_readme_cpu_line_relative_folder(tiny_model_dir, tmp_path):
     ],
 )
 def test_model_folder_missing_files(tiny_model_dir, tmp_path, remove, missing):
-    """grpo.py, and evaluate.py for the first (the same check_model: once is enough)."""
+    """grpo.py and evaluate.py for the first, as a user meets it (exit 2, one line, nothing written); the others
+    through the same preflight.check_model in this process (the scripts' own launch adds nothing to them)."""
+    from preflight import InputError, check_model
+
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)
     for name in remove:
         (folder / name).unlink()
+    if "tokenizer_config.json" not in remove:
+        with pytest.raises(InputError, match=re.escape(f"--model '{folder}' {missing}")):
+            check_model(str(folder))
+        return
     scripts = (("grpo.py", ["--output-dir", tmp_path / "runs"]), ("evaluate.py", ["--out", tmp_path / "e.json"]))
-    for script, out_flag in scripts[: 1 + ("tokenizer_config.json" in remove)]:
+    for script, out_flag in scripts:
         code, out, _ = run(script, "--model", folder, *out_flag, tmp=tmp_path)
         assert_clean_failure(code, out, f"--model '{folder}' {missing}")
     assert not (tmp_path / "runs").exists() and not (tmp_path / "e.json").exists()
