@@ -262,9 +262,9 @@ def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     sequences = {}  # varlen_attention's sequences in the packed row (else it finds them: one sync a layer)
     if packed and getattr(model.config, "_attn_implementation", None) == VARLEN:
-        ends = real.sum(-1).cumsum(0).int()  # [b]
-        longest = int((ends - torch.cat([ends.new_zeros(1), ends[:-1]])).max())
-        sequences = dict(cu_seq_lens_q=torch.cat([ends.new_zeros(1), ends]), max_length_q=longest)
+        lengths = real.sum(-1)  # [b]: the row's sequences, in order
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()  # [b+1]: where each starts, and the end
+        sequences = dict(cu_seq_lens_q=cu, max_length_q=int(lengths.max()))
     if head is not None:  # on this module object, for this call only
         model.get_output_embeddings().forward = lambda hidden: head(hidden, input_ids)
     try:

@@ -650,14 +650,11 @@ def weights_problem(folder: str) -> str | None:
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     for name in files:
         size = os.path.getsize(os.path.join(folder, name))
-        with open(os.path.join(folder, name), "rb") as f:
-            n = int.from_bytes(f.read(8), "little")  # the format: 8 bytes of header length, the JSON header, the data
-            try:
-                ends = [
-                    t["data_offsets"][1] for k, t in json.loads(f.read(min(n, size))).items() if k != "__metadata__"
-                ]
-            except (ValueError, TypeError, KeyError):  # not JSON, not UTF-8 (cut short), not a header
-                return f"{name} ({size:,} bytes) has no readable safetensors header"
+        n, header = safetensors_header(os.path.join(folder, name))
+        try:
+            ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+        except (AttributeError, TypeError, KeyError):  # not JSON, not UTF-8 (cut short), not a header
+            return f"{name} ({size:,} bytes) has no readable safetensors header"
         if 8 + n + max(ends, default=0) > size:
             return f"{name} is {size:,} bytes, less than its header says ({8 + n + max(ends, default=0):,})"
     if os.path.isfile(index := os.path.join(folder, "model.safetensors.index.json")):
@@ -666,6 +663,19 @@ def weights_problem(folder: str) -> str | None:
         if lost:
             return f"model.safetensors.index.json names {', '.join(lost)}, not in the folder"
     return None
+
+
+def safetensors_header(path: str) -> tuple[int, dict | None]:
+    """A *.safetensors file's header length and its JSON header (tensor name -> dtype, shape, data_offsets), the
+    weights unread (the format: 8 bytes of header length, the JSON header, the data); the header None where it is not
+    JSON, not UTF-8 (a file cut short) or not a table."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(min(n, os.path.getsize(path))))
+        except ValueError:  # a UnicodeDecodeError too
+            return n, None
+    return n, header if isinstance(header, dict) else None
 
 
 def parameter_count(name: str) -> int | None:
@@ -679,12 +689,11 @@ def parameter_count(name: str) -> int | None:
         folder = os.path.dirname(config) if isinstance(config, str) else None
     if not folder or not os.path.isdir(folder):
         return None
-    total = 0
-    for file in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
-        with open(os.path.join(folder, file), "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
-    return total or None
+    headers = [safetensors_header(os.path.join(folder, f))[1] for f in os.listdir(folder) if f.endswith(".safetensors")]
+    try:
+        return sum(math.prod(t["shape"]) for h in headers for k, t in h.items() if k != "__metadata__") or None
+    except (AttributeError, TypeError, KeyError):  # a header it can't read (weights_problem names it in a folder)
+        return None
 
 
 TRAINED_BYTES, FROZEN_BYTES = 16, 2  # on the GPUs a parameter: fp32 weight and gradient + AdamW's 2 moments; bf16
@@ -695,16 +704,16 @@ def state_problem(params: int, *, lora: bool, reference: bool, world_size: int, 
     can): full fine-tuning TRAINED_BYTES a parameter, a LoRA base FROZEN_BYTES (its adapter's few aside), the
     reference model (--beta > 0 without LoRA) FROZEN_BYTES more, FSDP2 sharding it all over the ranks. --offload
     moves it off the GPU only while the engine generates: the update needs it whole."""
-    per_param = (FROZEN_BYTES if lora else TRAINED_BYTES) + FROZEN_BYTES * (reference and not lora)
-    need = params * per_param / world_size
+    total = params * ((FROZEN_BYTES if lora else TRAINED_BYTES) + FROZEN_BYTES * (reference and not lora))
+    need = total / world_size
     if need <= 0.95 * gpu_bytes:  # CUDA's context and the engine's leftovers take the rest, activations come on top
         return None
-    gib, gpus = 2**30, math.ceil(params * per_param / (0.95 * gpu_bytes))
+    gib, gpus = 2**30, math.ceil(total / (0.95 * gpu_bytes))
     what = "a LoRA base in bf16" if lora else "full fine-tuning: fp32 weights and gradients, AdamW's two moments"
     fixes = f"train on {gpus} GPUs or more (torchrun --nproc_per_node {gpus}: FSDP2 shards it over them)"
     fixes += "" if lora else f", or a LoRA adapter (--lora-rank 8: the base frozen in bf16, {params * 2 / gib:.0f} GiB)"
     return (
-        f"--model's {params / 1e9:.1f}B parameters need {params * per_param / gib:.0f} GiB of training state ({what}"
+        f"--model's {params / 1e9:.1f}B parameters need {total / gib:.0f} GiB of training state ({what}"
         + ", the reference model in bf16" * (reference and not lora)
         + f"), {need / gib:.0f} GiB on each of {world_size} GPU(s), over this GPU's {gpu_bytes / gib:.0f} GiB before "
         f"any activation (--offload frees it only while the engine generates): {fixes}"
