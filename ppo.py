@@ -673,7 +673,7 @@ def main(args: Args):
     # the engine holds the trained weights (not checked with --async-rollout: its samples are one update old by design)
     gap_check = GapCheck(args.lora_gap_ratio if args.lora_rank and not args.async_rollout else 0)
     # the run's record, and the calls the loop makes on it: a held-out evaluation, a step's end, a signal's stop
-    log, stop_now, evaluate, end_step, finish = run_record(
+    log, stop_now, begin_step, end_step, finish = run_record(
         args,
         checked,
         rollout,
@@ -682,6 +682,7 @@ def main(args: Args):
         device=device,
         checkpoints=checkpoints,
         clock=clock,
+        sampler=sampler,
         eval_prompts=eval_prompts,
         console=console,
         rare=IF_NOT_0,
@@ -697,16 +698,10 @@ def main(args: Args):
     ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
     for step in range(start_step + 1, args.steps + 1):
         t_step, metrics = time.time(), {"step": step}
-        mem.reset()
-        sampler_state = ahead.before if ahead else sampler.state_dict()  # the data position after step - 1
 
-        # -- 1. wake SGLang up with the actor's weights (memory.py: the first half of the diagram). With
-        # --async-rollout, this step's batch is generating since the last step: the engine finishes it first
-        if ahead is not None:
-            with mem.phase("generate"):
-                ahead.result()
-        wake_up(rollout.engine, policy=policy, **sync, **phases)
-        evaluate(step - 1, sampler_state)  # when due: after step-1 updates (start.evaluate_due)
+        # -- 1. wake SGLang up with the actor's weights (memory.wake_up: the first half of the diagram), with
+        # --async-rollout after it finishes this step's batch (generating since the last step); evaluate when due
+        sampler_state = begin_step(step, ahead)  # start.start_of_step; the data position after step - 1
 
         # -- 2. rollout: group_size episodes per prompt, scored
         with mem.phase("generate"):
@@ -836,7 +831,7 @@ def main(args: Args):
         )  # start.end_of_step
 
     # ---- final evaluation and cleanup --------------------------------------------------------------
-    finish(sampler)  # start.finish_run: the last evaluation where due, the closing lines
+    finish()  # start.finish_run: the last evaluation where due, the closing lines
 
 
 if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard
