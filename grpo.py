@@ -73,8 +73,8 @@ from preflight import (
     size_for_cpu,
 )
 from reward_model import RM_LINE, load_reward_model, rm_flag_rules, rm_rewards
-from reward import rollout_stats, score_samples
-from rollout import mismatch_stats, send_prompts
+from reward import score_samples
+from rollout import mismatch_stats, send_prompts, step_rollout_stats
 from runlog import (
     CLIP,
     SAMPLES_LINE,
@@ -86,7 +86,7 @@ from runlog import (
     print0,
     progress,
 )
-from tools import TOOLS, TOOLS_LINE, tool_stats
+from tools import TOOLS, TOOLS_LINE
 from start import adamw, checked_run, load_policy, memory_plan, run_record, seed_ranks, start_engines, the_task
 from stop import agreed_signal, handle_signals
 
@@ -851,10 +851,7 @@ def main(args: Args):
                     rm_rewards(rm, seen, weights=args.reward_weights, whiten=args.reward_model_norm, **checked.rm_read)
                 )
 
-        metrics.update(rollout_stats(seen, seconds=pending.seconds if pending.ahead else mem.seconds["generate"]))
-        metrics["rollout/staleness"] = float(pending.ahead)  # updates between the sampling weights and the trained ones
-        if checked.tools:
-            metrics.update(tool_stats(seen))
+        metrics.update(step_rollout_stats(seen, pending, generate_s=mem.seconds["generate"], tools=bool(checked.tools)))
         metrics.update({"rollout/kept_groups": n_groups * world_size, "rollout/sampling_rounds": rounds})
         if not n_groups:  # dynamic sampling found too few groups with differing rewards: nothing to learn from
             print0(

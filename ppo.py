@@ -63,8 +63,8 @@ from preflight import (
     size_for_cpu,
 )
 from reward_model import RM_LINE, load_reward_model, rm_flag_rules, rm_rewards
-from reward import rollout_stats, score_samples
-from rollout import mismatch_stats, send_prompts
+from reward import score_samples
+from rollout import mismatch_stats, send_prompts, step_rollout_stats
 from runlog import (
     CLIP,
     SAMPLES_LINE,
@@ -76,7 +76,7 @@ from runlog import (
     print0,
     progress,
 )
-from tools import TOOLS, TOOLS_LINE, tool_stats
+from tools import TOOLS, TOOLS_LINE
 from start import adamw, checked_run, load_policy, memory_plan, run_record, seed_ranks, start_engines, the_task
 from stop import agreed_signal, handle_signals
 
@@ -723,10 +723,9 @@ def main(args: Args):
                         rm, samples, weights=args.reward_weights, whiten=args.reward_model_norm, **checked.rm_read
                     )
                 )
-        metrics.update(rollout_stats(samples, seconds=pending.seconds if pending.ahead else mem.seconds["generate"]))
-        metrics["rollout/staleness"] = float(pending.ahead)  # updates between the sampling weights and the trained ones
-        if checked.tools:
-            metrics.update(tool_stats(samples))
+        metrics.update(
+            step_rollout_stats(samples, pending, generate_s=mem.seconds["generate"], tools=bool(checked.tools))
+        )
 
         # -- 4. the batch: old log-probs, reference log-probs and values, all from the training side
         # PLUMBING: samples change ranks, as many on each, evening out the ranks' tokens (fsdp.balance)
