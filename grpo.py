@@ -51,18 +51,18 @@ from fsdp import (
     all_reduce,
     all_reduce_dict,
     balance,
-    batch_logprobs,
     clip_and_step,
     compute_dtype,
     init_distributed,
     kl_penalty,
     matmul_params,
     micro_batches,
+    old_and_ref_logprobs,
     skip_schedule,
     throughput,
     token_logprobs,
 )
-from lora import GapCheck, adapter_off, lora_rules
+from lora import GapCheck, lora_rules
 from memory import MemoryLog, sleep, wake_up
 from preflight import (
     check_flags,
@@ -801,7 +801,6 @@ def main(args: Args):
 
     # ---- the loop ----------------------------------------------------------------------------------
     local_prompts = args.prompts_per_step // world_size
-    max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
     ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
     for step in range(start_step + 1, args.steps + 1):
         t_step, metrics = time.time(), {"step": step}
@@ -872,21 +871,17 @@ def main(args: Args):
             batch.loss_mask = batch.response_mask.clone()
             if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
                 batch.loss_mask[torch.tensor([s.truncated for s in samples_B])] = 0.0
-            with mem.phase("logprob"):
-                batch.old_logprobs = batch_logprobs(
+            with mem.phase("logprob"):  # no gradient; a LoRA policy's reference: its base, the adapter off (fsdp.py)
+                batch.old_logprobs, batch.ref_logprobs = old_and_ref_logprobs(
                     policy,
+                    ref,
                     batch,
-                    args.micro_batch_size,
-                    args.temperature,
-                    device,
-                    lambda x: progress(x, "log-probs", rank),
-                    max_tokens,
+                    micro_batch_size=args.micro_batch_size,
+                    temperature=args.temperature,
+                    device=device,
+                    max_tokens=args.max_tokens_per_micro_batch,
+                    progress=lambda x: progress(x, "log-probs", rank),
                 )
-                if ref is not None:
-                    with adapter_off(ref):  # a LoRA policy as its own reference: the base (no-op for a reference model)
-                        batch.ref_logprobs = batch_logprobs(
-                            ref, batch, args.micro_batch_size, args.temperature, device, max_tokens=max_tokens
-                        )
             # ALGO: the sampler's log-probs vs the trainer's (old_logprobs), on the model's tokens: logged, and corrected
             weight, keep, touched = rollout_correction(
                 batch.old_logprobs,

@@ -38,7 +38,6 @@ from fsdp import (
     all_reduce_dict,
     balance,
     batch_forward,
-    batch_logprobs,
     clip_and_step,
     compute_dtype,
     forward_tokens,
@@ -47,11 +46,12 @@ from fsdp import (
     load_model,
     matmul_params,
     micro_batches,
+    old_and_ref_logprobs,
     shard_model,
     throughput,
     token_logprobs,
 )
-from lora import GapCheck, adapter_off, apply_lora, check_lora, lora_rules
+from lora import GapCheck, apply_lora, check_lora, lora_rules
 from memory import MemoryLog, sleep, wake_up
 from preflight import (
     check_flags,
@@ -735,21 +735,17 @@ def main(args: Args):
         batch.loss_mask = batch.response_mask.clone()
         if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
             batch.loss_mask[torch.tensor([s.truncated for s in samples])] = 0.0
-        with mem.phase("logprob"):
-            batch.old_logprobs = batch_logprobs(
+        with mem.phase("logprob"):  # no gradient; a LoRA actor's reference: its base, the adapter off (fsdp.py)
+            batch.old_logprobs, batch.ref_logprobs = old_and_ref_logprobs(
                 policy,
+                ref,
                 batch,
-                args.micro_batch_size,
-                args.temperature,
-                device,
-                lambda x: progress(x, "log-probs", rank),
-                max_tokens,
+                micro_batch_size=args.micro_batch_size,
+                temperature=args.temperature,
+                device=device,
+                max_tokens=max_tokens,
+                progress=lambda x: progress(x, "log-probs", rank),
             )
-            if ref is not None:
-                with adapter_off(ref):  # a LoRA actor as its own reference: the base (no-op for a reference model)
-                    batch.ref_logprobs = batch_logprobs(
-                        ref, batch, args.micro_batch_size, args.temperature, device, max_tokens=max_tokens
-                    )
             batch.values = batch_forward(
                 lambda mb: token_values(critic, mb.input_ids, mb.attention_mask, max_tokens > 0),
                 batch,
