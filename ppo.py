@@ -60,7 +60,6 @@ from preflight import (
     given_flags,
     parse_args,
     shared_rules,
-    size_for_cpu,
 )
 from reward_model import RM_LINE, load_reward_model, rm_flag_rules, rm_rewards
 from reward import score_samples
@@ -71,7 +70,6 @@ from runlog import (
     TIMES_LINE,
     TRUNC,
     StepClock,
-    launch_time,
     legend,
     print0,
     progress,
@@ -597,9 +595,7 @@ def update(actor, critic, batch, args: Args, *, step: int, device, rank: int = 0
 
 
 def main(args: Args):
-    t_launch = launch_time()
     handle_signals()  # Ctrl-C and SIGTERM stop the run between phases (stop.py)
-    args = size_for_cpu(args, CPU_SIZES, "ppo.py")
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
@@ -616,7 +612,7 @@ def main(args: Args):
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
     print0(f"data: {data_line} | {world_size} ranks, engine {checked.engine_kind}")
     seed_ranks(args.seed, rank)  # numpy's and Python's per rank, torch's the same on every rank
-    clock = StepClock(total=args.steps, launched=t_launch)  # 'step 3/200 | eta 1:02', the start-up's seconds by part
+    clock = StepClock(total=args.steps)  # 'step 3/200 | eta 1:02', the start-up's seconds by part since launch
     clock.lap("setup_s")  # imports, process group, tokenizer, data
     mem = MemoryLog()
     rollout, watch = start_engines(args, checked, tool_use=tool_use, dtype=dtype, mem=mem)  # before any model loads
@@ -831,4 +827,4 @@ def main(args: Args):
 
 if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard
     with friendly_errors("ppo.py"):
-        main(parse_args(Args, CPU_SIZES))
+        main(parse_args(Args, CPU_SIZES))  # no GPU: CPU_SIZES for the flags not given (preflight.size_for_cpu)
