@@ -774,7 +774,7 @@ def main(args: Args):
     print0(legend(console + IF_NOT_0))
     # the engine holds the trained weights (not checked with --async-rollout: its samples are one update old by design)
     gap_check = GapCheck(args.lora_gap_ratio if args.lora_rank and not args.async_rollout else 0)
-    # the run's record, and the calls the loop makes on it: a held-out evaluation, a step's end, a signal's stop
+    # the run's record and the loop's calls on it: a step's start (the engine woken, evaluation when due), end, a stop
     log, stop_now, begin_step, end_step, finish = run_record(
         args,
         checked,
