@@ -7,6 +7,7 @@
     logp, entropy = token_logprobs(model, ids, mask, temperature=1.0, with_entropy=True)   # [B, T-1]
     logp, _ = token_logprobs(model, ids, mask, temperature=1.0, packed=True)  # the same: real tokens in one row
     old_logp = batch_logprobs(model, batch, micro_batch_size=8, temperature=1.0, device=device)
+    old_logp, ref_logp = old_and_ref_logprobs(policy, ref, batch, micro_batch_size=8, temperature=1.0, device=device)
     for rows in micro_batches(rows, lengths, size=8, max_tokens=8192):  # packed: <= 8192 tokens, as many on all ranks
     utilization = mfu(6 * matmul_params(model), tokens, seconds, peak_flops(gpu_name), world_size)
     metrics = throughput(lengths, seconds=..., phase_seconds=mem.seconds, peak=..., ...)  # tokens/s, balance, MFU
@@ -25,6 +26,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from lora import adapter_off
 
 # ----------------------------------------------------------------------------------------------
 # Processes
@@ -499,6 +502,19 @@ def batch_logprobs(
         progress,
         max_tokens,
     )
+
+
+def old_and_ref_logprobs(
+    policy, ref, batch, *, micro_batch_size: int, temperature: float, device, max_tokens: int = 0, progress=iter
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A batch's log-probs before the update (batch_logprobs), [B, T-1] on the CPU: the policy's (the old log-probs,
+    the ratio's denominator; `progress` wraps its micro-batches) and the reference's (None without a `ref`). A LoRA
+    policy is its own reference: its base, under lora.adapter_off (a no-op for a separate reference model)."""
+    old = batch_logprobs(policy, batch, micro_batch_size, temperature, device, progress, max_tokens)
+    if ref is None:
+        return old, None
+    with adapter_off(ref):
+        return old, batch_logprobs(ref, batch, micro_batch_size, temperature, device, max_tokens=max_tokens)
 
 
 def clip_and_step(model, optimizer, scheduler, max_grad_norm: float) -> float:

@@ -51,18 +51,18 @@ from fsdp import (
     all_reduce,
     all_reduce_dict,
     balance,
-    batch_logprobs,
     clip_and_step,
     compute_dtype,
     init_distributed,
     kl_penalty,
     matmul_params,
     micro_batches,
+    old_and_ref_logprobs,
     skip_schedule,
     throughput,
     token_logprobs,
 )
-from lora import GapCheck, adapter_off, lora_rules
+from lora import GapCheck, lora_rules
 from memory import MemoryLog, sleep, wake_up
 from preflight import (
     check_flags,
@@ -70,23 +70,21 @@ from preflight import (
     given_flags,
     parse_args,
     shared_rules,
-    size_for_cpu,
 )
 from reward_model import RM_LINE, load_reward_model, rm_flag_rules, rm_rewards
-from reward import rollout_stats, score_samples
-from rollout import mismatch_stats, send_prompts
+from reward import score_samples
+from rollout import mismatch_stats, send_prompts, step_rollout_stats
 from runlog import (
     CLIP,
     SAMPLES_LINE,
     TIMES_LINE,
     TRUNC,
     StepClock,
-    launch_time,
     legend,
     print0,
     progress,
 )
-from tools import TOOLS, TOOLS_LINE, tool_stats
+from tools import TOOLS, TOOLS_LINE
 from start import adamw, checked_run, load_policy, memory_plan, run_record, seed_ranks, start_engines, the_task
 from stop import agreed_signal, handle_signals
 
@@ -737,9 +735,7 @@ def update(policy, optimizer, scheduler, batch, args: Args, *, step: int, device
 
 
 def main(args: Args):
-    t_launch = launch_time()
     handle_signals()  # Ctrl-C and SIGTERM stop the run between phases (stop.py)
-    args = size_for_cpu(args, CPU_SIZES, "grpo.py")
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
@@ -749,7 +745,7 @@ def main(args: Args):
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
     print0(f"data: {data_line} | {world_size} ranks, engine {checked.engine_kind}\n{variant_line(args)}")
     seed_ranks(args.seed, rank)  # numpy's and Python's per rank, torch's the same on every rank
-    clock = StepClock(total=args.steps, launched=t_launch)  # 'step 3/200 | eta 1:02', the start-up's seconds by part
+    clock = StepClock(total=args.steps)  # 'step 3/200 | eta 1:02', the start-up's seconds by part since launch
     clock.lap("setup_s")  # imports, process group, tokenizer, data
     mem = MemoryLog()
     rollout, watch = start_engines(args, checked, tool_use=tool_use, dtype=dtype, mem=mem)  # before any model loads
@@ -778,8 +774,8 @@ def main(args: Args):
     print0(legend(console + IF_NOT_0))
     # the engine holds the trained weights (not checked with --async-rollout: its samples are one update old by design)
     gap_check = GapCheck(args.lora_gap_ratio if args.lora_rank and not args.async_rollout else 0)
-    # the run's record, and the calls the loop makes on it: a held-out evaluation, a step's end, a signal's stop
-    log, stop_now, evaluate, end_step, finish = run_record(
+    # the run's record and the loop's calls on it: a step's start (the engine woken, evaluation when due), end, a stop
+    log, stop_now, begin_step, end_step, finish = run_record(
         args,
         checked,
         rollout,
@@ -788,6 +784,7 @@ def main(args: Args):
         device=device,
         checkpoints=checkpoints,
         clock=clock,
+        sampler=sampler,
         eval_prompts=eval_prompts,
         console=console,
         rare=IF_NOT_0,
@@ -800,20 +797,13 @@ def main(args: Args):
 
     # ---- the loop ----------------------------------------------------------------------------------
     local_prompts = args.prompts_per_step // world_size
-    max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
     ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
     for step in range(start_step + 1, args.steps + 1):
         t_step, metrics = time.time(), {"step": step}
-        mem.reset()
-        sampler_state = ahead.before if ahead else sampler.state_dict()  # the data position after step - 1
 
-        # -- 1. wake SGLang up with the current weights (memory.py: the first half of the diagram). With
-        # --async-rollout, this step's batch is generating since the last step: the engine finishes it first
-        if ahead is not None:
-            with mem.phase("generate"):
-                ahead.result()
-        wake_up(rollout.engine, policy=policy, **sync, **phases)
-        evaluate(step - 1, sampler_state)  # when due: after step-1 updates (start.evaluate_due)
+        # -- 1. wake SGLang up with the current weights (memory.wake_up: the first half of the diagram), with
+        # --async-rollout after it finishes this step's batch (generating since the last step); evaluate when due
+        sampler_state = begin_step(step, ahead)  # start.start_of_step; the data position after step - 1
 
         # -- 2. rollout: group_size samples per prompt, scored; dynamic sampling refills dropped groups
         with mem.phase("generate"):
@@ -856,10 +846,7 @@ def main(args: Args):
                     rm_rewards(rm, seen, weights=args.reward_weights, whiten=args.reward_model_norm, **checked.rm_read)
                 )
 
-        metrics.update(rollout_stats(seen, seconds=pending.seconds if pending.ahead else mem.seconds["generate"]))
-        metrics["rollout/staleness"] = float(pending.ahead)  # updates between the sampling weights and the trained ones
-        if checked.tools:
-            metrics.update(tool_stats(seen))
+        metrics.update(step_rollout_stats(seen, pending, generate_s=mem.seconds["generate"], tools=bool(checked.tools)))
         metrics.update({"rollout/kept_groups": n_groups * world_size, "rollout/sampling_rounds": rounds})
         if not n_groups:  # dynamic sampling found too few groups with differing rewards: nothing to learn from
             print0(
@@ -880,21 +867,17 @@ def main(args: Args):
             batch.loss_mask = batch.response_mask.clone()
             if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
                 batch.loss_mask[torch.tensor([s.truncated for s in samples_B])] = 0.0
-            with mem.phase("logprob"):
-                batch.old_logprobs = batch_logprobs(
+            with mem.phase("logprob"):  # no gradient; a LoRA policy's reference: its base, the adapter off (fsdp.py)
+                batch.old_logprobs, batch.ref_logprobs = old_and_ref_logprobs(
                     policy,
+                    ref,
                     batch,
-                    args.micro_batch_size,
-                    args.temperature,
-                    device,
-                    lambda x: progress(x, "log-probs", rank),
-                    max_tokens,
+                    micro_batch_size=args.micro_batch_size,
+                    temperature=args.temperature,
+                    device=device,
+                    max_tokens=args.max_tokens_per_micro_batch,
+                    progress=lambda x: progress(x, "log-probs", rank),
                 )
-                if ref is not None:
-                    with adapter_off(ref):  # a LoRA policy as its own reference: the base (no-op for a reference model)
-                        batch.ref_logprobs = batch_logprobs(
-                            ref, batch, args.micro_batch_size, args.temperature, device, max_tokens=max_tokens
-                        )
             # ALGO: the sampler's log-probs vs the trainer's (old_logprobs), on the model's tokens: logged, and corrected
             weight, keep, touched = rollout_correction(
                 batch.old_logprobs,
@@ -940,9 +923,9 @@ def main(args: Args):
         end_step(step, metrics, seen, after=after, seconds=time.time() - t_step, updates=updates)  # start.end_of_step
 
     # ---- final evaluation and cleanup --------------------------------------------------------------
-    finish(sampler)  # start.finish_run: the last evaluation where due, the closing lines
+    finish()  # start.finish_run: the last evaluation where due, the closing lines
 
 
 if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard
     with friendly_errors("grpo.py"):
-        main(parse_args(Args, CPU_SIZES))
+        main(parse_args(Args, CPU_SIZES))  # no GPU: CPU_SIZES for the flags not given (preflight.size_for_cpu)

@@ -3,7 +3,7 @@
     with friendly_errors("grpo.py"):                # an InputError ends the run in one or two lines
         main(tyro.cli(Args))
     check_flags([("--lr", args.lr, args.lr > 0, "> 0"), ...])
-    args = size_for_cpu(args, {"prompts_per_step": 4, ...}, "grpo.py")   # no GPU: smaller defaults
+    args = parse_args(Args, cpu_sizes={"prompts_per_step": 4, ...})   # the command line; no GPU: smaller defaults
     tokenizer, context = check_model("Qwen/Qwen2.5-0.5B-Instruct")      # before SGLang starts
 
 An InputError is bad input a person can fix: it prints its message, no traceback, and exits with
@@ -410,8 +410,9 @@ RENAMED = {
 
 def parse_args(cls, cpu_sizes: dict | None = None, argv: list[str] | None = None):
     """tyro.cli(cls) of a script's flat Args, where a flag's old name (RENAMED) is bad input, and the help groups the
-    flags as the comment rules of `cls` do ('# --- sampling'), each of `cpu_sizes` (size_for_cpu's) beside its default,
-    '(default: 16; CPU: 4)': -h a line a flag, -H with each flag's docstring."""
+    flags as the comment rules of `cls` do ('# --- sampling'), each of `cpu_sizes` beside its default, '(default: 16;
+    CPU: 4)': -h a line a flag, -H with each flag's docstring. On a machine without a GPU, `cpu_sizes` for the flags
+    the command line does not give (size_for_cpu: one line says so)."""
     import tyro  # lazy: `import preflight` stays light
 
     argv = sys.argv[1:] if argv is None else argv
@@ -423,7 +424,9 @@ def parse_args(cls, cpu_sizes: dict | None = None, argv: list[str] | None = None
         # tyro groups flags by nested dataclasses only: a nested copy of `cls` for the help, its flags unprefixed
         config = (tyro.conf.OmitArgPrefixes,)
         tyro.cli(help_groups(cls, cpu_sizes or {}), args=asked[:1], description=about, compact_help=True, config=config)
-    return tyro.cli(cls, args=argv)
+    args = tyro.cli(cls, args=argv)
+    script = os.path.basename(getattr(sys.modules[cls.__module__], "__file__", None) or f"{cls.__module__}.py")
+    return size_for_cpu(args, cpu_sizes, script, argv) if cpu_sizes else args
 
 
 def help_groups(cls, cpu_sizes: dict):
@@ -465,16 +468,16 @@ def as_flags(args: dict, names: list[str]) -> str:
     return " ".join(one(k, args[k]) for k in names)
 
 
-def size_for_cpu(args, sizes: dict, script: str):
+def size_for_cpu(args, sizes: dict, script: str, argv: list[str] | None = None):
     """On a machine without a GPU, the GPU-sized defaults would take hours a step: use `sizes`
-    for every field not given on the command line, and say so in one line."""
+    for every field not given on the command line (`argv`; None: sys.argv's), and say so in one line."""
     import torch
 
     from fsdp import compute_dtype  # lazy, as torch
 
     if torch.cuda.is_available():
         return args
-    changed = {k: v for k, v in sizes.items() if k not in given_flags(sys.argv[1:])}
+    changed = {k: v for k, v in sizes.items() if k not in given_flags(sys.argv[1:] if argv is None else argv)}
     flags = as_flags(changed, list(changed))
     if os.environ.get("RANK", "0") == "0":
         where = (

@@ -9,6 +9,7 @@ What the training scripts call, with the Rollout that server.start_rollout gives
 
     pending = send_prompts(rollout, sampler, prompts, n=32, group_size=16, seeds=(0, "sample", step))  # a step's
     samples = pending.result()                                                 # this rank's, each prompt's G in a row
+    stats = step_rollout_stats(samples, pending, generate_s=9.5, tools=False)  # the step's rollout/ metrics
     signum = held_out_eval(rollout, eval_prompts, log, step=step, k=0, temperature=1.0, top_p=1.0, seed=0)
 
 Both engines answer SGLang's calls (`generate`, `update_weights_from_tensor`, `flush_cache`,
@@ -40,10 +41,10 @@ import torch.distributed as dist
 from data import ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, Sample, label, sample_seeds, seed_for, shard
 from fsdp import all_reduce, without_agent_store
 from preflight import EngineStartFailed, Interrupted
-from reward import EVAL_LINE, EVAL_TOOLS_LINE, eval_stats, sampled_eval_stats, sampled_line
+from reward import EVAL_LINE, EVAL_TOOLS_LINE, eval_stats, rollout_stats, sampled_eval_stats, sampled_line
 from runlog import log_line, print0
 from stop import agreed_signal, interruptible, quit_while_starting, stop_engine
-from tools import parse_tool_calls, timed_call, tools_prompt
+from tools import parse_tool_calls, timed_call, tool_stats, tools_prompt
 
 # ----------------------------------------------------------------------------------------------
 # Engines
@@ -517,6 +518,16 @@ def send_prompts(
     )
     pending.sample_idx, pending.before, pending.ahead = sample_idx, before, ahead
     return pending
+
+
+def step_rollout_stats(samples: list[Sample], pending: "Pending", *, generate_s: float, tools: bool) -> dict:
+    """A step's rollout/ metrics, all ranks': what its samples scored, their lengths and the engine's tokens a second
+    (reward.rollout_stats; its seconds: `pending`'s own when it was sent ahead, --async-rollout, else the generate
+    phase's `generate_s`), their staleness (updates between the sampling weights and the trained ones: 1 sent ahead,
+    else 0) and, with `tools`, their turns and tool calls (tools.tool_stats)."""
+    stats = rollout_stats(samples, seconds=pending.seconds if pending.ahead else generate_s)
+    stats["rollout/staleness"] = float(pending.ahead)
+    return stats | (tool_stats(samples) if tools else {})
 
 
 def held_out_eval(

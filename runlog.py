@@ -6,7 +6,7 @@
                                                                # an eval row (and finish) redraws curves.png
     log.samples(3, samples)                                    # a few completions: console, samples.jsonl
     print0(legend(console))                                    # once: what each name of a step's line is
-    clock = StepClock(total=200, start=0, launched=launch_time())
+    clock = StepClock(total=200, start=0)                      # the start-up's seconds from the launch (launch_time)
     metrics |= clock.times(3, seconds, mem.metrics())          # perf/step_s, time/ and memory/ by phase; the start-up's
     print0(log_line(clock.label(3), metrics, console, rare))   # 'step 3/200 | eta 1:02:03 | reward 0.41 | ...'
     clock.summary(run_dir, eval_line)                          # the run's last lines: time, held-out metrics, files
@@ -265,7 +265,8 @@ class StepClock:
     """A step line's 'step 3/200 | eta 1:02:03' (the steps left times the median seconds of the last 10 steps: an
     evaluation or a checkpoint makes one step slow, not the estimate), and the run's closing lines."""
 
-    def __init__(self, *, total: int, start: int = 0, launched: float, startup: dict | None = None):
+    def __init__(self, *, total: int, start: int = 0, launched: float | None = None, startup: dict | None = None):
+        launched = launch_time() if launched is None else launched  # None: this process's start
         self.total, self.start, self.done, self.launched = total, start, start, launched
         self.seconds, self.last, self.startup, self.lapped = [], time.time(), startup or {}, launched
 
@@ -325,9 +326,12 @@ def progress(items, desc: str, rank: int):
     return tqdm(items, desc=desc, leave=False, disable=rank != 0 or not sys.stderr.isatty())
 
 
+IMPORTED = time.time()  # launch_time where /proc can't say: before the script's main, after Python's start
+
+
 def launch_time() -> float:
-    """time.time() at which this process started (Linux; elsewhere: now), so start-up times include
-    the seconds spent importing torch, transformers and the rest before main() runs."""
+    """time.time() at which this process started (Linux; elsewhere: when this module was imported), so start-up times
+    include the seconds spent importing torch, transformers and the rest before main() runs."""
     try:
         with open("/proc/self/stat") as f:
             start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, after boot
@@ -335,7 +339,7 @@ def launch_time() -> float:
             uptime = float(f.read().split()[0])
         return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
-        return time.time()
+        return IMPORTED
 
 
 def code_commit() -> str | None:

@@ -8,10 +8,10 @@ loops make on what it started (no algorithm here: each script's own is written o
     policy, ref = load_policy(args, device, dtype, checked.lora_targets, reference=args.beta > 0)
     optimizer, scheduler = adamw(policy, args.lr, args)
     phases, sync = memory_plan(args, checked, rollout, dtype=dtype, models=[...], optimizers=[...], mem=mem)
-    log, stop_now, evaluate, end_step, finish = run_record(args, checked, rollout, watch, ...)
-    ... the loop: evaluate(done, sampler_state) (evaluate_due: the held-out evaluation when due),
+    log, stop_now, begin_step, end_step, finish = run_record(args, checked, rollout, watch, sampler=sampler, ...)
+    ... the loop: begin_step(step, ahead) (start_of_step: the engine woken, the held-out evaluation when due),
         end_step(step, metrics, samples, ...) (end_of_step: the step's line, row, checkpoint) ...
-    finish(sampler)                                     # finish_run: the last evaluation, the closing lines
+    finish()                                            # finish_run: the last evaluation, the closing lines
 
 Each takes the script's `args` where it reads many of the flags both scripts' Args share by name (STYLE: common fields
 carry identical names): the fields it reads are the flags its docstring names. A flag only one script has is passed
@@ -259,6 +259,7 @@ def run_record(
     device,
     checkpoints,
     clock: StepClock,
+    sampler,
     eval_prompts,
     console: list,
     rare: list,
@@ -268,11 +269,12 @@ def run_record(
     with --track); from here on a signal stops the run at the next check, between phases (stop.stop_run: the engine
     down, the training state back, the finished steps saved in `checkpoints`, exit 128 + signal). Flags: --track,
     --wandb-project, --eval-*, --steps, --save-on-signal, --resume, --log-samples-every, --max-nonfinite-steps.
-    Returns (log, stop_now, evaluate, end_step, finish), the calls the loop makes on them: stop_now(signum, done,
-    sampler_state); evaluate(done, sampler_state): the held-out evaluation (rollout.held_out_eval) after `done`
-    updates where due; end_step(step, metrics, samples, ...): the step's line (`console`, then `rare` and the reward's
-    failures: names shown where not 0), row, samples and checkpoint; finish(): the last evaluation (the engine awake:
-    `wake`) and the closing lines."""
+    Returns (log, stop_now, begin_step, end_step, finish), the calls the loop makes on them: stop_now(signum, done,
+    sampler_state); begin_step(step, ahead): a step's start (start_of_step: the engine woken, `wake`, then the
+    held-out evaluation, rollout.held_out_eval, after step - 1 updates where due; the data position from `sampler`);
+    end_step(step, metrics, samples, ...): the step's line (`console`, then `rare` and the reward's failures: names
+    shown where not 0), row, samples and checkpoint; finish(): the last evaluation (the engine awake: `wake`; a stop
+    at `sampler`'s data position) and the closing lines."""
     start_step, mem = clock.start, phases["mem"]
     allow_interrupt(False)
     log = RunLog(
@@ -323,6 +325,7 @@ def run_record(
         every=args.eval_every,
         before=args.eval_before_train,
     )
+    begin_step = partial(start_of_step, sampler=sampler, mem=mem, wake=wake, evaluate=evaluate)
     record = dict(log=log, clock=clock, mem=mem)
     end_step = partial(
         end_of_step,
@@ -336,8 +339,26 @@ def run_record(
         samples_every=args.log_samples_every,
     )
     last = bool(args.eval_every) and start_step < args.steps  # a last evaluation: --eval-every, steps run
-    finish = partial(finish_run, engine=rollout.engine, watch=watch, evaluate=evaluate, last=last, wake=wake, **record)
-    return log, stop_now, evaluate, end_step, finish
+    finish = partial(
+        finish_run, sampler, engine=rollout.engine, watch=watch, evaluate=evaluate, last=last, wake=wake, **record
+    )
+    return log, stop_now, begin_step, end_step, finish
+
+
+def start_of_step(step: int, ahead, *, sampler, mem, wake, evaluate) -> dict:
+    """A step's start: the memory log's phases reset; with --async-rollout this step's batch (`ahead`: a
+    rollout.Pending, generating since the last step) finished first, in the generate phase; the engine woken with the
+    current weights (`wake`: memory.wake_up, the first half of its diagram); the held-out evaluation after step - 1
+    updates where due (`evaluate`: evaluate_due). Returns the data position after step - 1 (`ahead`'s from before its
+    draw, else `sampler`'s): where a stop before this step's update leaves the data."""
+    mem.reset()
+    sampler_state = ahead.before if ahead else sampler.state_dict()
+    if ahead is not None:
+        with mem.phase("generate"):
+            ahead.result()
+    wake()
+    evaluate(step - 1, sampler_state)  # after wake: the evaluation generates with the current weights
+    return sampler_state
 
 
 def evaluate_due(

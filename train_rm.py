@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import PromptSampler, load_pairs, shard, source_name, split_pairs
 from fsdp import all_reduce_dict, clip_and_step, compute_dtype, init_distributed, load_model, lr_lambda, shard_model
-from preflight import InputError, check_flags, check_model, friendly_errors, package_rules, parse_args, size_for_cpu
+from preflight import InputError, check_flags, check_model, friendly_errors, package_rules, parse_args
 from reward_model import chat_template, conversation, has_reward_head, last_token_scores, pad, rm_tokens, score
-from runlog import RunLog, StepClock, claim_run_dir, launch_time, legend, log_line, print0, run_info
+from runlog import RunLog, StepClock, claim_run_dir, legend, log_line, print0, run_info
 from stop import NonFinite, agreed_signal, allow_interrupt, handle_signals
 
 
@@ -175,10 +175,8 @@ def check_args(a: Args, world_size: int):
 
 
 def main(args: Args):
-    t_launch = launch_time()
     handle_signals()  # Ctrl-C and SIGTERM stop the run after the step in progress (stop.py)
     allow_interrupt(True)  # until the loop: a signal ends the run at once, nothing to save yet
-    args = size_for_cpu(args, CPU_SIZES, "train_rm.py")
     rank, world_size, device = init_distributed()
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
@@ -346,7 +344,7 @@ def main(args: Args):
     if args.eval_every and args.eval_before_train and start_step == 0:
         evaluate(0)
     print0(legend(CONSOLE))
-    clock = StepClock(total=args.steps, start=start_step, launched=t_launch)  # 'step 3/200 | eta 1:02', the last lines
+    clock = StepClock(total=args.steps, start=start_step)  # 'step 3/200 | eta 1:02', the last lines
     for step in range(start_step + 1, args.steps + 1):
         t_step = time.time()
         mine = shard(sampler.draw(args.pairs_per_step), rank, world_size)  # this rank's pairs: as many on every rank
@@ -405,4 +403,4 @@ def main(args: Args):
 
 if __name__ == "__main__":
     with friendly_errors("train_rm.py"):
-        main(parse_args(Args, CPU_SIZES))
+        main(parse_args(Args, CPU_SIZES))  # no GPU: CPU_SIZES for the flags not given (preflight.size_for_cpu)
