@@ -52,7 +52,7 @@ from fsdp import (
     token_logprobs,
 )
 from lora import GapCheck, apply_lora, check_lora, lora_rules
-from memory import MemoryLog, sleep, wake_up
+from memory import MemoryLog, sleep
 from preflight import (
     check_flags,
     check_model,
@@ -61,7 +61,7 @@ from preflight import (
     parse_args,
     shared_rules,
 )
-from reward_model import RM_LINE, load_reward_model, rm_flag_rules, rm_rewards
+from reward_model import load_reward_model, rm_flag_rules, rm_rewards
 from reward import score_samples
 from rollout import mismatch_stats, send_prompts, step_rollout_stats
 from runlog import (
@@ -70,11 +70,10 @@ from runlog import (
     TIMES_LINE,
     TRUNC,
     StepClock,
-    legend,
     print0,
     progress,
 )
-from tools import TOOLS, TOOLS_LINE
+from tools import TOOLS
 from start import adamw, checked_run, load_policy, memory_plan, run_record, seed_ranks, start_engines, the_task
 from stop import agreed_signal, handle_signals
 
@@ -664,8 +663,6 @@ def main(args: Args):
         critic_scheduler.load_state_dict(state["critic_scheduler"])
         kl_coef = state["kl_coef"]
     start_step = clock.begin(checkpoints.last)  # 0: a new run
-    console = CONSOLE + TOOLS_LINE * bool(checked.tools) + RM_LINE * bool(rm)
-    print0(legend(console + IF_NOT_0))
     # the engine holds the trained weights (not checked with --async-rollout: its samples are one update old by design)
     gap_check = GapCheck(args.lora_gap_ratio if args.lora_rank and not args.async_rollout else 0)
     # the run's record and the loop's calls on it: a step's start (the engine woken, evaluation when due), end, a stop
@@ -680,9 +677,10 @@ def main(args: Args):
         clock=clock,
         sampler=sampler,
         eval_prompts=eval_prompts,
-        console=console,
+        console=CONSOLE,  # + the tools' and the reward model's columns (start.py)
         rare=IF_NOT_0,
-        wake=lambda: wake_up(rollout.engine, policy=policy, **sync, **phases),
+        policy=policy,
+        sync=sync,
     )
     # rollout.py: draw this rank's prompts, --group-size samples each, send them to the engine
     send_rollout = partial(

@@ -29,14 +29,15 @@ from checkpoint import checkpoint_to_resume
 from data import seed_for, source_name, task_prompts
 from fsdp import deterministic_training, load_model, lr_lambda, shard_model
 from lora import apply_lora, check_lora, lora_line, trainable
+from memory import wake_up
 from preflight import InputError, check_engine, check_model, parameter_count, state_problem
 from reward import EVAL_LINE, REWARD_LINE, load_reward, reward_fn
-from reward_model import check_reward_model
+from reward_model import RM_LINE, check_reward_model
 from rollout import SGLangOptions, Sampling, held_out_eval, stop_token_ids, tools_for
-from runlog import RunLog, StepClock, claim_run_dir, default_run_name, eval_due, log_line, print0, run_info
+from runlog import RunLog, StepClock, claim_run_dir, default_run_name, eval_due, legend, log_line, print0, run_info
 from server import start_rollout
 from stop import NonFinite, agreed_signal, allow_interrupt, stop_engine, stop_run
-from tools import select_tools, tool_call_stop_ids
+from tools import TOOLS_LINE, select_tools, tool_call_stop_ids
 
 
 @dataclass
@@ -263,19 +264,25 @@ def run_record(
     eval_prompts,
     console: list,
     rare: list,
-    wake,
+    policy,
+    sync: dict,
 ):
-    """The run's record from the clock's start on (runlog.RunLog: args.json, run_info.json, metrics, samples, wandb
-    with --track); from here on a signal stops the run at the next check, between phases (stop.stop_run: the engine
-    down, the training state back, the finished steps saved in `checkpoints`, exit 128 + signal). Flags: --track,
-    --wandb-project, --eval-*, --steps, --save-on-signal, --resume, --log-samples-every, --max-nonfinite-steps.
-    Returns (log, stop_now, begin_step, end_step, finish), the calls the loop makes on them: stop_now(signum, done,
-    sampler_state); begin_step(step, ahead): a step's start (start_of_step: the engine woken, `wake`, then the
-    held-out evaluation, rollout.held_out_eval, after step - 1 updates where due; the data position from `sampler`);
-    end_step(step, metrics, samples, ...): the step's line (`console`, then `rare` and the reward's failures: names
-    shown where not 0), row, samples and checkpoint; finish(): the last evaluation (the engine awake: `wake`; a stop
-    at `sampler`'s data position) and the closing lines."""
+    """The run's record from the clock's start on (runlog.RunLog: args.json, run_info.json, metrics, samples, wandb with
+    --track); from here on a signal stops the run at the next check, between phases (stop.stop_run: the engine down, the
+    training state back, the finished steps saved in `checkpoints`, exit 128 + signal). Flags: --track, --wandb-project,
+    --eval-*, --steps, --save-on-signal, --resume, --log-samples-every, --max-nonfinite-steps, --reward-model. A step's
+    line: the script's `console` columns, then the task's (tools.TOOLS_LINE with --tools, reward_model.RM_LINE with a
+    reward model), their legend printed here once. Returns (log, stop_now, begin_step, end_step, finish), the calls the
+    loop makes on them: stop_now(signum, done, sampler_state); begin_step(step, ahead): a step's start (start_of_step:
+    the engine woken with `policy`'s weights, memory.wake_up with `sync` and `phases`, then the held-out evaluation,
+    rollout.held_out_eval, after step - 1 updates where due; the data position from `sampler`); end_step(step, metrics,
+    samples, ...): the step's line (those columns, then `rare` and the reward's failures: names shown where not 0), row,
+    samples and checkpoint; finish(): the last evaluation (the engine awake; a stop at `sampler`'s data position) and
+    the closing lines."""
     start_step, mem = clock.start, phases["mem"]
+    wake = partial(wake_up, rollout.engine, policy=policy, **sync, **phases)  # the engine awake with `policy`'s weights
+    console = console + TOOLS_LINE * bool(checked.tools) + RM_LINE * bool(args.reward_model)  # the task's columns
+    print0(legend(console + rare))  # once: what each name of a step's line means
     allow_interrupt(False)
     log = RunLog(
         checked.run_dir,
