@@ -303,7 +303,7 @@ class ServerEngine:
             rank=0,
             group_name=self.group_name,
             backend=backend,
-            timeout_s=self.timeout_s,
+            timeout_s=self.timeout_s + 10,  # the group's own collectives' limit: past settle's deadline (its docstring)
         )
         self.settle(
             joined,
@@ -339,8 +339,8 @@ class ServerEngine:
         """Wait for this process's side of a collective (`work`, in a thread of its own) and every server's answer to
         its part (`requests`, one per URL), polling: the main thread never sits in a collective. The first error on
         either side, --rollout-timeout, or a signal (after SIGNAL_GRACE_S for the sync to finish) ends the wait, and
-        the group is aborted: a collective cut short leaves it unusable. The requests' own HTTP timeout is 5 s longer,
-        so that for a server that says nothing this deadline speaks, with `late`'s hint."""
+        the group is aborted: a collective cut short leaves it unusable. The requests' own HTTP timeout is 5 s longer
+        and the group's own 10 s, so that for a server that says nothing this deadline speaks, with `late`'s hint."""
         deadline, signalled = time.time() + self.timeout_s, None
         while True:
             errors = [r.exception() for r in requests if r.done() and r.exception()]  # the server's own words first

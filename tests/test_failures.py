@@ -277,7 +277,8 @@ def console_lines(out_dir) -> list[str]:
 def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp_path, script, when):
     """SIGINT during start-up or anywhere in a step: out in seconds, exit code 130, a last line
     that says so, and no traceback; the finished steps are saved (none during start-up), long before the first
-    checkpoint (--save-every 100) as SIGTERM does, and the last line's command, run as printed, goes on from there."""
+    checkpoint (--save-every 100) as SIGTERM does; the last line names the command that goes on (run as printed in
+    test_sigterm_saves_and_resume_matches_an_uninterrupted_run: the same stop.stop_run line)."""
     proc = start(
         trained_tiny_model_dir, tmp_path, "--steps", "200", "--eval-every", "3", "--save-every", "100", script=script
     )
@@ -303,12 +304,6 @@ def test_ctrl_c_stops_promptly_and_says_how_to_go_on(trained_tiny_model_dir, tmp
         assert lines[-2].startswith(f"  checkpoint: {tmp_path / 'r' / 'checkpoints' / f'step_{done:06d}'} | curves: ")
         last = f"stopped by SIGINT after step {done}; continue from step {done} with: python {script} "
         assert lines[-1].startswith(last) and lines[-1].endswith(" --resume")
-        if when == "step 2/":  # once a script: the printed command goes on (test_disk.run_printed)
-            from test_disk import run_printed
-
-            resumed = run_printed(lines[-1], "--steps", str(done + 1))
-            assert resumed.returncode == 0 and f"step_{done:06d}: step {done}" in resumed.stdout, resumed.stderr[-3000:]
-            assert [r["step"] for r in rows(tmp_path) if "rollout/reward_mean" in r] == list(range(1, done + 2))
 
 
 OTHER_FLAGS = {  # resumed with other algorithm flags: the refusal names them as saved and as given
@@ -329,8 +324,8 @@ OTHER_FLAGS = {  # resumed with other algorithm flags: the refusal names them as
 )
 def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(trained_tiny_model_dir, tmp_path, script, algo):
     """Preemption: SIGTERM mid-run saves the finished steps, exit code 143. --resume with other algorithm flags is
-    refused in one line before anything loads; with the run's own, its next step has the numbers of a run that never
-    stopped (weights, optimizer, RNG, the data position, grpo's reference model, ppo's adaptive KL coefficient),
+    refused in one line before anything loads; the last line's command, run as printed, goes on, and its next step has
+    the numbers of a run that never stopped (weights, optimizer, RNG, the data position, grpo's reference model, ppo's adaptive KL coefficient),
     and no row is written twice."""
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
     args = ["--eval-every", "0", "--save-every", "100", "--log-samples-every", "0"]
@@ -358,9 +353,10 @@ def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(trained_tiny_mode
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-3000:]
     assert f"{said}: resume with the flags it started with" in refused.stderr
     assert (stopped / "r" / "args.json").read_text() == saved_args
-    resumed = run_grpo(
-        trained_tiny_model_dir, stopped, "--steps", str(done + 1), "--resume", *args, *algo, script=script
-    )
+    from test_disk import run_printed  # the last line's command, run as printed, goes on from there
+
+    resumed = run_printed(lines[-1], "--steps", str(done + 1))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"\ndone: {done + 1}/{done + 1} steps (1 in this launch) in " in resumed.stdout  # the closing summary
     run_grpo(trained_tiny_model_dir, straight, "--steps", str(done + 1), *args, *algo, script=script)
     keep = ("rollout/", "train/", "critic/")
