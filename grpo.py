@@ -739,7 +739,7 @@ def main(args: Args):
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
     args = variant_defaults(args)  # gspo's and cispo's clip ranges, a correction's bounds, tis with --async-rollout
-    checked = checked_run("grpo", args, device)  # tools, run folder, model, LoRA, reward model: bad input fails here
+    checked = checked_run("grpo", args, device, reference=args.beta > 0)  # bad input (tools, model, LoRA..) fails here
     tool_use, reward, train_prompts, eval_prompts, data_line = the_task(args, checked)  # prompts, reward (reward.py)
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
     print0(f"data: {data_line} | {world_size} ranks, engine {checked.engine_kind}\n{variant_line(args)}")

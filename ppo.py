@@ -598,7 +598,7 @@ def main(args: Args):
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
-    checked = checked_run("ppo", args, device)  # tools, run folder, model, LoRA, reward model: bad input fails here
+    checked = checked_run("ppo", args, device, reference=args.kl_coef > 0 or args.adaptive_kl)  # bad input fails here
     from transformers import AutoModelForTokenClassification  # lazy: keeps `import ppo` fast
 
     critic_path = args.critic_model or args.model

@@ -1,7 +1,7 @@
 """PLUMBING: what grpo.py and ppo.py start a run with, in the order their `main`s call it, and the few calls their
 loops make on what it started (no algorithm here: each script's own is written out in it).
 
-    checked = checked_run("grpo", args, device)        # bad input fails here, before anything loads or is written
+    checked = checked_run("grpo", args, device, reference=args.beta > 0)  # bad input fails here, before anything loads
     tool_use, reward, train_prompts, eval_prompts, data_line = the_task(args, checked)   # the task: prompts, reward
     seed_ranks(args.seed, rank)
     rollout, watch = start_engines(args, checked, tool_use=tool_use, dtype=dtype, mem=mem)  # before any model
@@ -58,11 +58,11 @@ class Checked:
     rm_read: dict  # how the reward model reads a conversation (reward_model.rm_rewards' keywords)
 
 
-def checked_run(script: str, args, device) -> Checked:
+def checked_run(script: str, args, device, *, reference: bool) -> Checked:
     """Bad input fails here, before anything loads or is written, each in one line: the tools (--tools, their sandbox),
     the run folder claimed (--output-dir, --run-name, --resume: `script`'s), the engine (--rollout-engine,
-    --rollout-mode), the model and its context (--model, --rollout-tp), LoRA's layers (--lora-*), on a GPU the
-    training state the model needs of each (preflight.state_problem: a 7B full fine-tuning on one GPU), the reward model
+    --rollout-mode), the model and its context (--model, --rollout-tp), LoRA's layers (--lora-*), on a GPU the training
+    state (preflight.state_problem: the model's, and its `reference`'s where the script loads one), the reward model
     (--reward-model*); the stop tokens and sampling (--max-new-tokens, --temperature, --top-p). With
     --deterministic-rollout the update is made deterministic too (step 2 samples the same only from the same weights)."""
     if args.deterministic_rollout:
@@ -78,7 +78,7 @@ def checked_run(script: str, args, device) -> Checked:
     adapter = args.lora_rank > 0 and args.lora_sync == "adapter"  # --lora-sync adapter: SGLang serves the adapter
     lora_targets = check_lora(args.model, args.lora_rank, args.lora_targets, sglang=adapter and engine_kind != "hf")
     if device.type == "cuda" and (params := parameter_count(args.model)):  # a 7B full fine-tuning on one GPU, say
-        gpu_bytes, reference = torch.cuda.get_device_properties(device).total_memory, args.beta > 0
+        gpu_bytes = torch.cuda.get_device_properties(device).total_memory
         lora, world_size = args.lora_rank > 0, dist.get_world_size()
         if problem := state_problem(params, lora=lora, reference=reference, world_size=world_size, gpu_bytes=gpu_bytes):
             raise InputError(problem)

@@ -1184,6 +1184,7 @@ def test_training_state_that_cant_fit_a_gpu_is_one_line_before_anything_loads(ti
     from transformers import AutoModelForCausalLM
 
     import grpo
+    import ppo
     import start
     from preflight import InputError, parameter_count, state_problem
 
@@ -1202,11 +1203,13 @@ def test_training_state_that_cant_fit_a_gpu_is_one_line_before_anything_loads(ti
     with_ref = state_problem(p7, lora=False, reference=True, world_size=2, gpu_bytes=gpu)  # 18 bytes: 64 GiB each
     assert with_ref is None and state_problem(p7, lora=False, reference=True, world_size=2, gpu_bytes=70 * 10**9)
 
-    # in checked_run, on a "GPU" whose memory the tiny model's 16 bytes a parameter overflow: one line, nothing loaded
-    args = grpo.Args(model=tiny_model_dir, output_dir=str(tmp_path), run_name="r")
+    # in checked_run, on a "GPU" whose memory the tiny model's 16 bytes a parameter overflow: one line, nothing loaded;
+    # ppo.py's too (its Args have no --beta: the GPU-only check read it and ppo.py stopped on every GPU, found on an H100)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 10**6})())
-    with pytest.raises(InputError, match=r"on each of 1 GPU\(s\), over this GPU's 0 GiB .*--lora-rank 8"):
-        start.checked_run("grpo", args, torch.device("cuda", 0))
+    for script, algo in (("grpo", grpo), ("ppo", ppo)):
+        args = algo.Args(model=tiny_model_dir, output_dir=str(tmp_path / script), run_name="r")
+        with pytest.raises(InputError, match=r"on each of 1 GPU\(s\), over this GPU's 0 GiB .*--lora-rank 8"):
+            start.checked_run(script, args, torch.device("cuda", 0), reference=True)
 
 
 def scorer_folder(tiny_model_dir, folder, architecture: str) -> str:
