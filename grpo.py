@@ -749,7 +749,7 @@ def main(args: Args):
     mem = MemoryLog()
     rollout, watch = start_engines(args, checked, tool_use=tool_use, dtype=dtype, mem=mem)  # before any model loads
     clock.lap("engine_s")
-    policy, ref = load_policy(args, device, dtype, checked.lora_targets, reference=args.beta > 0)  # ref: beta > 0
+    policy, ref = load_policy(args, device, dtype, checked.lora_targets, reference=checked.reference)  # beta > 0
     rm = load_reward_model(args.reward_model, device, dtype, args.attn_implementation) if args.reward_model else None
     optimizer, scheduler = adamw(policy, args.lr, args)
     models, optimizers = [policy, ref, rm], [optimizer]  # what the memory phases move around the engine (memory.py)

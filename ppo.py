@@ -617,7 +617,7 @@ def main(args: Args):
     rollout, watch = start_engines(args, checked, tool_use=tool_use, dtype=dtype, mem=mem)  # before any model loads
     clock.lap("engine_s")
     # the actor and its reference, only if KL is on (the actor with its adapter off under LoRA)
-    policy, ref = load_policy(args, device, dtype, checked.lora_targets, reference=args.kl_coef > 0 or args.adaptive_kl)
+    policy, ref = load_policy(args, device, dtype, checked.lora_targets, reference=checked.reference)
     rm = load_reward_model(args.reward_model, device, dtype, args.attn_implementation) if args.reward_model else None
     # The critic: the LM's body with a one-output token-classification head, value per position.
     masters = torch.bfloat16 if args.lora_rank else torch.float32  # LoRA: the bases frozen in bf16, adapters fp32

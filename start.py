@@ -5,7 +5,7 @@ loops make on what it started (no algorithm here: each script's own is written o
     tool_use, reward, train_prompts, eval_prompts, data_line = the_task(args, checked)   # the task: prompts, reward
     seed_ranks(args.seed, rank)
     rollout, watch = start_engines(args, checked, tool_use=tool_use, dtype=dtype, mem=mem)  # before any model
-    policy, ref = load_policy(args, device, dtype, checked.lora_targets, reference=args.beta > 0)
+    policy, ref = load_policy(args, device, dtype, checked.lora_targets, reference=checked.reference)
     optimizer, scheduler = adamw(policy, args.lr, args)
     phases, sync = memory_plan(args, checked, rollout, dtype=dtype, models=[...], optimizers=[...], mem=mem)
     log, stop_now, begin_step, end_step, finish = run_record(args, checked, rollout, watch, sampler=sampler, ...)
@@ -53,6 +53,7 @@ class Checked:
     context_len: int
     adapter: bool  # --lora-sync adapter with a rank: the engine serves the adapter, the base kept
     lora_targets: list[str]  # the adapted layers' names' last parts ([]: no LoRA)
+    reference: bool  # the script loads a reference model (its KL flags): counted in the training state, load_policy's
     sampling: Sampling  # the rollout's token limit, stop tokens, temperature and top-p
     pad_id: int
     rm_read: dict  # how the reward model reads a conversation (reward_model.rm_rewards' keywords)
@@ -100,6 +101,7 @@ def checked_run(script: str, args, device, *, reference: bool) -> Checked:
         context_len=context_len,
         adapter=adapter,
         lora_targets=lora_targets,
+        reference=reference,
         sampling=Sampling(
             max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature, top_p=args.top_p
         ),
