@@ -7,6 +7,19 @@ import sys
 
 import pytest
 
+# The suite computes the same numbers on any x86-64 CPU with AVX2: each library's kernel choice is pinned before torch
+# loads (here and in every process a test starts, which inherits the environment). Unpinned, ATen picks its AVX-512
+# kernels where the CPU has them (other reduction orders in softmax and log_softmax), MKL its AVX-512 sgemm on Intel
+# only, and oneDNN bf16 matmuls on CPUs with avx512_bf16 (fsdp.compute_dtype): an AMD EPYC and an Intel Xeon gave
+# golden entropies 2.5e-4 to 4.6e-4 apart. One thread: ATen's and MKL's results can follow the thread count.
+for key, value in {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "AVX2,STRICT",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "OMP_NUM_THREADS": "1",
+}.items():
+    os.environ.setdefault(key, value)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for path in (ROOT, os.path.join(ROOT, "tests")):  # `from grpo import ...`, `from tiny_model import ...`
     if path not in sys.path:

@@ -1,6 +1,15 @@
 """What a run computes, pinned: fixed-seed CPU runs of grpo.py and ppo.py (the tiny model, 5 steps, fp32) against the
-losses, rewards and gradient norms they gave when this file was recorded (tests/golden_steps.json, 2026-11-26 at
-2efa625, before issue 41's reshape). A refactor that changes a number fails here; one that only moves code passes.
+losses, rewards and gradient norms they gave when this file was recorded (tests/golden_steps.json, 2026-11-28 at
+7db5d00, the code before issue 50's reshape, under tests/conftest.py's kernel pins). A refactor that changes a number
+fails here; one that only moves code passes.
+
+The same numbers on any x86-64 CPU with AVX2: conftest.py pins each library's kernel choice (ATen's AVX2 kernels, MKL's
+AVX2 branch, oneDNN capped at AVX2: fp32, one thread) for the tiny model's training and for the runs. Measured on an
+AMD EPYC (AVX-512, avx512_bf16) by recording the file again with one pin changed at a time: MKL's own branch and two
+threads gave the same file to the last digit; ATen's AVX-512 kernels moved it by up to 3.9e-4 relative (a gradient
+norm), 2.3e-3 (a KL of 3e-5) and 1e-3 (PPO's explained variance); ATen's scalar kernels changed a reward at step 3.
+Unpinned, an Intel Xeon and this AMD EPYC gave step-1 entropies 2.5e-4 apart. So the bound, 1e-4 relative, is met
+exactly by pinned kernels (0 apart) and missed by any other kernel choice, as it should be.
 
 Recorded with GOLDEN_RECORD=1 python -m pytest tests/test_golden.py (rewrites the file: do it only for a change that
 means to alter what a run computes, and say so in its commit).
@@ -33,8 +42,8 @@ RUNS = {  # name: (script, flags)
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_a_fixed_seed_run_computes_what_it_did(name, trained_tiny_model_dir, tmp_path):
-    """fp32 on every CPU (ONEDNN_MAX_CPU_ISA=AVX2: fsdp.compute_dtype's bf16 depends on the CPU); rewards are counts of
-    right answers, so equal; losses and norms within 1e-4 relative (summation order between CPU kernels)."""
+    """fp32 on every CPU (conftest.py's ONEDNN_MAX_CPU_ISA=AVX2: fsdp.compute_dtype's bf16 depends on the CPU); rewards
+    are counts of right answers, so equal; losses and norms within 1e-4 relative (the module docstring says why)."""
     script, flags = RUNS[name]
     run_grpo(
         trained_tiny_model_dir,
@@ -49,7 +58,6 @@ def test_a_fixed_seed_run_computes_what_it_did(name, trained_tiny_model_dir, tmp
         "3",
         *flags,
         script=script,
-        env={"ONEDNN_MAX_CPU_ISA": "AVX2"},
     )
     train, _ = metrics(tmp_path)
     got = [{k: r[k] for k in KEYS if k in r} for r in train]
