@@ -21,7 +21,6 @@ Everything is written under `step_000100.tmp/` and renamed when complete, so a k
 leaves the previous checkpoints untouched and the half-written one is never picked for resume.
 """
 
-import dataclasses
 import errno
 import glob
 import json
@@ -46,7 +45,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lora import is_lora, merged_state_dict, save_adapter
-from preflight import RENAMED, InputError, RunFailed, as_flags
+from preflight import RENAMED, as_flags
+from common import InputError, RunFailed
 
 
 def checkpoint_dir(out_dir: str, step: int) -> str:
@@ -132,12 +132,12 @@ HOW_IT_RUNS = {
 }
 
 
-def checkpoint_to_resume(run_dir: str, resume: bool, args=None) -> str | None:
+def checkpoint_to_resume(run_dir: str, resume: bool, config: dict | None = None) -> str | None:
     """With `resume`: the newest checkpoint of run_dir that `damage` finds nothing wrong with. A
     damaged newer one is renamed step_N.damaged (kept, never resumed or rotated away) and named in a
     line. A run folder with no checkpoint at all (its run stopped before the first save) starts again
-    from step 0 (None). Checked here, before anything loads: the run's `args` (a dataclass), as saved
-    but for HOW_IT_RUNS. (runlog.claim_run_dir checks the folder first: whose, in use, an earlier run.)"""
+    from step 0 (None). Checked here, before anything loads: the run's flags (`config`: its args as a dict), as
+    saved but for HOW_IT_RUNS. (runlog.claim_run_dir checks the folder first: whose, in use, an earlier run.)"""
     if not resume:
         return None
     damaged = []
@@ -149,7 +149,7 @@ def checkpoint_to_resume(run_dir: str, resume: bool, args=None) -> str | None:
             state = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
             renamed = {old[2:].replace("-", "_"): new[2:].replace("-", "_") for old, new in RENAMED.items()}
             then = {renamed.get(k, k): v for k, v in state.get("args", {}).items()}  # saved before a flag's rename too
-            now = dataclasses.asdict(args) if args is not None else {}
+            now = config or {}
             if changed := [k for k in now if k in then and k not in HOW_IT_RUNS and now[k] != then[k]]:
                 raise InputError(
                     f"--resume: {path} was trained with {as_flags(then, changed)}, this command gives "

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from preflight import InputError, check_context, hub_unreachable, looks_like_path
+from common import TINY_MODEL, InputError
 from reward import last_boxed, math_verify, normalize_number
 
 # The default prompt templates ({prompt}, or {question}, is the row's question), by answer kind: int (the
@@ -52,6 +52,73 @@ FIELDS = [("prompt", "answer"), ("question", "answer"), ("problem", "answer"), (
 _SLOT = re.compile(r"\{(?:prompt|question)\}")
 # Other placeholders ({answer}, {0}, {x:.2f}): ask() would leave them as written; LaTeX's \boxed{x}, x^{n} are none
 _FIELD = re.compile(r"(?<![\w\\}^_{])\{((?:[A-Za-z_]\w*|\d+)(?:[!:][^{}]*)?)\}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Where a name points (a file, a folder, the hub), and whether prompts fit the model
+
+def looks_like_path(name: str) -> bool:
+    """A hub id is 'owner/name'; anything else that looks like a path is never sent to the hub."""
+    return (
+        name.startswith((".", "/", "~"))
+        or os.path.exists(name)
+        or name.count("/") != 1
+        or name.endswith((".json", ".jsonl", ".parquet", ".safetensors", ".bin"))
+    )
+
+
+def hub_unreachable(name: str, flag: str, repo_type: str = "model") -> str | None:
+    """One request of at most 10 s about a hub id: None if the hub answers, else why it can't be reached (no
+    network, DNS, a proxy: the caller decides whether a cache will do). Gated or missing: an InputError."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        HfApi().repo_info(name, repo_type=repo_type, timeout=10)
+    except GatedRepoError:
+        raise InputError(
+            f"{flag} {name!r} is gated on the hub: accept its licence on its page and log in "
+            f"(hf auth login), or pass a local {'folder' if repo_type == 'model' else 'file'}"
+        ) from None
+    except RepositoryNotFoundError:
+        raise InputError(
+            f"{flag} {name!r}: no such {repo_type} on the hub (check the spelling; private ones need "
+            f"hf auth login), and no such local {'folder' if repo_type == 'model' else 'file or folder'}"
+        ) from None
+    except Exception as e:  # no network, DNS, proxy, timeout: all mean the same here
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def check_context(
+    context: int | None,
+    max_prompt_len: int,
+    max_new_tokens: int,
+    flag: str = "--max-prompt-len",
+    *,
+    tools_prompt: int = 0,
+):
+    """A prompt of max_prompt_len tokens (after the tools' prompt, if any) plus max_new_tokens must fit the model's
+    context. The error offers only fixes that fit: flags lowered to at least 1 token, or a model with a longer context."""
+    total = max_prompt_len + tools_prompt + max_new_tokens
+    if context is not None and total > context:
+        tools = f" + the tools' prompt {tools_prompt}" if tools_prompt else ""
+        new, prompt = context - tools_prompt - max_prompt_len, context - tools_prompt - max_new_tokens  # what would fit
+        lower = [f"--max-new-tokens to {new}"] * (new >= 1) + [f"{flag} to {prompt} (longer prompts are dropped)"] * (
+            prompt >= 1
+        )
+        both = context - tools_prompt  # neither alone, both together: a prompt and a response of a token each at least
+        lower = lower or [f"{flag} and --max-new-tokens so that they add up to {both} or less"] * (both >= 2)
+        model = (
+            f"a model with a context of {total} or more (a tiny one for a CPU try-out: python {TINY_MODEL} ./tiny-model "
+            f"--context {1 << (total - 1).bit_length()})"
+        )
+        room = "the tools' prompt alone leaves no room: " if tools_prompt else ""
+        fix = f"lower {' or '.join(lower)}, or use {model}" if lower else f"{room}use {model}"
+        raise InputError(
+            f"{flag} {max_prompt_len}{tools} + --max-new-tokens {max_new_tokens} = {total} tokens, "
+            f"more than the model's context of {context} (max_position_embeddings): {fix}"
+        )
 
 
 @dataclass
@@ -509,7 +576,7 @@ def task_prompts(
 ) -> tuple[Prompts, Prompts, str]:
     """(train prompts, held-out prompts, a line saying what was loaded): load_task, then tokenize_prompts. Given the
     model's `context_len`, first checks that a prompt, the tools' `context` and `max_new_tokens` fit in it
-    (preflight.check_context: before any data loads)."""
+    (check_context: before any data loads)."""
     if context_len is not None:
         check_context(
             context_len, max_prompt_len, max_new_tokens, tools_prompt=context_tokens(tokenizer, context, tools)
@@ -542,6 +609,11 @@ def task_prompts(
             f"answers judged as {judged}"
         ),
     )
+
+
+def plain_ids(tokenizer, text: str) -> list[int]:
+    """`text` as tokens with no special token in them: '<|im_end|>' in it stays the characters."""
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
 def prompt_tokens(

@@ -15,26 +15,25 @@ import os
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from preflight import exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
+from common import InputError, exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
 
 exit_on_interrupt("evaluate.py")
 import torch
 
-from data import BUILTIN_TASKS, load_examples, load_task, seed_for, source_name, template_rule, tokenize_prompts
-from preflight import (
-    InputError,
+from data import (
+    BUILTIN_TASKS,
     check_context,
-    check_engine,
-    check_flags,
-    check_model,
-    friendly_errors,
-    parse_args,
-    sampling_rules,
+    load_examples,
+    load_task,
+    seed_for,
+    source_name,
+    template_rule,
+    tokenize_prompts,
 )
+from preflight import check_engine, check_flags, check_model, friendly_errors, parse_args, sampling_rules
 from reward import judge, sampled_eval_stats
-from rollout import SGLangOptions, Sampling, generate, generate_groups, start_engine, stop_token_ids
+from rollout import Sampling, SGLangOptions, generate, generate_groups, start_engine, stop_engine, stop_token_ids
 from runlog import code_commit
-from stop import stop_engine
 
 
 RUN_FLAGS = ("prompt_template", "system_prompt", "prompt_field", "answer_field", "answer_kind")  # a run's, if not given

@@ -1,17 +1,16 @@
-"""Training on N GPUs: the process group, FSDP2 models, their forward passes.
+"""Training on N GPUs: the process group, FSDP2 models, micro-batches, the optimizer's step, throughput.
 
     rank, world_size, device = init_distributed()         # torchrun, or plain `python` (world 1)
     dtype = compute_dtype(device)                         # bf16, or fp32 on a CPU without bf16 instructions
     model = load_model(path, device, dtype=torch.float32, gradient_checkpointing=True)
     shard_model(model, param_dtype=dtype)                 # FSDP2: each decoder layer, then the root
-    logp, entropy = token_logprobs(model, ids, mask, temperature=1.0, with_entropy=True)   # [B, T-1]
-    logp, _ = token_logprobs(model, ids, mask, temperature=1.0, packed=True)  # the same: real tokens in one row
-    old_logp = batch_logprobs(model, batch, micro_batch_size=8, temperature=1.0, device=device)
-    old_logp, ref_logp = old_and_ref_logprobs(policy, ref, batch, micro_batch_size=8, temperature=1.0, device=device)
     for rows in micro_batches(rows, lengths, size=8, max_tokens=8192):  # packed: <= 8192 tokens, as many on all ranks
+    groups = balance(groups, tokens, world_size)          # whole groups dealt over the ranks, their tokens even
+    grad_norm = clip_and_step(model, optimizer, scheduler, max_grad_norm=1.0)   # a NaN/inf norm skips the step
     utilization = mfu(6 * matmul_params(model), tokens, seconds, peak_flops(gpu_name), world_size)
     metrics = throughput(lengths, seconds=..., phase_seconds=mem.seconds, peak=..., ...)  # tokens/s, balance, MFU
-    total = all_reduce(local_sum)                         # over ranks; the identity in a notebook
+
+The forward passes and token log-probs of these models: logprobs.py.
 
 PLUMBING: a reader of the algorithm can take these as given.
 """
@@ -21,13 +20,13 @@ import logging
 import math
 import os
 import warnings
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from lora import adapter_off
+from common import all_reduce
+
 
 # ----------------------------------------------------------------------------------------------
 # Processes
@@ -64,35 +63,6 @@ def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int, torch.dev
             device_id=device if use_cuda else None,
         )
     return dist.get_rank(), dist.get_world_size(), device
-
-
-@contextmanager
-def without_agent_store():
-    """Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes every new TCPStore a client of torchrun's
-    store: one this process (or a child inheriting its environment) must host itself would wait
-    forever. Hidden meanwhile (SGLang's start, the weight-update group's rendezvous)."""
-    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
-
-
-def all_reduce(x: float | torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Reduce a number or tensor over ranks, in float64, back on the CPU (a CPU-GPU sync point on
-    NCCL). Without a process group (a notebook) it is the identity."""
-    if not dist.is_initialized():
-        return torch.as_tensor(x, dtype=torch.float64).clone().cpu()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.as_tensor(x, dtype=torch.float64, device=device).clone()
-    dist.all_reduce(t, op=op)
-    return t.cpu()
-
-
-def all_reduce_dict(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Sum each value over ranks, by name, in one collective. float64 on the CPU."""
-    return dict(zip(sums, all_reduce(torch.stack(list(sums.values())))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,7 +178,7 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
 def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16, compile: bool = False):
     """FSDP2: shard each decoder layer, then the root (embeddings, final norm, head). compile: each layer
     through torch.compile first (as torchtitan does; names and state dicts unchanged), which fuses its
-    elementwise ops into a few kernels, and logits_to_logprobs: the first forwards and backwards compile.
+    elementwise ops into a few kernels (logprobs.compile_head: the log-prob head's too): the first passes compile.
 
     With param_dtype=bf16 the fp32 master shards are all-gathered as bf16 for compute and
     gradients are reduce-scattered in fp32 (reduce_dtype), as in torchtitan (param_dtype: compute_dtype's).
@@ -225,8 +195,6 @@ def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16, compile
         if compile:
             layer.compile()  # sizes that change (tokens, rows) turn symbolic after the first recompile
         fully_shard(layer, mp_policy=mp)
-    if compile:  # token_logprobs' passes over [chunk, V] too
-        model.logits_to_logprobs = torch.compile(logits_to_logprobs)
     fully_shard(model, mp_policy=mp)
     # Gradients are summed over ranks, not averaged: the loss already divides by the global token
     # (or sequence) count, computed once before the micro-batches (the scripts' `aggregate`), as in
@@ -236,48 +204,6 @@ def shard_model(model, param_dtype: torch.dtype | None = torch.bfloat16, compile
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
-
-
-def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False, head=None):
-    """model(...).logits of a right-padded micro-batch [b, t], the ids they score, and `unpack`: per-token
-    values of the next-token positions -> [b, t-1] (padded: the identity). head(hidden [b, t, H], ids [b, t]): what
-    the output head returns instead of the logits (token_logprobs'), run in the forward, where FSDP2 gathered its weight.
-
-    packed: the rows' real tokens in one row [1, n], no padding, positions restarting at 0 in each
-    sequence. With attention_mask None, transformers reads the restarts as sequence boundaries
-    (masking_utils.find_packed_sequence_indices) and keeps attention within each: sdpa and eager by a
-    block-diagonal causal mask [1, 1, n, n] (n^2 memory; all n^2 pairs computed), flex_attention by a
-    block mask that skips the other sequences' blocks, flash_attention_2 by per-sequence lengths.
-    """
-    unpack, positions = (lambda x: x), None
-    if packed:
-        real = attention_mask.bool()  # [b, t]
-        rows, cols = real.nonzero(as_tuple=True)  # [n] each, row by row (a CPU-GPU sync point: n is data-dependent)
-        positions = (real.cumsum(-1) - 1)[rows, cols][None]  # [1, n]: 0, 1, ... in each sequence
-        input_ids, attention_mask = input_ids[rows, cols][None], None  # [1, n]
-        # packed position j predicts token j+1 of its own sequence, unless j ends it: that value is zeroed onto the
-        # column past the sequence's end (boolean indexing would stop the CPU until the GPU caught up)
-        own, shape = rows[1:] == rows[:-1], real.shape  # [n-1]
-
-        def unpack(x):  # [1, n-1] -> [b, t-1], zero past each sequence's end; gradients flow back through it
-            out = x.new_zeros(shape)  # [b, t]
-            return out.index_put((rows[:-1], cols[:-1]), x[0] * own)[:, :-1]
-
-    sequences = {}  # varlen_attention's sequences in the packed row (else it finds them: one sync a layer)
-    if packed and getattr(model.config, "_attn_implementation", None) == VARLEN:
-        lengths = real.sum(-1)  # [b]: the row's sequences, in order
-        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()  # [b+1]: where each starts, and the end
-        sequences = dict(cu_seq_lens_q=cu, max_length_q=int(lengths.max()))
-    if head is not None:  # on this module object, for this call only
-        model.get_output_embeddings().forward = lambda hidden: head(hidden, input_ids)
-    try:
-        logits = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **sequences
-        ).logits  # [b, t, V] or [1, n, V]
-    finally:
-        if head is not None:
-            del model.get_output_embeddings().forward  # the class's forward again
-    return logits, input_ids, unpack
 
 
 VARLEN = "varlen"  # --attn-implementation varlen: varlen_attention
@@ -325,82 +251,6 @@ def register_varlen():
             None if attention_mask is None else sdpa_mask(attention_mask=attention_mask, **kw)
         ),
     )
-
-
-LOGIT_CHUNK = 2048  # tokens whose [chunk, V] logits exist at once in token_logprobs (~3 GB fp32 at V = 152k)
-
-
-def logits_to_logprobs(logits, targets, temperature: float, with_entropy: bool, entropy_grad: bool) -> torch.Tensor:
-    """[c, V] logits, [c] target ids -> [c, 2]: each target's log-prob at `temperature` and the entropy (zeros unless
-    with_entropy; no gradient unless entropy_grad). shard_model(compile=True) compiles it: model.logits_to_logprobs."""
-    logits = logits if temperature == 1.0 else logits.float() / temperature
-    # fp32 (bf16 log-probs are off by ~1e-2, enough to skew the PPO ratio), in one fused pass over the logits
-    logp_all = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [c, V]
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else logp_all[:, 0] * 0
-    return torch.stack([logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy], -1)
-
-
-KL_EXP_CLAMP = 20.0  # k3's exponent is clamped to +-this: one outlier token can't overflow the loss
-
-
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(policy || ref) from samples of the policy, r = ref/policy probability of the sampled
-    token: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (Schulman's). grpo.py and ppo.py each say where theirs
-    goes (the loss, the reward) and which estimator's gradient is the KL's there. [B, T] -> [B, T]"""
-    log_ratio = logp - ref_logp
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":  # unbiased and always >= 0
-        neg = (-log_ratio).clamp(-KL_EXP_CLAMP, KL_EXP_CLAMP)
-        return torch.exp(neg) - 1 - neg
-    raise ValueError(f"KL estimator {estimator!r} is unknown; use k1, k2 or k3")
-
-
-def token_logprobs(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    temperature: float,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    packed: bool = False,
-):
-    """Log-prob of each next token under `model` at sampling temperature `temperature`.
-
-    Returns logp [B, T-1] (logp[:, t] scores input_ids[:, t+1]) and, if asked, the entropy of the
-    next-token distribution [B, T-1]: a metric without gradient, unless `entropy_grad` (an entropy
-    bonus). Dividing by the temperature matters: SGLang reports log-probs of the distribution it
-    sampled from, softmax(logits / T). `packed`: one forward over the rows without padding
-    (forward_tokens), the same numbers on the real tokens, zero past them.
-
-    The output head runs LOGIT_CHUNK tokens at a time: the [N, V] logits (fp32: 5 GB for 8192 tokens of a 152k
-    vocabulary) never exist whole; under autograd each chunk's are recomputed in backward (one more head matmul).
-    """
-    output, to_logprobs = model.get_output_embeddings(), getattr(model, "logits_to_logprobs", logits_to_logprobs)
-    logprobs = lambda logits, y: to_logprobs(logits, y, temperature, with_entropy, entropy_grad)  # noqa: E731  [c, 2]
-
-    def head(hidden, ids):  # [b, t, H], [b, t] -> [b*t, 2] (not a view: FSDP2 hooks the forward's output)
-        targets = torch.cat([ids[:, 1:], ids[:, :1]], 1).flatten()  # [b*t]: the last column's is a stand-in
-        chunks = zip(hidden.flatten(0, 1).split(LOGIT_CHUNK), targets.split(LOGIT_CHUNK))
-        chunk = lambda h, y: logprobs(torch.nn.functional.linear(h, output.weight, output.bias), y)  # noqa: E731
-        recompute = torch.is_grad_enabled() and hidden.shape[0] * hidden.shape[1] > LOGIT_CHUNK  # one chunk: kept
-        out = [
-            torch.utils.checkpoint.checkpoint(chunk, h, y, use_reentrant=False) if recompute else chunk(h, y)
-            for h, y in chunks
-        ]
-        return torch.cat(out)
-
-    if getattr(model.config, "final_logit_softcapping", None):  # Gemma 2 caps the logits after the head: whole ones
-        logits, ids, unpack = forward_tokens(model, input_ids, attention_mask, packed)  # [B, T, V] or [1, N, V]
-        out = logprobs(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).view(*ids[:, 1:].shape, 2)
-    else:
-        out, ids, unpack = forward_tokens(model, input_ids, attention_mask, packed, head)  # [B*T, 2] or [N, 2]
-        out = out.view(*ids.shape, 2)[:, :-1]  # [B, T-1, 2]
-    logp, entropy = out.unbind(-1)  # the stack of the two carries logp's graph: a metric entropy leaves it
-    return unpack(logp), unpack(entropy if entropy_grad else entropy.detach()) if with_entropy else None
 
 
 def pack_rows(lengths: list[int], max_tokens: int, count: int = 0) -> list[list[int]]:
@@ -474,47 +324,6 @@ def balance(items: list, weights: list[float], world_size: int, share: int | Non
         loads[r] += pool[i][0]
         shares[r].append(i)
     return [pool[i][1] for i in sorted(shares[dist.get_rank()])]
-
-
-@torch.no_grad()
-def batch_forward(fn, batch, micro_batch_size: int, device, progress=iter, max_tokens: int = 0) -> torch.Tensor:
-    """fn(micro-batch) -> [b, t-1] over a whole Batch, micro-batch by micro-batch (micro_batches), without
-    gradient. [B, T-1] on the CPU, zero past each micro-batch's longest sequence."""
-    out = torch.zeros_like(batch.response_mask)
-    lengths = batch.attention_mask.sum(-1)  # [B]
-    for rows in progress(micro_batches(torch.arange(len(batch)), lengths, micro_batch_size, max_tokens)):
-        mb = batch.select(rows).to(device)  # no rows: a stand-in, run for FSDP's collectives only
-        y = fn(mb).cpu()  # [b, t-1]
-        out[rows, : y.shape[1]] = y[: len(rows)]
-    return out
-
-
-def batch_logprobs(
-    model, batch, micro_batch_size: int, temperature: float, device, progress=iter, max_tokens: int = 0
-) -> torch.Tensor:
-    """token_logprobs over a whole Batch, without gradient; max_tokens > 0: packed micro-batches of at most
-    that many tokens. [B, T-1] on the CPU."""
-    return batch_forward(
-        lambda mb: token_logprobs(model, mb.input_ids, mb.attention_mask, temperature, packed=max_tokens > 0)[0],
-        batch,
-        micro_batch_size,
-        device,
-        progress,
-        max_tokens,
-    )
-
-
-def old_and_ref_logprobs(
-    policy, ref, batch, *, micro_batch_size: int, temperature: float, device, max_tokens: int = 0, progress=iter
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A batch's log-probs before the update (batch_logprobs), [B, T-1] on the CPU: the policy's (the old log-probs,
-    the ratio's denominator; `progress` wraps its micro-batches) and the reference's (None without a `ref`). A LoRA
-    policy is its own reference: its base, under lora.adapter_off (a no-op for a separate reference model)."""
-    old = batch_logprobs(policy, batch, micro_batch_size, temperature, device, progress, max_tokens)
-    if ref is None:
-        return old, None
-    with adapter_off(ref):
-        return old, batch_logprobs(ref, batch, micro_batch_size, temperature, device, max_tokens=max_tokens)
 
 
 def clip_and_step(model, optimizer, scheduler, max_grad_norm: float) -> float:

@@ -34,6 +34,8 @@ from contextlib import contextmanager
 
 import torch
 
+from common import InputError, RunFailed
+
 ALL_LINEAR = "all-linear"  # every nn.Linear inside the decoder layers (PEFT's name; not the output head)
 ADAPTER_NAME = "policy"  # the adapter's name at the engine: every request names it (--lora-sync adapter)
 # SGLang 0.5.16's LoRA layers (sglang.srt.utils.common.SUPPORTED_LORA_TARGET_MODULES), those of a decoder layer
@@ -247,8 +249,6 @@ def sync_adapter(model, engine, dtype: torch.dtype):
     this one loaded under ADAPTER_NAME, which every request names from then on (rollout.run_requests). SGLang's
     Engine.load_lora_adapter_from_tensors colocated (CUDA IPC, no copy through disk), a server's /load_lora_adapter
     (server.ServerEngine), the HF engine's own. A load the engine refuses ends the run: never generate with the old."""
-    from preflight import RunFailed  # lazy: preflight is light, but lora.py is imported by tests without it
-
     tensors = adapter_tensors(model, dtype)
     if engine is None:
         return  # it only helped gather
@@ -286,8 +286,6 @@ class GapCheck:
         self.ratio, self.level = ratio, None
 
     def __call__(self, gap: float, step: int):
-        from preflight import RunFailed  # lazy
-
         if not self.ratio or not math.isfinite(gap):
             return
         if self.level is None:
@@ -306,24 +304,22 @@ class GapCheck:
 # Bad input, before anything loads
 
 
-def lora_rules(a, given: set[str]) -> list[tuple[str, object, bool, str]]:
-    """preflight.check_flags' rules for the --lora-* flags (`given`: the flags on the command line)."""
-    rank = a.lora_rank
-    alone = [f for f in ("--lora-alpha", "--lora-targets", "--lora-sync", "--lora-gap-ratio") if f in given]
+def lora_rules(
+    *, rank: int, alpha: float, sync: str, gap_ratio: float, rollout_tp: int, given: set[str]
+) -> list[tuple[str, object, bool, str]]:
+    """preflight.check_flags' rules for the --lora-* flags (`given`: the command line's flags, preflight.given_flags):
+    the others only with a rank."""
+    alone = [k for k in ("lora_alpha", "lora_targets", "lora_sync", "lora_gap_ratio") if k in given and rank <= 0]
+    only = "given with --lora-rank R > 0 only (--lora-rank 0, the default: full fine-tuning)"
     return [
         ("--lora-rank", rank, rank >= 0, ">= 0 (0: full fine-tuning; 1-64 for LoRA)"),
-        ("--lora-alpha", a.lora_alpha, a.lora_alpha > 0, "> 0 (the adapter's scale is alpha / rank)"),
-        ("--lora-gap-ratio", a.lora_gap_ratio, a.lora_gap_ratio == 0 or a.lora_gap_ratio >= 1, ">= 1 (0: no check)"),
-        (
-            alone[0] if alone else "",
-            getattr(a, alone[0][2:].replace("-", "_")) if alone else "",
-            rank > 0 or not alone,
-            "given with --lora-rank R > 0 only (--lora-rank 0, the default: full fine-tuning)",
-        ),
+        ("--lora-alpha", alpha, 0 < alpha < math.inf, "> 0 and finite (the adapter's scale is alpha / rank)"),
+        ("--lora-gap-ratio", gap_ratio, gap_ratio == 0 or gap_ratio >= 1, ">= 1 (0: no check)"),
+        *[(f"--{k.replace('_', '-')}", "", False, only) for k in alone],
         (
             "--lora-sync",
-            a.lora_sync,
-            not rank or a.lora_sync == "merge" or not a.rollout_tp > 1,
+            sync,
+            not rank or sync == "merge" or not rollout_tp > 1,
             "merge with --rollout-tp > 1: pass --lora-sync merge (an adapter over TP workers is not tested here)",
         ),
     ]
@@ -338,8 +334,6 @@ def check_lora(
     if rank <= 0:
         return []
     from transformers import AutoConfig, AutoModelForCausalLM  # lazy
-
-    from preflight import InputError
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import tyro
 
-from preflight import InputError, friendly_errors
+from preflight import friendly_errors
+from common import InputError
 
 
 @dataclass

@@ -26,56 +26,42 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Literal
 
-from preflight import exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
+from common import exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
 
 exit_on_interrupt("ppo.py")
 import torch
+import torch.distributed as dist
 
-from checkpoint import Checkpoints
-from data import PromptSampler, collate, label, seed_for, template_rule
+from checkpoint import Checkpoints, checkpoint_to_resume
+from common import agreed_signal, all_reduce, all_reduce_dict, allow_interrupt, handle_signals, print0
+from data import PromptSampler, collate, label, seed_for, source_name, task_prompts, template_rule
 from fsdp import (
-    all_reduce,
-    all_reduce_dict,
     balance,
-    batch_forward,
     clip_and_step,
     compute_dtype,
-    forward_tokens,
+    deterministic_training,
     init_distributed,
-    kl_penalty,
     load_model,
     matmul_params,
     micro_batches,
-    old_and_ref_logprobs,
     shard_model,
     throughput,
-    token_logprobs,
 )
+from logprobs import batch_forward, forward_tokens, old_and_ref_logprobs, token_logprobs
 from lora import GapCheck, apply_lora, check_lora, lora_rules
-from memory import MemoryLog, sleep
-from preflight import (
-    check_flags,
-    check_model,
-    friendly_errors,
-    given_flags,
-    parse_args,
-    shared_rules,
-)
-from reward_model import load_reward_model, rm_flag_rules, rm_rewards
-from reward import score_samples
-from rollout import mismatch_stats, send_prompts, step_rollout_stats
-from runlog import (
-    CLIP,
-    SAMPLES_LINE,
-    TIMES_LINE,
-    TRUNC,
-    StepClock,
-    print0,
-    progress,
-)
-from tools import TOOLS
-from start import adamw, checked_run, load_policy, memory_plan, run_record, seed_ranks, start_engines, the_task
-from stop import agreed_signal, handle_signals
+from memory import MemoryLog, sleep, wake_up
+from preflight import check_engine, check_flags, check_model, engine_count, friendly_errors, given_flags, parse_args
+from preflight import package_rules, rollout_rules, sampling_rules
+from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, load_reward, reward_fn, sampled_line, score_samples
+from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
+from rollout import Sampling, SGLangOptions, held_out_eval, mismatch_stats, send_prompts, step_rollout_stats
+from rollout import stop_engine, stop_token_ids
+from runlog import CLIP, SAMPLES_LINE, TIMES_LINE, TRUNC, RunLog, StepClock, claim_run_dir, default_run_name, eval_due
+from runlog import legend, log_line, progress, run_info
+from server import ServerOptions, start_rollout
+from start import adamw, check_training_state, load_policy, seed_ranks
+from stop import NonFinite, stop_run
+from tools import TOOLS_LINE, select_tools, tool_call_stop_ids, tool_rules, tool_stats, tools_for
 
 
 @dataclass
@@ -359,9 +345,12 @@ IF_NOT_0 = [TRUNC, ("kl", "train/kl_per_response", ".2g", "KL(actor || reference
 
 
 def check_args(args: Args, world_size: int):
-    """Bad input fails here, before anything is loaded or written: PPO's own flags, then the flags every trainer shares
-    (preflight.shared_rules)."""
-    a, server = args, args.rollout_mode == "server"
+    """Bad input fails here, before anything is loaded or written, all at once: PPO's own flags, the sizes and the
+    optimizer's, then each module's rules for its flags (the rollout's, evaluation's, the tools', the reward model's,
+    LoRA's, packages)."""
+    a, server, given = args, args.rollout_mode == "server", given_flags(sys.argv[1:])
+    per_rank = a.prompts_per_step // world_size * a.group_size
+    engines = engine_count(world_size, a.rollout_tp, (len(a.rollout_url) or a.rollout_gpus // a.rollout_tp) * server)
     check_flags(
         [  # (flag, value, holds, what it must be)
             ("--group-size", a.group_size, a.group_size >= 1, ">= 1"),
@@ -377,16 +366,118 @@ def check_args(args: Args, world_size: int):
             ("--critic-warmup-steps", a.critic_warmup_steps, a.critic_warmup_steps >= 0, ">= 0"),
             ("--async-rollout", a.async_rollout, not a.async_rollout or server, "with --rollout-mode server"),
             ("--tis-cap", a.tis_cap, a.tis_cap is None or a.tis_cap >= 0, ">= 0"),
-            *shared_rules(a, world_size, tools=TOOLS),  # the flags every trainer shares (preflight.py)
+            ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
+            (
+                "--prompts-per-step",
+                a.prompts_per_step,
+                a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
+                f">= 1 and divide by the {world_size} ranks",
+            ),
+            ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
+            ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
+            ("--lr", a.lr, a.lr > 0, "> 0"),
+            ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
+            ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
+            ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
+            ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
+            ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
+            ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
+            ("--max-tokens-per-micro-batch", a.max_tokens_per_micro_batch, a.max_tokens_per_micro_batch >= 0, ">= 0"),
+            (  # fsdp.varlen_attention hands a packed row's sequences to the kernel; padded rows would go to sdpa
+                "--attn-implementation",
+                a.attn_implementation,
+                a.attn_implementation != "varlen" or a.max_tokens_per_micro_batch > 0,
+                "given with --max-tokens-per-micro-batch N (e.g. 8192) for varlen: it attends within packed rows",
+            ),
+            ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
+            (
+                "--num-minibatches",
+                a.num_minibatches,
+                a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
+                f">= 1 and divide the {per_rank} samples per rank",
+            ),
+            ("--temperature", a.temperature, a.temperature > 0, "> 0"),
+            ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
+            ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
+            ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
+            ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
+            ("--eval-top-p", a.eval_top_p, 0 < a.eval_top_p <= 1, "in (0, 1]"),
+            ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
+            ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
+            ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
+            ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
+            ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
+            ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
+            ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
+            *rollout_rules(  # SGLang's memory, TP, the servers (preflight.py)
+                mode=a.rollout_mode,
+                tp=a.rollout_tp,
+                urls=a.rollout_url,
+                gpus=a.rollout_gpus,
+                timeout=a.rollout_timeout,
+                mem_fraction=a.sglang_mem_fraction,
+                sync_bucket_mb=a.sync_bucket_mb,
+                world_size=world_size,
+            ),
+            *sampling_rules(  # --eval-samples K and --eval-temperature; --deterministic-rollout's attention
+                num_eval_prompts=a.num_eval_prompts,
+                eval_samples=a.eval_samples,
+                eval_temperature=a.eval_temperature,
+                engines=engines,
+                deterministic=a.deterministic_rollout,
+                attention_backend=a.sglang_attention_backend,
+                rollout_tp=a.rollout_tp,
+            ),
+            *tool_rules(  # --tools names known tools, not with --system-prompt (tools.py)
+                tools=a.tools,
+                system_prompt=a.system_prompt,
+                max_turns=a.max_turns,
+                max_reply_tokens=a.max_tool_reply_tokens,
+                workers=a.tool_workers,
+                timeout_s=a.tool_timeout_s,
+            ),
+            *package_rules(track=a.track, attn_implementation=a.attn_implementation),  # wandb; attention that trains
             template_rule(a.prompt_template),  # {prompt}, and no other placeholder (data.py)
-            *rm_flag_rules(a),  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
-            *lora_rules(a, given_flags(sys.argv[1:])),  # rank >= 0, alpha > 0, the other --lora-* with a rank only
+            *rm_flag_rules(  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
+                reward_model=a.reward_model,
+                weights=a.reward_weights,
+                max_len=a.reward_model_max_len,
+                micro_batch_size=a.reward_model_micro_batch_size,
+                given=given,
+            ),
+            *lora_rules(  # rank >= 0, alpha > 0 and finite, the other --lora-* with a rank only
+                rank=a.lora_rank,
+                alpha=a.lora_alpha,
+                sync=a.lora_sync,
+                gap_ratio=a.lora_gap_ratio,
+                rollout_tp=a.rollout_tp,
+                given=given,
+            ),
         ]
     )
 
 
 # ----------------------------------------------------------------------------------------------
 # ALGO: the PPO pieces, pure functions of tensors (tests/test_ppo_math.py checks them by hand)
+
+
+KL_EXP_CLAMP = 20.0  # k3's exponent is clamped to +-this: one outlier token can't overflow the penalty
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(actor || ref) from the actor's own samples, r = ref/actor probability of the sampled
+    token: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (Schulman's: unbiased, always >= 0). PPO puts it in the
+    reward (token_rewards, --kl-estimator), where only k1's policy gradient is that of KL(actor || ref); k3 of (now,
+    old) is the update's approx_kl. [B, T] -> [B, T]"""
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        neg = (-log_ratio).clamp(-KL_EXP_CLAMP, KL_EXP_CLAMP)
+        return torch.exp(neg) - 1 - neg
+    raise ValueError(f"KL estimator {estimator!r} is unknown; use k1, k2 or k3")
 
 
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
@@ -590,15 +681,40 @@ def update(actor, critic, batch, args: Args, *, step: int, device, rank: int = 0
 
 
 # ----------------------------------------------------------------------------------------------
-# main: its set-up, each a named call (start.py), then the loop
+# main: its set-up, each a named call, then the loop, which names each phase
 
 
 def main(args: Args):
-    handle_signals()  # Ctrl-C and SIGTERM stop the run between phases (stop.py)
+    handle_signals()  # Ctrl-C and SIGTERM stop the run between phases (common.py)
     rank, world_size, device = init_distributed(args.dist_timeout_minutes)
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
-    checked = checked_run("ppo", args, device, reference=args.kl_coef > 0 or args.adaptive_kl)  # bad input fails here
+    reference = args.kl_coef > 0 or args.adaptive_kl  # a reference model only where the KL is on
+
+    # ---- bad input fails here, before anything loads or is written, each in one line ---------------
+    if args.deterministic_rollout:  # the update too: step 2 samples the same only from the same weights
+        deterministic_training()
+    tools = select_tools(  # its sandbox checked, its memory said
+        args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s, workers=args.tool_workers
+    )
+    run_name = args.run_name or default_run_name("ppo", args.model, list(map(source_name, args.dataset)), args.seed)
+    run_dir = claim_run_dir(args.output_dir, run_name, resume=args.resume)  # this script's, locked while it runs
+    resume_from = checkpoint_to_resume(run_dir, args.resume, asdict(args))  # resumed: the flags it started with
+    engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
+    tokenizer, context_len = check_model(args.model, rollout_tp=args.rollout_tp, generates=True)
+    adapter = args.lora_rank > 0 and args.lora_sync == "adapter"  # SGLang serves the adapter, the base kept
+    lora_targets = check_lora(args.model, args.lora_rank, args.lora_targets, sglang=adapter and engine_kind != "hf")
+    check_training_state(args.model, device, lora=args.lora_rank > 0, reference=reference)  # fits the GPUs
+    rm_tokenizer, rm_template, rm_max_len = check_reward_model(
+        args.reward_model,
+        args.reward_model_template,
+        args.reward_model_max_len,
+        system=bool(args.system_prompt),
+        tools=bool(tools),
+    )
+    stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])
+    sampling = Sampling(args.max_new_tokens, stop_ids, temperature=args.temperature, top_p=args.top_p)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     from transformers import AutoModelForTokenClassification  # lazy: keeps `import ppo` fast
 
     critic_path = args.critic_model or args.model
@@ -607,17 +723,97 @@ def main(args: Args):
     )
     if args.critic_model:
         check_model(args.critic_model, "--critic-model", with_tokenizer=False)
-    tool_use, reward, train_prompts, eval_prompts, data_line = the_task(args, checked)  # prompts, reward (reward.py)
+
+    # ---- the task: how a prompt is asked (data.py) and what a completion earns (reward.py) --------
+    context, tool_specs, tool_use = tools_for(  # the tools' prompt (system prompt, worked calls), their runner
+        tokenizer,
+        tools,
+        template=args.prompt_template,
+        datasets=args.dataset,
+        workers=args.tool_workers,
+        max_turns=args.max_turns,
+        max_reply_tokens=args.max_tool_reply_tokens,
+    )
+    reward = partial(  # ALGO: 1 for an answer right in the asked format (reward.reward_fn), or yours (--reward)
+        reward_fn,
+        user_reward=load_reward(args.reward) if args.reward else None,
+        unformatted_credit=args.unformatted_credit,
+        format_weight=args.format_weight,
+    )
+    train_prompts, eval_prompts, data_line = task_prompts(
+        tokenizer,
+        list(args.dataset),
+        args.eval_dataset,
+        context_len=context_len,  # a prompt, the tools' and the response must fit: checked first
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        num_eval=args.num_eval_prompts,
+        max_prompt_len=args.max_prompt_len,
+        template=args.prompt_template,
+        system_prompt=args.system_prompt,
+        prompt_field=args.prompt_field,
+        answer_field=args.answer_field,
+        kind=args.answer_kind,
+        context=context,
+        tools=tool_specs,
+    )
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
-    print0(f"data: {data_line} | {world_size} ranks, engine {checked.engine_kind}")
+    print0(f"data: {data_line} | {world_size} ranks, engine {engine_kind}")
     seed_ranks(args.seed, rank)  # numpy's and Python's per rank, torch's the same on every rank
     clock = StepClock(total=args.steps)  # 'step 3/200 | eta 1:02', the start-up's seconds by part since launch
     clock.lap("setup_s")  # imports, process group, tokenizer, data
+
+    # ---- the rollout engines first: SGLang sizes its KV cache from the free memory it finds -------
     mem = MemoryLog()
-    rollout, watch = start_engines(args, checked, tool_use=tool_use, dtype=dtype, mem=mem)  # before any model loads
+    allow_interrupt(True)  # from here until the run's record exists, a signal ends the run at once: nothing to save
+    rollout, watch = start_rollout(  # colocated engines (rollout.py) or SGLang servers (server.py); watched
+        engine_kind,
+        args.model,
+        samples=args.prompts_per_step * args.group_size,
+        eval_samples=args.num_eval_prompts * args.eval_samples,
+        options=SGLangOptions(
+            mem_fraction=args.sglang_mem_fraction,
+            tp_size=args.rollout_tp,
+            attention_backend=args.sglang_attention_backend,
+            sampling_backend=args.sglang_sampling_backend,
+            cuda_graph_max_bs=args.sglang_cuda_graph_max_bs,  # None: sized to each engine's share of `samples`
+            disable_cuda_graph=args.sglang_disable_cuda_graph,
+            prefill_cuda_graph=args.sglang_prefill_cuda_graph,
+            deterministic=args.deterministic_rollout,
+            lora_rank=args.lora_rank if adapter else 0,
+            lora_targets=tuple(lora_targets),
+        ),
+        servers=ServerOptions(
+            urls=args.rollout_url,
+            gpus=args.rollout_gpus,
+            timeout_s=args.rollout_timeout,
+            sync_backend=args.rollout_sync_backend,
+            sync_address=args.rollout_sync_address,
+        ),
+        seed=args.seed,
+        dtype=dtype,
+        sampling=sampling,
+        tokenizer=tokenizer,
+        tool_use=tool_use,
+        log_dir=run_dir,
+        phase=lambda: mem.current,  # a dead engine's line names the phase
+    )
     clock.lap("engine_s")
-    # the actor and its reference, only if KL is on (the actor with its adapter off under LoRA)
-    policy, ref = load_policy(args, device, dtype, checked.lora_targets, reference=checked.reference)
+
+    # ---- the models: the actor, its reference where the KL is on, the critic, a reward model -----
+    policy, ref = load_policy(
+        args.model,
+        device,
+        dtype,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_sync=args.lora_sync,
+        lora_targets=lora_targets,
+        gradient_checkpointing=args.gradient_checkpointing,
+        attn_implementation=args.attn_implementation,
+        compile=args.compile,
+        reference=reference,  # LoRA: the actor with its adapter off, no second copy
+    )
     rm = load_reward_model(args.reward_model, device, dtype, args.attn_implementation) if args.reward_model else None
     # The critic: the LM's body with a one-output token-classification head, value per position.
     masters = torch.bfloat16 if args.lora_rank else torch.float32  # LoRA: the bases frozen in bf16, adapters fp32
@@ -636,19 +832,36 @@ def main(args: Args):
     apply_lora(critic, args.lora_rank, args.lora_alpha, critic_targets)  # LoRA: the critic's body an adapter of its own
     critic.score.float().requires_grad_(True)  # its head is new: trained whole, in fp32 (full fine-tuning: as it was)
     shard_model(critic, param_dtype=dtype, compile=args.compile)
-    optimizer, scheduler = adamw(policy, args.lr, args)
-    critic_optimizer, critic_scheduler = adamw(critic, args.critic_lr, args)
+    schedule = dict(
+        weight_decay=args.weight_decay,
+        betas=args.adam_betas,
+        warmup_steps=args.warmup_steps,
+        schedule=args.lr_schedule,
+        min_lr_ratio=args.min_lr_ratio,
+        total_steps=args.steps * args.epochs * args.num_minibatches,  # optimizer steps
+    )
+    optimizer, scheduler = adamw(policy, lr=args.lr, **schedule)
+    critic_optimizer, critic_scheduler = adamw(critic, lr=args.critic_lr, **schedule)
     actor, value = (policy, optimizer, scheduler), (critic, critic_optimizer, critic_scheduler)  # what update() trains
-    models, optimizers = [policy, ref, critic, rm], [optimizer, critic_optimizer]  # all off the GPU with --offload
-    phases, sync = memory_plan(args, checked, rollout, dtype=dtype, models=models, optimizers=optimizers, mem=mem)
+    # what the memory phases move around the engine (memory.wake_up and sleep), and how the weights reach it
+    models = [m for m in (policy, ref, critic, rm) if m is not None]
+    phases = dict(models=models, optimizers=[optimizer, critic_optimizer], offload=args.offload, mem=mem)
+    sync = dict(
+        bucket_bytes=args.sync_bucket_mb * 2**20,
+        tp_group=rollout.tp.process_group if engine_kind == "sglang" else None,
+        dtype=dtype if engine_kind == "hf" else torch.bfloat16,  # SGLang computes in bf16
+        adapter=adapter,
+    )
     kl_coef = args.kl_coef
     n_policy, n_critic = matmul_params(policy), matmul_params(critic)  # the models' sizes, for MFU (fsdp.throughput)
     clock.lap("model_s")
+
+    # ---- the run's record: checkpoints, metrics, the console line ---------------------------------
     checkpoints = Checkpoints(
-        checked.run_dir,
+        run_dir,
         stateful={"policy": (policy, optimizer), "critic": (critic, critic_optimizer)},
         hf_models={"model": policy, "critic": critic},
-        tokenizer=checked.tokenizer,
+        tokenizer=tokenizer,
         state=lambda: {  # in trainer.pt, with the step and the data position
             "scheduler": scheduler.state_dict(),
             "critic_scheduler": critic_scheduler.state_dict(),
@@ -658,78 +871,125 @@ def main(args: Args):
         every=args.save_every,
         keep=args.keep_checkpoints,
     )
-    if state := checkpoints.resume(checked.resume_from, sampler):  # weights, optimizers, RNG, data position; the rest:
+    if state := checkpoints.resume(resume_from, sampler):  # weights, optimizers, RNG, data position; the rest:
         scheduler.load_state_dict(state["scheduler"])
         critic_scheduler.load_state_dict(state["critic_scheduler"])
         kl_coef = state["kl_coef"]
     start_step = clock.begin(checkpoints.last)  # 0: a new run
+    # a step's line: these columns, then the rare ones where not 0; the legend says what each name means
+    console = CONSOLE + TOOLS_LINE * bool(tools) + RM_LINE * bool(args.reward_model)
+    print0(legend(console + IF_NOT_0))
+    eval_columns = EVAL_LINE + sampled_line(args.eval_samples) + EVAL_TOOLS_LINE * bool(tools)
+    allow_interrupt(False)  # from here on a signal stops the run at the next check, between phases (stop.stop_run)
+    log = RunLog(  # args.json, run_info.json, metrics.jsonl, samples.jsonl, curves.png; wandb with --track
+        run_dir,
+        config=asdict(args),
+        start_step=start_step,
+        info=run_info(
+            world_size,
+            engine_kind,
+            python_sandbox=args.python_sandbox if "python" in tools else None,
+            tool_workers=args.tool_workers,
+        ),
+        track=args.track,
+        project=args.wandb_project,
+        run_name=run_name,
+        eval_redone=start_step < args.steps
+        and eval_due(start_step, every=args.eval_every, before_train=args.eval_before_train),
+    )
+    nonfinite = NonFinite(args.max_nonfinite_steps)  # steps whose updates all skipped for NaN/inf: a line, then stop
     # the engine holds the trained weights (not checked with --async-rollout: its samples are one update old by design)
     gap_check = GapCheck(args.lora_gap_ratio if args.lora_rank and not args.async_rollout else 0)
-    # the run's record and the loop's calls on it: a step's start (the engine woken, evaluation when due), end, a stop
-    log, stop_now, begin_step, end_step, finish = run_record(
-        args,
-        checked,
-        rollout,
-        watch,
-        phases=phases,
-        device=device,
-        checkpoints=checkpoints,
-        clock=clock,
-        sampler=sampler,
-        eval_prompts=eval_prompts,
-        console=CONSOLE,  # + the tools' and the reward model's columns (start.py)
-        rare=IF_NOT_0,
-        policy=policy,
-        sync=sync,
-    )
-    # rollout.py: draw this rank's prompts, --group-size samples each, send them to the engine
-    send_rollout = partial(
-        send_prompts, rollout, sampler, train_prompts, n=args.prompts_per_step, group_size=args.group_size
-    )
 
     # ---- the loop ----------------------------------------------------------------------------------
     max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
     ahead = None  # --async-rollout: the next step's rollout, generating while this step trains
+    stopped = None  # (signal, steps done, data position): a signal every rank agreed on stops the run after the loop
     for step in range(start_step + 1, args.steps + 1):
         t_step, metrics = time.time(), {"step": step}
+        mem.reset()  # the memory log's phases: this step's
 
         # -- 1. wake SGLang up with the actor's weights (memory.wake_up: the first half of the diagram), with
         # --async-rollout after it finishes this step's batch (generating since the last step); evaluate when due
-        sampler_state = begin_step(step, ahead)  # start.start_of_step; the data position after step - 1
+        data_before = ahead.before if ahead else sampler.state_dict()  # where a stop before this update leaves it
+        if ahead is not None:
+            with mem.phase("generate"):
+                ahead.result()
+        wake_up(rollout.engine, policy=policy, **sync, **phases)
+        if eval_due(step - 1, every=args.eval_every, before_train=args.eval_before_train):  # after step - 1 updates
+            with mem.phase("eval"):
+                evaluation = held_out_eval(  # greedy, and --eval-samples K sampled: pass@k, maj@k
+                    rollout,
+                    eval_prompts,
+                    step=step - 1,
+                    k=args.eval_samples,
+                    temperature=args.eval_temperature,
+                    top_p=args.eval_top_p,
+                    seed=args.seed,
+                )
+            if evaluation is None:  # a signal cut it short: nothing logged
+                stopped = (agreed_signal(), step - 1, data_before)
+                break
+            log.evaluation(step - 1, evaluation, eval_columns)
 
         # -- 2. rollout: group_size episodes per prompt, scored
         with mem.phase("generate"):
-            pending, ahead = ahead or send_rollout(seeds=(args.seed, "sample", step)), None
+            pending, ahead = ahead, None
+            if pending is None:  # rollout.py: draw this rank's prompts, --group-size samples each, send them
+                pending = send_prompts(
+                    rollout,
+                    sampler,
+                    train_prompts,
+                    n=args.prompts_per_step,
+                    group_size=args.group_size,
+                    seeds=(args.seed, "sample", step),
+                )
             samples = label(pending.result(), [train_prompts.examples[i] for i in pending.sample_idx])
             # in threads, each call within --reward-timeout-s; one that raised, NaN/inf or timed out: 0.0, and why
             score_samples(reward, samples, workers=args.reward_workers, timeout_s=args.reward_timeout_s)
         if signum := agreed_signal():  # a signal during generation: stop before anything is trained on
-            stop_now(signum, step - 1, sampler_state)
+            stopped = (signum, step - 1, data_before)
+            break
         if args.async_rollout and step < args.steps:  # ALGO: one step off-policy: the next batch is sampled by the
-            ahead = send_rollout(seeds=(args.seed, "sample", step + 1), ahead=True)  # weights this step updates
+            ahead = send_prompts(  # weights this step updates
+                rollout,
+                sampler,
+                train_prompts,
+                n=args.prompts_per_step,
+                group_size=args.group_size,
+                seeds=(args.seed, "sample", step + 1),
+                ahead=True,
+            )
 
-        # -- 3. SGLang sleeps, training state comes back
+        # -- 3. SGLang sleeps (memory.sleep: the second half of the diagram), training state comes back
         sleep(rollout.engine, device=device, **phases)
         if rm is not None:  # ALGO: each reward becomes w_rule * rule + w_rm * the RM's score (reward_model.py)
             with mem.phase("reward_model"):
                 metrics.update(
                     rm_rewards(
-                        rm, samples, weights=args.reward_weights, whiten=args.reward_model_norm, **checked.rm_read
+                        rm,
+                        samples,
+                        weights=args.reward_weights,
+                        whiten=args.reward_model_norm,
+                        tokenizer=rm_tokenizer,
+                        template=rm_template,
+                        max_len=rm_max_len,
+                        micro_batch_size=args.reward_model_micro_batch_size,
+                        device=device,
                     )
                 )
-        metrics.update(
-            step_rollout_stats(samples, pending, generate_s=mem.seconds["generate"], tools=bool(checked.tools))
-        )
+        metrics.update(step_rollout_stats(samples, pending, generate_s=mem.seconds["generate"]))  # rewards, lengths
+        metrics.update(tool_stats(samples) if tools else {})  # turns and tool calls (tools.py)
 
         # -- 4. the batch: old log-probs, reference log-probs and values, all from the training side
         # PLUMBING: samples change ranks, as many on each, evening out the ranks' tokens (fsdp.balance)
         samples = balance(samples, [len(s.prompt_ids) + len(s.response_ids) for s in samples], world_size)
-        batch = collate(samples, checked.pad_id)
+        batch = collate(samples, pad_id)
         lengths = batch.attention_mask.sum(-1)  # [B] real tokens
         batch.loss_mask = batch.response_mask.clone()
         if args.overlong_filter:  # ALGO: a truncated response has no final answer to be judged on
             batch.loss_mask[torch.tensor([s.truncated for s in samples])] = 0.0
-        with mem.phase("logprob"):  # no gradient; a LoRA actor's reference: its base, the adapter off (fsdp.py)
+        with mem.phase("logprob"):  # no gradient; a LoRA actor's reference: its base, the adapter off
             batch.old_logprobs, batch.ref_logprobs = old_and_ref_logprobs(
                 policy,
                 ref,
@@ -812,15 +1072,62 @@ def main(args: Args):
             )
         )
 
-        # -- 7. metrics, log, checkpoint
+        # -- 7. the step's line and metrics row, a few samples, a checkpoint when due, a signal's stop
         after = ahead.before if ahead else sampler.state_dict()  # the data position after this step
-        updates = args.epochs * args.num_minibatches * (2 if update_actor else 1)
-        end_step(
-            step, metrics, samples, after=after, seconds=time.time() - t_step, updates=updates
-        )  # start.end_of_step
+        updates = args.epochs * args.num_minibatches * (2 if update_actor else 1)  # optimizer steps: actor, critic
+        metrics |= clock.times(step, time.time() - t_step, mem.metrics())  # seconds and memory by phase
+        metrics = {k: float(v) for k, v in metrics.items()}
+        print0(log_line(clock.label(step), metrics, console, rare=IF_NOT_0 + REWARD_LINE))
+        log.log(metrics)
+        if warning := nonfinite.after_step(step, int(metrics.get("train/nonfinite_skips", 0)), updates):
+            print0(warning)
+        if args.log_samples_every and step % args.log_samples_every == 0:
+            log.samples(step, samples)
+        if checkpoints.due(step, args.steps):
+            checkpoints.save(step, after)
+        if signum := agreed_signal():
+            stopped = (signum, step, after)
+            break
 
-    # ---- final evaluation and cleanup --------------------------------------------------------------
-    finish()  # start.finish_run: the last evaluation where due, the closing lines
+    # ---- the last evaluation, then the closing lines ---------------------------------------------
+    if not stopped and args.eval_every and start_step < args.steps:
+        wake_up(rollout.engine, policy=policy, **sync, **phases)
+        evaluation = held_out_eval(
+            rollout,
+            eval_prompts,
+            step=args.steps,
+            k=args.eval_samples,
+            temperature=args.eval_temperature,
+            top_p=args.eval_top_p,
+            seed=args.seed,
+        )
+        if evaluation is None:  # a signal cut it short
+            stopped = (agreed_signal(), args.steps, sampler.state_dict())
+        else:
+            log.evaluation(args.steps, evaluation, eval_columns)
+    if stopped:  # the engine down, the finished steps saved (--save-on-signal), how to go on; exit 128 + signal
+        signum, done, data_position = stopped
+        stop_run(
+            signum,
+            done,
+            data_position,
+            engine=rollout.engine,
+            watch=watch,
+            phases=phases,
+            device=device,
+            checkpoints=checkpoints,
+            save=args.save_on_signal,
+            mem=mem,
+            log=log,
+            clock=clock,
+            eval_line=EVAL_LINE,
+            resume=args.resume,
+        )
+    mem.close()
+    stop_engine(rollout.engine, watch)
+    log.finish()  # curves.png
+    clock.summary(run_dir, EVAL_LINE)  # steps, time, held-out accuracy, where the checkpoint and curves are
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard

@@ -30,26 +30,7 @@ import traceback
 from contextlib import contextmanager
 from typing import Annotated
 
-
-class InputError(ValueError):
-    """Bad input (a flag, a file, a model folder), or a run that can't usefully go on: the message
-    names the input and the fix."""
-
-
-class RunFailed(Exception):
-    """Not bad input: something the run needs failed (the rollout engine could not start, a rollout server
-    died mid-run). The message says what, when, and what to try; exit code 1, no traceback."""
-
-
-class EngineStartFailed(RunFailed):
-    """SGLang failed while starting: friendly_errors adds which of the script's flags sets its memory."""
-
-
-class Interrupted(BaseException):
-    """A signal cut a wait short (start-up, generation, a weight sync that never ended); args[0] is the signal number
-    (stop.py), args[1] what it cut short where that is not start-up.
-    A BaseException, like KeyboardInterrupt: library code that catches Exception (an optional import
-    in SGLang's 20 s of imports, say) must not swallow it."""
+from common import TINY_MODEL, EngineStartFailed, InputError, Interrupted, RunFailed
 
 
 OOM_HINT = (
@@ -194,79 +175,46 @@ def sampling_rules(
     ]
 
 
-def package_rules(a) -> list[tuple[str, object, bool, str]]:
-    """check_flags' rules for the flags that need a package the requirements leave out (each training script's), and
-    for an attention implementation that can't train on this machine (attn_problem)."""
+def package_rules(*, track: bool, attn_implementation: str) -> list[tuple[str, object, bool, str]]:
+    """check_flags' rules for the flags that need a package the requirements leave out (--track: wandb), and for an
+    attention implementation that can't train on this machine (attn_problem)."""
     from importlib.util import find_spec
 
-    attn = attn_problem(a.attn_implementation)
+    attn = attn_problem(attn_implementation)
     return [
         (
             "--track",
-            a.track,
-            not a.track or find_spec("wandb") is not None,
-            "given with wandb installed (pip install wandb; wandb login)",
+            track,
+            not track or find_spec("wandb") is not None,
+            "given with wandb installed (pip install wandb)",
         ),
-        ("--attn-implementation", a.attn_implementation, attn is None, attn),
+        ("--attn-implementation", attn_implementation, attn is None, attn),
     ]
 
 
-def shared_rules(a, world_size: int, tools: dict) -> list[tuple[str, object, bool, str]]:
-    """check_flags' rules for the flags grpo.py and ppo.py share, read by their names (a flag has one name in every
-    script): sizes and optimization, the rollout engine or servers, evaluation, checkpoints, tools (`tools`: those
-    there are, tools.TOOLS), rewards, the process group. Each script adds its algorithm's own (its check_args), and
-    the rules of the modules this one can't import: data.template_rule, reward_model.rm_flag_rules, lora.lora_rules."""
+def rollout_rules(
+    *,
+    mode: str,
+    tp: int,
+    urls: tuple[str, ...],
+    gpus: int,
+    timeout: float,
+    mem_fraction: float,
+    sync_bucket_mb: int,
+    world_size: int,
+) -> list[tuple[str, object, bool, str]]:
+    """check_flags' rules for where the rollout runs: --rollout-mode (`mode`), --rollout-tp, --rollout-url,
+    --rollout-gpus, --rollout-timeout, --sglang-mem-fraction, --sync-bucket-mb. One engine's GPUs are on one node."""
     import torch
 
-    per_rank = a.prompts_per_step // world_size * a.group_size
-    server = a.rollout_mode == "server"
-    local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count()
-    return [  # (flag, value, holds, what it must be)
-        ("--steps", a.steps, a.steps >= 1, ">= 1 (to only evaluate a model: python evaluate.py)"),
-        (
-            "--prompts-per-step",
-            a.prompts_per_step,
-            a.prompts_per_step >= 1 and a.prompts_per_step % world_size == 0,
-            f">= 1 and divide by the {world_size} ranks",
-        ),
-        ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
-        ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
-        ("--lr", a.lr, a.lr > 0, "> 0"),
-        ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
-        ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
-        ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
-        ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, ">= 1"),
-        (
-            "--max-tokens-per-micro-batch",
-            a.max_tokens_per_micro_batch,
-            a.max_tokens_per_micro_batch >= 0,
-            ">= 0 (0: off)",
-        ),
-        (  # fsdp.varlen_attention hands a packed row's sequences to the kernel; padded rows would go to sdpa, silently
-            "--attn-implementation",
-            a.attn_implementation,
-            a.attn_implementation != "varlen" or a.max_tokens_per_micro_batch > 0,
-            "given with --max-tokens-per-micro-batch N (e.g. 8192) for varlen: it attends within packed rows",
-        ),
-        ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
-        (
-            "--num-minibatches",
-            a.num_minibatches,
-            a.num_minibatches >= 1 and per_rank % a.num_minibatches == 0,
-            f">= 1 and divide the {per_rank} samples per rank",
-        ),
-        ("--temperature", a.temperature, a.temperature > 0, "> 0"),
-        ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
-        ("--clip-high", a.clip_high, a.clip_high >= 0, ">= 0"),
-        ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, ">= 0"),
-        ("--min-lr-ratio", a.min_lr_ratio, 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
-        ("--sglang-mem-fraction", a.sglang_mem_fraction, 0 < a.sglang_mem_fraction < 1, "in (0, 1)"),
+    server = mode == "server"
+    local_ranks, node_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count()
+    return [
+        ("--sglang-mem-fraction", mem_fraction, 0 < mem_fraction < 1, "in (0, 1)"),
         (
             "--rollout-tp",
-            a.rollout_tp,
-            a.rollout_tp >= 1
-            and (not a.rollout_url or a.rollout_tp == 1)
-            and (server or world_size % a.rollout_tp == local_ranks % a.rollout_tp == 0),
+            tp,
+            tp >= 1 and (not urls or tp == 1) and (server or world_size % tp == local_ranks % tp == 0),
             f"a divisor of the {local_ranks} ranks "
             f"of each node (one engine's GPUs are on one node: torchrun --nproc_per_node a multiple of it)"
             if not server
@@ -274,61 +222,20 @@ def shared_rules(a, world_size: int, tools: dict) -> list[tuple[str, object, boo
         ),
         (
             "--rollout-url",
-            a.rollout_url,
-            all(u.startswith("http") for u in a.rollout_url)
-            and (bool(a.rollout_url) != (a.rollout_gpus > 0) if server else not a.rollout_url),
+            urls,
+            all(u.startswith("http") for u in urls) and (bool(urls) != (gpus > 0) if server else not urls),
             "http://HOST:PORT of each "
             "server, with --rollout-mode server; that mode takes these or --rollout-gpus k (servers this job starts), not both",
         ),
         (
             "--rollout-gpus",
-            a.rollout_gpus,
-            a.rollout_gpus == 0
-            or (server and a.rollout_gpus % a.rollout_tp == 0 and local_ranks + a.rollout_gpus <= gpus),
+            gpus,
+            gpus == 0 or (server and gpus % tp == 0 and local_ranks + gpus <= node_gpus),
             f"with --rollout-mode server, a multiple of --rollout-tp, at most the "
-            f"{gpus} GPUs of this node less its {local_ranks} training ranks (torchrun --nproc_per_node {gpus - a.rollout_gpus})",
+            f"{node_gpus} GPUs of this node less its {local_ranks} training ranks (torchrun --nproc_per_node {node_gpus - gpus})",
         ),
-        ("--rollout-timeout", a.rollout_timeout, a.rollout_timeout > 0, "> 0"),
-        ("--sync-bucket-mb", a.sync_bucket_mb, a.sync_bucket_mb >= 1, ">= 1"),
-        ("--num-eval-prompts", a.num_eval_prompts, a.num_eval_prompts >= 1, ">= 1 (--eval-every 0: no evaluation)"),
-        ("--eval-every", a.eval_every, a.eval_every >= 0, ">= 0"),
-        *sampling_rules(
-            num_eval_prompts=a.num_eval_prompts,
-            eval_samples=a.eval_samples,
-            eval_temperature=a.eval_temperature,
-            engines=engine_count(
-                world_size, a.rollout_tp, (len(a.rollout_url) or a.rollout_gpus // a.rollout_tp) * server
-            ),
-            deterministic=a.deterministic_rollout,
-            attention_backend=a.sglang_attention_backend,
-            rollout_tp=a.rollout_tp,
-        ),  # K, T, the eval batch; --deterministic-rollout's attention
-        ("--eval-top-p", a.eval_top_p, 0 < a.eval_top_p <= 1, "in (0, 1]"),
-        ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
-        ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
-        ("--log-samples-every", a.log_samples_every, a.log_samples_every >= 0, ">= 0"),
-        (
-            "--tools",
-            a.tools,
-            all(t in tools for t in a.tools.split(",") if t),
-            f"a comma-separated list of {', '.join(tools)}",
-        ),
-        (
-            "--system-prompt",
-            a.system_prompt,
-            not (a.system_prompt and a.tools),
-            "without --tools (the tools bring their own system "
-            "prompt and worked calls; put your instructions in --prompt-template)",
-        ),
-        ("--max-turns", a.max_turns, a.max_turns >= 1, ">= 1"),
-        ("--max-tool-reply-tokens", a.max_tool_reply_tokens, a.max_tool_reply_tokens >= 1, ">= 1"),
-        ("--tool-workers", a.tool_workers, a.tool_workers >= 1, ">= 1"),
-        ("--tool-timeout-s", a.tool_timeout_s, a.tool_timeout_s > 0, "> 0"),
-        ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
-        *package_rules(a),  # --track needs wandb, --attn-implementation flash_attention_2 flash-attn
-        ("--reward-workers", a.reward_workers, a.reward_workers >= 1, ">= 1 (1: one call at a time)"),
-        ("--reward-timeout-s", a.reward_timeout_s, a.reward_timeout_s > 0, "> 0"),
-        ("--dist-timeout-minutes", a.dist_timeout_minutes, a.dist_timeout_minutes > 0, "> 0"),
+        ("--rollout-timeout", timeout, timeout > 0, "> 0"),
+        ("--sync-bucket-mb", sync_bucket_mb, sync_bucket_mb >= 1, ">= 1"),
     ]
 
 
@@ -384,19 +291,6 @@ def run_folder(output_dir: str, run_name: str) -> str:
             f"{output_dir}): pass a name without '/'; to write elsewhere, change --output-dir"
         )
     return os.path.join(os.path.expanduser(output_dir), run_name)
-
-
-def exit_on_interrupt(script: str):
-    """Called before the heavy imports (torch, transformers: ~1.5 s), where Python's own handler printed a
-    KeyboardInterrupt traceback from inside `import torch`: Ctrl-C ends the process in one line, exit 130, until
-    main installs its handlers (stop.py; evaluate.py keeps this one). Only where `script` is the program run."""
-
-    def stop(signum, frame):
-        os.write(2, f"\n{script}: stopped by {signal.Signals(signum).name}\n".encode())  # not print: reentrant-safe
-        raise SystemExit(128 + signum)
-
-    if os.path.basename(sys.argv[0]) == script:
-        signal.signal(signal.SIGINT, stop)
 
 
 # one name for a flag in every script (issue 40): an old name is refused in one line that names the new one
@@ -529,18 +423,7 @@ def check_engine(kind: str, flag: str = "--rollout-engine") -> str:
 # Models
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-TINY_MODEL = os.path.relpath(os.path.join(os.path.dirname(__file__), "tests", "tiny_model.py"))
 TINY_MODEL_HINT = f"for a CPU try-out build a tiny one: python {TINY_MODEL} ./tiny-model, then --model ./tiny-model"
-
-
-def looks_like_path(name: str) -> bool:
-    """A hub id is 'owner/name'; anything else that looks like a path is never sent to the hub."""
-    return (
-        name.startswith((".", "/", "~"))
-        or os.path.exists(name)
-        or name.count("/") != 1
-        or name.endswith((".json", ".jsonl", ".parquet", ".safetensors", ".bin"))
-    )
 
 
 def check_model(
@@ -557,6 +440,8 @@ def check_model(
     raw_text: said (no template)."""
     from transformers import AutoConfig, AutoTokenizer  # lazy: `import preflight` stays light
     from transformers.utils import logging
+
+    from data import looks_like_path  # lazy, as transformers
 
     # transformers' bars at every model load and save fill log files; the run prints its own lines
     logging.disable_progress_bar()
@@ -684,6 +569,8 @@ def safetensors_header(path: str) -> tuple[int, dict | None]:
 def parameter_count(name: str) -> int | None:
     """The parameters of model `name` from its safetensors headers, the weights unread: a local folder, or a hub id's
     downloaded snapshot; None where there is no header to read (.bin weights, a hub id not downloaded yet)."""
+    from data import looks_like_path  # lazy: `import preflight` stays light
+
     folder = os.path.expanduser(name)
     if not looks_like_path(name):
         from huggingface_hub import try_to_load_from_cache
@@ -727,64 +614,12 @@ def hub_reachable(name: str, flag: str):
     """A hub id must be in the local cache or reachable: one quick request, not a minute of retries."""
     from huggingface_hub import try_to_load_from_cache
 
+    from data import hub_unreachable  # lazy, as huggingface_hub
+
     if os.environ.get("HF_HUB_OFFLINE") == "1" or isinstance(try_to_load_from_cache(name, "config.json"), str):
         return  # cached: transformers reads it without the network
     if why := hub_unreachable(name, flag):
         raise InputError(
             f"{flag} {name!r} is not a local folder, not in the Hugging Face cache, and the hub "
             f"can't be reached ({why});\n  pass a local folder, or {TINY_MODEL_HINT}"
-        )
-
-
-def hub_unreachable(name: str, flag: str, repo_type: str = "model") -> str | None:
-    """One request of at most 10 s about a hub id: None if the hub answers, else why it can't be reached (no
-    network, DNS, a proxy: the caller decides whether a cache will do). Gated or missing: an InputError."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
-
-    try:
-        HfApi().repo_info(name, repo_type=repo_type, timeout=10)
-    except GatedRepoError:
-        raise InputError(
-            f"{flag} {name!r} is gated on the hub: accept its licence on its page and log in "
-            f"(hf auth login), or pass a local {'folder' if repo_type == 'model' else 'file'}"
-        ) from None
-    except RepositoryNotFoundError:
-        raise InputError(
-            f"{flag} {name!r}: no such {repo_type} on the hub (check the spelling; private ones need "
-            f"hf auth login), and no such local {'folder' if repo_type == 'model' else 'file or folder'}"
-        ) from None
-    except Exception as e:  # no network, DNS, proxy, timeout: all mean the same here
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def check_context(
-    context: int | None,
-    max_prompt_len: int,
-    max_new_tokens: int,
-    flag: str = "--max-prompt-len",
-    *,
-    tools_prompt: int = 0,
-):
-    """A prompt of max_prompt_len tokens (after the tools' prompt, if any) plus max_new_tokens must fit the model's
-    context. The error offers only fixes that fit: flags lowered to at least 1 token, or a model with a longer context."""
-    total = max_prompt_len + tools_prompt + max_new_tokens
-    if context is not None and total > context:
-        tools = f" + the tools' prompt {tools_prompt}" if tools_prompt else ""
-        new, prompt = context - tools_prompt - max_prompt_len, context - tools_prompt - max_new_tokens  # what would fit
-        lower = [f"--max-new-tokens to {new}"] * (new >= 1) + [f"{flag} to {prompt} (longer prompts are dropped)"] * (
-            prompt >= 1
-        )
-        both = context - tools_prompt  # neither alone, both together: a prompt and a response of a token each at least
-        lower = lower or [f"{flag} and --max-new-tokens so that they add up to {both} or less"] * (both >= 2)
-        model = (
-            f"a model with a context of {total} or more (a tiny one for a CPU try-out: python {TINY_MODEL} ./tiny-model "
-            f"--context {1 << (total - 1).bit_length()})"
-        )
-        room = "the tools' prompt alone leaves no room: " if tools_prompt else ""
-        fix = f"lower {' or '.join(lower)}, or use {model}" if lower else f"{room}use {model}"
-        raise InputError(
-            f"{flag} {max_prompt_len}{tools} + --max-new-tokens {max_new_tokens} = {total} tokens, "
-            f"more than the model's context of {context} (max_position_embeddings): {fix}"
         )

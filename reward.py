@@ -40,10 +40,7 @@ from decimal import Decimal, InvalidOperation
 import torch
 import torch.distributed as dist
 
-from fsdp import all_reduce
-from preflight import InputError, Interrupted
-from runlog import print0
-from stop import interruptible
+from common import InputError, Interrupted, all_reduce, interruptible, print0
 
 # A number: optional sign, digits with optional thousands commas, optional decimals; or ".5".
 _NUM = r"-?(?:[0-9][0-9,]*(?:\.[0-9]+)?|\.[0-9]+)"

@@ -19,9 +19,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from fsdp import all_reduce, all_reduce_dict, load_model, shard_model
-from preflight import InputError, check_model, given_flags
-from rollout import plain_ids
+from fsdp import load_model, shard_model
+from common import InputError, all_reduce, all_reduce_dict
+from preflight import check_model, given_flags
+from data import plain_ids
 
 RM_LINE = [  # the console's (name, metric, format, meaning)
     ("rm", "rollout/rm_score", ".3f", "the reward model's score, mean"),
@@ -29,35 +30,23 @@ RM_LINE = [  # the console's (name, metric, format, meaning)
 ]
 
 
-def rm_flag_rules(a) -> list[tuple[str, object, bool, str]]:
-    """check_flags' rules for grpo.py's and ppo.py's --reward-model flags: the others only with it."""
-    given = given_flags(sys.argv[1:]) if not a.reward_model else set()
-    lone = [
-        k
-        for k in (
-            "reward_weights",
-            "reward_model_norm",
-            "reward_model_max_len",
-            "reward_model_micro_batch_size",
-            "reward_model_template",
-        )
-        if k in given
-    ]
+def rm_flag_rules(
+    *, reward_model: str | None, weights: tuple[float, float], max_len: int, micro_batch_size: int, given: set[str]
+) -> list[tuple[str, object, bool, str]]:
+    """check_flags' rules for grpo.py's and ppo.py's --reward-model flags: the others only with it (`given`: the
+    command line's flags, preflight.given_flags)."""
+    alone = ["reward_weights", "reward_model_norm", "reward_model_max_len", "reward_model_micro_batch_size"]
+    alone = [k for k in alone + ["reward_model_template"] if k in given and not reward_model]
     return [
-        ("--reward-model-max-len", a.reward_model_max_len, a.reward_model_max_len >= 2, ">= 2"),
-        (
-            "--reward-model-micro-batch-size",
-            a.reward_model_micro_batch_size,
-            a.reward_model_micro_batch_size >= 1,
-            ">= 1",
-        ),
+        ("--reward-model-max-len", max_len, max_len >= 2, ">= 2"),
+        ("--reward-model-micro-batch-size", micro_batch_size, micro_batch_size >= 1, ">= 1"),
         (
             "--reward-weights",
-            a.reward_weights,
-            all(map(math.isfinite, a.reward_weights)) and any(a.reward_weights),
+            weights,
+            all(map(math.isfinite, weights)) and any(weights),
             "two finite numbers, not both 0: the rule reward's weight, then the reward model's",
         ),
-        *[(f"--{k.replace('_', '-')}", getattr(a, k), False, "given with --reward-model only") for k in lone],
+        *[(f"--{k.replace('_', '-')}", "", False, "given with --reward-model only") for k in alone],
     ]
 
 

@@ -22,29 +22,26 @@ spanning the group's k GPUs, the others have `engine=None` and send their prompt
 """
 
 import asyncio
-import concurrent.futures
+import atexit
 import contextlib
 import dataclasses
 import functools
 import logging
 import math
 import multiprocessing
-import re
+import os
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from data import ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, Sample, label, sample_seeds, seed_for, shard
-from fsdp import all_reduce, without_agent_store
-from preflight import EngineStartFailed, Interrupted
-from reward import EVAL_LINE, EVAL_TOOLS_LINE, eval_stats, rollout_stats, sampled_eval_stats, sampled_line
-from runlog import log_line, print0
-from stop import agreed_signal, interruptible, quit_while_starting, stop_engine
-from tools import parse_tool_calls, timed_call, tool_stats, tools_prompt
+from data import Sample, label, sample_seeds, seed_for, shard
+from common import EngineStartFailed, Interrupted, agreed_signal, all_reduce, interruptible
+from reward import eval_stats, rollout_stats, sampled_eval_stats
 
 # ----------------------------------------------------------------------------------------------
 # Engines
@@ -180,6 +177,60 @@ def run_without_signals(target, *args, **kwargs):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     tqdm.set_lock(threading.RLock())
     return target(*args, **kwargs)
+
+
+@contextmanager
+def without_agent_store():
+    """Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes every new TCPStore a client of torchrun's
+    store: one this process (or a child inheriting its environment) must host itself would wait
+    forever. Hidden meanwhile (SGLang's start, the weight-update group's rendezvous)."""
+    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+
+
+def quit_while_starting(signum, frame):
+    """SGLang's `custom_sigquit_handler` (rollout.start_sglang). A scheduler that fails while starting prints its
+    traceback and sends us SIGQUIT; SGLang's own handler would SIGKILL the whole process tree (exit 137, its
+    traceback last). This one cuts the start short, once (each TP rank sends one): the start stops what it began
+    and says what failed (start_sglang reads `.ran`: SIGQUIT's state can be inherited). Not a lambda: SGLang pickles it."""
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+    quit_while_starting.ran = True
+    raise Interrupted(signum)
+
+
+def stop_engine(engine, watch=None):
+    """Stop the engine's processes (and theirs), on purpose: its `watch` (a stop.EngineWatch) first, so that it does not
+    report them.
+
+    Not sglang.Engine.shutdown(): it kills every child of this process, multiprocessing's resource
+    tracker too, and the tracker relaunched at exit prints a KeyError traceback for each semaphore
+    it never saw. Safe to call twice."""
+    if watch is not None:
+        watch.close()
+    if engine is None:
+        return
+    atexit.unregister(engine.shutdown)
+    kill(getattr(engine, "processes", []))
+
+
+def kill(processes: list):
+    """SIGKILL these multiprocessing processes and all of their children; wait for them."""
+    victims = list(processes)
+    with contextlib.suppress(ImportError):
+        import psutil  # SGLang depends on it; the CPU stand-in engine has no grandchildren
+
+        for p in processes:
+            with contextlib.suppress(psutil.Error):
+                victims += psutil.Process(p.pid).children(recursive=True)
+    for p in victims:
+        with contextlib.suppress(Exception):  # gone already
+            p.kill()
+    for p in processes:
+        p.join(timeout=10)
 
 
 class HFEngine:
@@ -404,7 +455,7 @@ def generate(
     sampling: Sampling,
     tokenizer=None,
     tp: TPGroup | None = None,
-    tool_use: "ToolUse | None" = None,
+    tool_use=None,
 ) -> list[Sample]:
     """Sample one completion per prompt (repeat a prompt to get a group). Token ids in, token ids
     and per-token log-probs out. Each request carries its own `seeds[i]` (SGLang 0.5.16 samples by it in
@@ -427,7 +478,7 @@ def generate_groups(
     sampling: Sampling,
     tokenizer=None,
     tp: TPGroup | None = None,
-    tool_use: "ToolUse | None" = None,
+    tool_use=None,
     max_requests: int = 4096,
 ) -> list[list[Sample]]:
     """k samples of each prompt, the j-th with seed seed_for(seeds[i], j) (`seeds`: one a prompt, e.g. from its index
@@ -459,7 +510,7 @@ def send(
     sampling: Sampling,
     tokenizer=None,
     tp: TPGroup | None = None,
-    tool_use: "ToolUse | None" = None,
+    tool_use=None,
     ahead: bool = False,
 ) -> "Pending":
     """`generate`'s first half: the group's requests gathered on the owner and run there, at once,
@@ -491,7 +542,7 @@ class Rollout:
     tp: TPGroup
     sampling: Sampling
     tokenizer: object = None
-    tool_use: "ToolUse | None" = None
+    tool_use: object = None  # tools.ToolUse: how samples call tools
 
 
 def send_prompts(
@@ -520,23 +571,23 @@ def send_prompts(
     return pending
 
 
-def step_rollout_stats(samples: list[Sample], pending: "Pending", *, generate_s: float, tools: bool) -> dict:
+def step_rollout_stats(samples: list[Sample], pending: "Pending", *, generate_s: float) -> dict:
     """A step's rollout/ metrics, all ranks': what its samples scored, their lengths and the engine's tokens a second
     (reward.rollout_stats; its seconds: `pending`'s own when it was sent ahead, --async-rollout, else the generate
-    phase's `generate_s`), their staleness (updates between the sampling weights and the trained ones: 1 sent ahead,
-    else 0) and, with `tools`, their turns and tool calls (tools.tool_stats)."""
+    phase's `generate_s`) and their staleness (updates between the sampling weights and the trained ones: 1 sent
+    ahead, else 0)."""
     stats = rollout_stats(samples, seconds=pending.seconds if pending.ahead else generate_s)
     stats["rollout/staleness"] = float(pending.ahead)
-    return stats | (tool_stats(samples) if tools else {})
+    return stats
 
 
 def held_out_eval(
-    rollout: Rollout, prompts, log, *, step: int, k: int, temperature: float, top_p: float, seed: int
-) -> int:
+    rollout: Rollout, prompts, *, step: int, k: int, temperature: float, top_p: float, seed: int
+) -> dict | None:
     """Greedy accuracy on the held-out `prompts` (data.Prompts; the engine awake), each rank a strided share, with the
-    rollout's token limit and stop tokens; with k > 0, k samples a prompt too, at `temperature` and `top_p`: avg@k,
-    pass@1..k, maj@k (reward.sampled_eval_stats). One console line, one row of `log` (runlog.RunLog). Returns the
-    signal that cut it short, agreed by every rank (then nothing is logged), else 0."""
+    rollout's token limit and stop tokens; with k > 0, k samples a prompt too, at `temperature` and `top_p` (seeded by
+    `seed`, `step` and the prompt): avg@k, pass@1..k, maj@k (reward.sampled_eval_stats). Returns the eval/ metrics of
+    all ranks, or None where a signal cut the generation short (common.agreed_signal: every rank returns None)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     share = range(rank, len(prompts.ids), world_size)
     prompt_ids, examples = [prompts.ids[i] for i in share], [prompts.examples[i] for i in share]
@@ -546,15 +597,11 @@ def held_out_eval(
     sampled = dataclasses.replace(rollout.sampling, temperature=temperature, top_p=top_p)
     seeds = [seed_for(seed, "eval", step, i) for i in share]  # a prompt's own, whichever rank evaluates it
     groups = generate_groups(rollout.engine, prompt_ids, k, seeds=seeds, sampling=sampled, **on) if k else []
-    if signum := agreed_signal():
-        return signum
+    if agreed_signal():
+        return None
     label(samples + sum(groups, []), examples + [ex for ex in examples for _ in range(k)])
     out = eval_stats(samples, sources=prompts.sources)
-    out |= sampled_eval_stats(groups, sources=prompts.sources) if k else {}
-    shown = EVAL_LINE + sampled_line(k) + EVAL_TOOLS_LINE * bool(rollout.tool_use)
-    print0(log_line(f"eval after step {step}", out, shown))
-    log.log({"step": step, **out})
-    return 0
+    return out | (sampled_eval_stats(groups, sources=prompts.sources) if k else {})
 
 
 def run_requests(
@@ -568,15 +615,9 @@ def run_requests(
             **adapter_named(engine, len(prompts)),
         )
         return [read_output(prompt, out, sampling, tokenizer) for prompt, out in zip(prompts, outputs)]
-    # the engine's own event loop drives the episodes (SGLang's Engine owns one)
-    return engine.loop.run_until_complete(
-        all_or_none(
-            [
-                episode(engine, prompt, seed, sampling=sampling, tool_use=tool_use)
-                for prompt, seed in zip(prompts, seeds)
-            ]
-        )
-    )
+    # the engine's own event loop drives the episodes (SGLang's Engine owns one); tool_use: tools.ToolUse
+    episodes = [tool_use.episode(engine, prompt, seed, sampling=sampling) for prompt, seed in zip(prompts, seeds)]
+    return engine.loop.run_until_complete(all_or_none(episodes))
 
 
 class Pending:
@@ -670,102 +711,6 @@ def read_output(prompt: list[int], out: dict, sampling: Sampling, tokenizer=None
     return Sample(prompt_ids=prompt, response_ids=response, rollout_logprobs=logprobs, truncated=truncated, text=text)
 
 
-# ----------------------------------------------------------------------------------------------
-# Multi-turn: a sample that calls tools
-
-
-@dataclass
-class ToolUse:
-    """How samples call tools (grpo.py --tools calculator,python): the tools by name (tools.py),
-    at most `max_turns` model turns, each tool reply cut to `max_reply_tokens` tokens, the calls
-    run in `pool`'s threads so that a slow tool holds up its own sample only."""
-
-    tools: dict
-    tokenizer: object
-    pool: concurrent.futures.Executor
-    max_turns: int = 4
-    max_reply_tokens: int = 256
-
-
-def tools_for(
-    tokenizer,
-    tools: dict,
-    *,
-    template: str | None,
-    datasets: tuple[str, ...],
-    workers: int,
-    max_turns: int,
-    max_reply_tokens: int,
-) -> tuple[list[dict] | None, list[dict] | None, ToolUse | None]:
-    """With `tools` (tools.select_tools' choice): the messages before every question and the tools' schemas
-    (tools.tools_prompt: a system prompt, two worked calls asked through `template`, else through the datasets' kind's:
-    addition's for the built-in tasks, GSM8K's for any other), and how samples call them (ToolUse, the calls in
-    `workers` threads). Without tools: (None, None, None)."""
-    if not tools:
-        return None, None, None
-    template = template or (ADDITION_PROMPT if set(datasets) <= set(BUILTIN_TASKS) else GSM8K_PROMPT)
-    context, specs = tools_prompt(tokenizer, tools, template)
-    pool = concurrent.futures.ThreadPoolExecutor(workers)
-    return context, specs, ToolUse(tools, tokenizer, pool, max_turns=max_turns, max_reply_tokens=max_reply_tokens)
-
-
-async def episode(engine, prompt: list[int], seed: int, *, sampling: Sampling, tool_use: ToolUse) -> Sample:
-    """One sample that may call tools: the model's turns and the tools' replies as one growing
-    token sequence. Token in, token out: earlier turns are never rendered again, so what is
-    trained is exactly what was sampled. `model_mask` marks the model's tokens 1 and the tools' 0
-    (their log-probs are 0); `text` is the model's own text, so a tool can never write the answer.
-
-    A turn ends at a stop token; the episode ends at a turn without a tool call, after `max_turns`
-    turns, or when the response budget (`sampling.max_new_tokens`, tool replies included) runs
-    out: a turn cut by it, or a tool reply that does not fit, leaves the sample truncated.
-    """
-    tok, loop = tool_use.tokenizer, asyncio.get_running_loop()
-    sample = Sample(
-        prompt_ids=prompt, response_ids=[], rollout_logprobs=[], truncated=False, model_mask=[], messages=[]
-    )
-    texts = []
-    for turn in range(tool_use.max_turns):
-        params = {
-            **sampling.params(seed_for(seed, "turn", turn) if turn else seed),
-            "max_new_tokens": sampling.max_new_tokens - len(sample.response_ids),
-        }
-        out = await engine.async_generate(
-            input_ids=prompt + sample.response_ids,
-            sampling_params=params,
-            return_logprob=True,
-            **adapter_named(engine, None),
-        )
-        turn_out = read_output(prompt, out, sampling, tok)
-        sample.response_ids += turn_out.response_ids
-        sample.rollout_logprobs += turn_out.rollout_logprobs
-        sample.model_mask += [1] * len(turn_out.response_ids)
-        texts.append(turn_out.text)
-        sample.messages.append({"role": "assistant", "content": turn_out.text})
-        calls, malformed = parse_tool_calls(turn_out.text)
-        if turn_out.truncated or not (calls or malformed) or turn == tool_use.max_turns - 1:
-            sample.truncated = turn_out.truncated
-            break
-        results = await asyncio.gather(
-            *(loop.run_in_executor(tool_use.pool, timed_call, tool_use.tools, c) for c in calls)
-        )
-        results += [(f"error: {problem}", "error", 0.0) for problem in malformed]  # said to the model, never raised
-        sample.tool_calls += [(c["name"], status, seconds) for c, (_, status, seconds) in zip(calls, results)]
-        sample.tool_calls += [("?", "error", 0.0)] * len(malformed)
-        replies = [tok.decode(plain_ids(tok, r)[: tool_use.max_reply_tokens]) for r, _, _ in results]
-        reply_ids = tool_reply_ids(
-            tok, replies, last_token=turn_out.response_ids[-1] if turn_out.response_ids else None
-        )
-        if len(sample.response_ids) + len(reply_ids) >= sampling.max_new_tokens:  # no room for it and a next turn
-            sample.truncated = True
-            break
-        sample.response_ids += reply_ids
-        sample.messages += [{"role": "tool", "content": r} for r in replies]
-        sample.rollout_logprobs += [0.0] * len(reply_ids)
-        sample.model_mask += [0] * len(reply_ids)
-    sample.turns, sample.text = len(texts), "\n".join(texts)
-    return sample
-
-
 async def all_or_none(coroutines) -> list:
     """Run coroutines concurrently; the first exception surfaces, and the others are cancelled
     (and awaited: no task is left pending on the loop)."""
@@ -776,46 +721,6 @@ async def all_or_none(coroutines) -> list:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-_CONTENT = "\x00the assistant's content\x00"  # a string no chat template writes itself
-_REPLY = re.compile("\x00tool reply ([0-9]+)\x00")
-
-
-def tool_reply_ids(tokenizer, replies: list[str], last_token: int | None) -> list[int]:
-    """The tokens that follow a model turn with tool calls, as the chat template renders them:
-    whatever ends the assistant turn (less the stop token the model sampled itself), one tool
-    message per reply, and the next assistant turn's header. Taken as the token delta of a whole
-    rendered conversation: a tool message rendered alone loses what the template writes between
-    turns (verl#6501: the newline after Qwen's <|im_end|>). The template's own markers are special
-    tokens; the replies are plain text (`plain_ids`): a program that prints '<|im_end|><|im_start|>user'
-    can't forge a turn."""
-    base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _CONTENT}]
-    slots = [{"role": "tool", "content": f"\x00tool reply {i}\x00"} for i in range(len(replies))]
-    full = tokenizer.apply_chat_template(base + slots, tokenize=False, add_generation_prompt=True)
-    if _CONTENT not in full:
-        raise ValueError(
-            "the chat template rewrites an earlier assistant turn when tool messages follow it; "
-            "a multi-turn rollout needs a template that keeps earlier turns as they were"
-        )
-    pieces = _REPLY.split(
-        full[full.index(_CONTENT) + len(_CONTENT) :]
-    )  # template text, reply number, template text, ...
-    if pieces[1::2] != [str(i) for i in range(len(replies))]:
-        raise ValueError("the chat template does not show each tool message's content once, in order")
-    ids = [
-        i
-        for k, piece in enumerate(pieces)
-        for i in (
-            plain_ids(tokenizer, replies[int(piece)]) if k % 2 else tokenizer.encode(piece, add_special_tokens=False)
-        )
-    ]
-    return ids[1:] if ids and ids[0] == last_token else ids
-
-
-def plain_ids(tokenizer, text: str) -> list[int]:
-    """`text` as tokens with no special token in them: '<|im_end|>' in it stays the characters."""
-    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
 def mismatch_stats(batch, touched: torch.Tensor | None = None) -> dict:

@@ -33,8 +33,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpoint import gib, latest_checkpoint, out_of_space
+from common import InputError, RunFailed, print0
 from plot import parse_row, read_metrics, write_curves
-from preflight import InputError, RunFailed, check_writable, run_folder
+from preflight import check_writable, run_folder
 from sandbox import memory_bound
 
 LOCK = "run.lock"  # in the run's folder: rank 0 holds an OS lock on it for the run's life; it names the holder
@@ -197,6 +198,12 @@ class RunLog:
             if not self.undrawn:
                 write_curves(os.path.dirname(self.path))  # plot.py; a failure is one line, never the run's end
 
+    def evaluation(self, step: int, metrics: dict, columns: list[tuple]):
+        """A held-out evaluation after `step` updates (rollout.held_out_eval's metrics): its console line (`columns`,
+        as log_line takes them) and its row."""
+        print0(log_line(f"eval after step {step}", metrics, columns))
+        self.log({"step": step, **metrics})
+
     def samples(self, step: int, samples, n: int = 4, shown: int = 2):
         """`n` completions as text: `shown` printed, all appended to samples.jsonl and a wandb table."""
         rows = [{"step": step, "reward": s.reward, "answer": s.answer, "completion": s.text} for s in samples[:n]]
@@ -216,11 +223,6 @@ class RunLog:
             write_curves(os.path.dirname(self.path))
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def print0(*args, **kwargs):
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
 
 
 # a step's console line, what grpo.py and ppo.py share: (name, metric, format, what it is: the legend printed before step 1)

@@ -35,6 +35,7 @@ read at the same path (this machine, or a shared file system). The servers run w
 
 import asyncio
 import dataclasses
+from dataclasses import dataclass
 import datetime
 import json
 import os
@@ -50,11 +51,11 @@ from concurrent.futures import Future, wait
 import torch
 import torch.distributed as dist
 
-from fsdp import without_agent_store
+from rollout import Rollout, Sampling, SGLangOptions, graph_batch, kill, start_engine, tp_group, without_agent_store
 from memory import ALL_TAGS, release
-from preflight import InputError, Interrupted, RunFailed, engine_count, first_line
-from rollout import Rollout, Sampling, SGLangOptions, graph_batch, start_engine, tp_group
-from stop import EngineWatch, kill, requested
+from preflight import engine_count, first_line
+from common import InputError, Interrupted, RunFailed, requested
+from stop import EngineWatch
 
 SHAPES = (
     "hidden_size",
@@ -441,6 +442,17 @@ class ServerEngine:
             self.group = None
 
 
+@dataclass
+class ServerOptions:
+    """Where the rollout servers are and how the weights reach them (--rollout-mode server's flags)."""
+
+    urls: tuple[str, ...] = ()  # --rollout-url: each server's http://HOST:PORT
+    gpus: int = 0  # --rollout-gpus k: servers this job starts on the last k GPUs of rank 0's node instead
+    timeout_s: float = 600.0  # --rollout-timeout: to start, answer a request or take the weights
+    sync_backend: str = "auto"  # --rollout-sync-backend: NCCL on GPUs, gloo on CPUs
+    sync_address: str | None = None  # --rollout-sync-address: this machine's, as the servers reach it
+
+
 def start_rollout(
     kind: str,
     model: str,
@@ -448,23 +460,19 @@ def start_rollout(
     samples: int,
     eval_samples: int = 0,
     options: SGLangOptions,
+    servers: ServerOptions | None = None,
     seed: int,
     dtype: torch.dtype,
     sampling: Sampling,
     tokenizer=None,
     tool_use=None,
-    urls: tuple[str, ...] = (),
-    gpus: int = 0,
-    timeout_s: float = 600.0,
-    sync_backend: str = "auto",
-    sync_address: str | None = None,
     log_dir: str = ".",
     phase=lambda: "start-up",
 ) -> tuple[Rollout, EngineWatch]:
     """The rollout engines, started before any model loads (SGLang sizes its KV cache from the free memory it finds).
     `kind` "sglang" or "hf": colocated, the first rank of each options.tp_size owns one (rollout.start_engine);
-    "server": rank 0 speaks to the servers for all ranks, those at `urls` or, with `gpus` k, servers it launches on the
-    last k GPUs of its node (launch_servers, their logs in `log_dir`). Each decodes its share of `samples` (a step's,
+    "server": rank 0 speaks to the servers for all ranks, those at servers.urls or, with servers.gpus k, servers it
+    launches on the last k GPUs of its node (launch_servers, their logs in `log_dir`). Each decodes its share of `samples` (a step's,
     all ranks') or of `eval_samples` (an evaluation's) up to 1024 at once: its CUDA graphs are sized to it
     (rollout.graph_batch) unless options.cuda_graph_max_bs says: beyond, the few large evaluations decode without
     graphs rather than every start capturing thousands of batch sizes. options.deterministic and options.lora_rank
@@ -474,6 +482,8 @@ def start_rollout(
     `tool_use`; the watch)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     server = kind == "server"
+    s = servers or ServerOptions()
+    urls, gpus = s.urls, s.gpus
     engines = engine_count(world_size, options.tp_size, (len(urls) or gpus // options.tp_size) * server)
     batch = max(samples // engines, min(eval_samples // engines, 1024))  # decoded at once: its CUDA graphs
     options = dataclasses.replace(options, cuda_graph_max_bs=graph_batch(batch, options.cuda_graph_max_bs))
@@ -493,9 +503,9 @@ def start_rollout(
                 urls,
                 processes=processes,
                 model=model,
-                timeout_s=timeout_s,
-                sync_backend=sync_backend,
-                sync_address=sync_address,
+                timeout_s=s.timeout_s,
+                sync_backend=s.sync_backend,
+                sync_address=s.sync_address,
                 batch=batch,
                 deterministic=options.deterministic,
                 lora_rank=options.lora_rank,

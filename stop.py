@@ -16,79 +16,18 @@ long wait, and a signal cuts it short (it changes no training state).
 """
 
 import atexit
-import contextlib
 import os
 import signal
 import sys
 import threading
-import time
 
 import torch.distributed as dist
 from tqdm import tqdm
 
-from fsdp import all_reduce
+from common import InputError, handle_signals, print0
 from memory import sleep
-from preflight import InputError, Interrupted, tell_torchrun
-from runlog import print0
-
-_state = {"signum": 0, "interruptible": False, "first_at": 0.0}
-
-
-def handle_signals():
-    """Install the handlers (again after anything that may have replaced them)."""
-    for s in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(s) is not _on_signal:
-            signal.signal(s, _on_signal)
-
-
-def _on_signal(signum, frame):
-    # A second Ctrl-C exits now, whatever is running. One within a second of the first is the same
-    # Ctrl-C again: in a terminal the whole process group gets it, and torchrun forwards its own copy.
-    if _state["signum"] and signum == signal.SIGINT and time.time() - _state["first_at"] > 1.0:
-        os.write(2, b"\nsecond Ctrl-C: exiting now\n")
-        os._exit(128 + signum)  # SGLang's child processes die with their parent (PR_SET_PDEATHSIG)
-    first = not _state["signum"]
-    if first:
-        _state["first_at"] = time.time()
-    _state["signum"] = max(_state["signum"], signum)  # SIGTERM after SIGINT (torchrun forwarding) wins
-    if first and os.environ.get("RANK", "0") == "0":
-        when = "now" if _state["interruptible"] else "at the next safe point"
-        os.write(
-            2,
-            f"\n{signal.Signals(signum).name} received: stopping {when} (Ctrl-C again to exit at once, unsaved)\n".encode(),
-        )
-    if _state["interruptible"]:
-        raise Interrupted(signum)
-
-
-def requested() -> int:
-    """The signal this rank got, 0 if none."""
-    return _state["signum"]
-
-
-def allow_interrupt(on: bool):
-    """While on, a signal raises Interrupted wherever the main thread is: only for code whose
-    interruption changes no training state (start-up, generation)."""
-    if on and _state["signum"]:
-        raise Interrupted(_state["signum"])
-    _state["interruptible"] = on
-    if not on:
-        handle_signals()
-
-
-@contextlib.contextmanager
-def interruptible():
-    allow_interrupt(True)
-    try:
-        yield
-    finally:
-        allow_interrupt(False)
-
-
-def agreed_signal() -> int:
-    """The signal any rank got (SIGTERM wins), 0 if none. A collective: every rank calls it at the
-    same places, so all ranks stop together and can save together."""
-    return int(all_reduce(_state["signum"], dist.ReduceOp.MAX)) if dist.is_initialized() else _state["signum"]
+from preflight import tell_torchrun
+from rollout import kill, stop_engine
 
 
 def stop_run(
@@ -131,16 +70,6 @@ def stop_run(
 
 # ----------------------------------------------------------------------------------------------
 # A dead engine
-
-
-def quit_while_starting(signum, frame):
-    """SGLang's `custom_sigquit_handler` (rollout.start_sglang). A scheduler that fails while starting prints its
-    traceback and sends us SIGQUIT; SGLang's own handler would SIGKILL the whole process tree (exit 137, its
-    traceback last). This one cuts the start short, once (each TP rank sends one): the start stops what it began
-    and says what failed (start_sglang reads `.ran`: SIGQUIT's state can be inherited). Not a lambda: SGLang pickles it."""
-    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
-    quit_while_starting.ran = True
-    raise Interrupted(signum)
 
 
 class EngineWatch:
@@ -210,36 +139,6 @@ class EngineWatch:
 
     def close(self):
         self._done.set()
-
-
-def stop_engine(engine, watch: EngineWatch | None):
-    """Stop the engine's processes (and theirs), on purpose: the watch first, so it does not report them.
-
-    Not sglang.Engine.shutdown(): it kills every child of this process, multiprocessing's resource
-    tracker too, and the tracker relaunched at exit prints a KeyError traceback for each semaphore
-    it never saw. Safe to call twice."""
-    if watch is not None:
-        watch.close()
-    if engine is None:
-        return
-    atexit.unregister(engine.shutdown)
-    kill(getattr(engine, "processes", []))
-
-
-def kill(processes: list):
-    """SIGKILL these multiprocessing processes and all of their children; wait for them."""
-    victims = list(processes)
-    with contextlib.suppress(ImportError):
-        import psutil  # SGLang depends on it; the CPU stand-in engine has no grandchildren
-
-        for p in processes:
-            with contextlib.suppress(psutil.Error):
-                victims += psutil.Process(p.pid).children(recursive=True)
-    for p in victims:
-        with contextlib.suppress(Exception):  # gone already
-            p.kill()
-    for p in processes:
-        p.join(timeout=10)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,15 +14,18 @@ sandbox, as `python` does (sandbox.run_program: a jail, or a SandboxFusion serve
 """
 
 import ast
+import asyncio
+import concurrent.futures
 import json
 import math
 import operator
 import re
 import time
+from dataclasses import dataclass
 
-from data import ask
-from preflight import InputError
-from runlog import print0
+from common import InputError, all_reduce, print0
+from data import ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, Sample, ask, plain_ids, seed_for
+from rollout import Sampling, adapter_named, read_output
 from sandbox import memory_bound, run_program, sandbox_problem
 
 # ----------------------------------------------------------------------------------------------
@@ -88,6 +91,34 @@ def python(code: str) -> str:
 
 
 TOOLS = {"calculator": calculator, "python": python}
+
+
+def tool_rules(
+    *, tools: str, system_prompt: str | None, max_turns: int, max_reply_tokens: int, workers: int, timeout_s: float
+) -> list[tuple[str, object, bool, str]]:
+    """preflight.check_flags' rules for the tools' flags: --tools names some of TOOLS, --system-prompt,
+    --max-turns, --max-tool-reply-tokens, --tool-workers, --tool-timeout-s."""
+    return [
+        (
+            "--tools",
+            tools,
+            all(t in TOOLS for t in tools.split(",") if t),
+            f"a comma-separated list of {', '.join(TOOLS)}",
+        ),
+        (
+            "--system-prompt",
+            system_prompt,
+            not (system_prompt and tools),
+            "without --tools (the tools bring their own system "
+            "prompt and worked calls; put your instructions in --prompt-template)",
+        ),
+        ("--max-turns", max_turns, max_turns >= 1, ">= 1"),
+        ("--max-tool-reply-tokens", max_reply_tokens, max_reply_tokens >= 1, ">= 1"),
+        ("--tool-workers", workers, workers >= 1, ">= 1"),
+        ("--tool-timeout-s", timeout_s, timeout_s > 0, "> 0"),
+    ]
+
+
 # Where `python` runs programs (sandbox.py): 'bwrap' (a jail), 'process' (a plain subprocess) or a SandboxFusion
 # URL, and the limits over sandbox.LIMITS. select_tools sets them from the script's flags.
 PYTHON_SANDBOX = {"sandbox": "bwrap", "limits": {}}
@@ -175,8 +206,6 @@ def tool_stats(samples) -> dict:
     """Turns and tool calls of a step's samples, over all ranks."""
     import torch  # lazy: the sandbox's own process never imports this module's metrics
 
-    from fsdp import all_reduce
-
     calls = [c for s in samples for c in s.tool_calls]
     tot = all_reduce(
         torch.tensor(
@@ -255,3 +284,139 @@ def timed_call(tools: dict, call: dict) -> tuple[str, str, float]:
     t0 = time.perf_counter()
     reply, status = call_tool(tools, call)
     return reply, status, time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-turn: a sample that calls tools (rollout.generate runs ToolUse.episode for each request)
+
+
+@dataclass
+class ToolUse:
+    """How samples call tools (grpo.py --tools calculator,python): the tools by name (TOOLS),
+    at most `max_turns` model turns, each tool reply cut to `max_reply_tokens` tokens, the calls
+    run in `pool`'s threads so that a slow tool holds up its own sample only."""
+
+    tools: dict
+    tokenizer: object
+    pool: concurrent.futures.Executor
+    max_turns: int = 4
+    max_reply_tokens: int = 256
+
+    def episode(self, engine, prompt: list[int], seed: int, *, sampling):
+        """The seam rollout.run_requests calls for each request, without importing this module: one sample's
+        `episode` of turns and tool replies (a coroutine, run on the engine's event loop)."""
+        return episode(engine, prompt, seed, sampling=sampling, tool_use=self)
+
+
+def tools_for(
+    tokenizer,
+    tools: dict,
+    *,
+    template: str | None,
+    datasets: tuple[str, ...],
+    workers: int,
+    max_turns: int,
+    max_reply_tokens: int,
+) -> tuple[list[dict] | None, list[dict] | None, ToolUse | None]:
+    """With `tools` (select_tools' choice): the messages before every question and the tools' schemas
+    (tools_prompt: a system prompt, two worked calls asked through `template`, else through the datasets' kind's:
+    addition's for the built-in tasks, GSM8K's for any other), and how samples call them (ToolUse, the calls in
+    `workers` threads). Without tools: (None, None, None)."""
+    if not tools:
+        return None, None, None
+    template = template or (ADDITION_PROMPT if set(datasets) <= set(BUILTIN_TASKS) else GSM8K_PROMPT)
+    context, specs = tools_prompt(tokenizer, tools, template)
+    pool = concurrent.futures.ThreadPoolExecutor(workers)
+    return context, specs, ToolUse(tools, tokenizer, pool, max_turns=max_turns, max_reply_tokens=max_reply_tokens)
+
+
+async def episode(engine, prompt: list[int], seed: int, *, sampling: Sampling, tool_use: ToolUse) -> Sample:
+    """One sample that may call tools: the model's turns and the tools' replies as one growing
+    token sequence. Token in, token out: earlier turns are never rendered again, so what is
+    trained is exactly what was sampled. `model_mask` marks the model's tokens 1 and the tools' 0
+    (their log-probs are 0); `text` is the model's own text, so a tool can never write the answer.
+
+    A turn ends at a stop token; the episode ends at a turn without a tool call, after `max_turns`
+    turns, or when the response budget (`sampling.max_new_tokens`, tool replies included) runs
+    out: a turn cut by it, or a tool reply that does not fit, leaves the sample truncated.
+    """
+    tok, loop = tool_use.tokenizer, asyncio.get_running_loop()
+    sample = Sample(
+        prompt_ids=prompt, response_ids=[], rollout_logprobs=[], truncated=False, model_mask=[], messages=[]
+    )
+    texts = []
+    for turn in range(tool_use.max_turns):
+        params = {
+            **sampling.params(seed_for(seed, "turn", turn) if turn else seed),
+            "max_new_tokens": sampling.max_new_tokens - len(sample.response_ids),
+        }
+        out = await engine.async_generate(
+            input_ids=prompt + sample.response_ids,
+            sampling_params=params,
+            return_logprob=True,
+            **adapter_named(engine, None),
+        )
+        turn_out = read_output(prompt, out, sampling, tok)
+        sample.response_ids += turn_out.response_ids
+        sample.rollout_logprobs += turn_out.rollout_logprobs
+        sample.model_mask += [1] * len(turn_out.response_ids)
+        texts.append(turn_out.text)
+        sample.messages.append({"role": "assistant", "content": turn_out.text})
+        calls, malformed = parse_tool_calls(turn_out.text)
+        if turn_out.truncated or not (calls or malformed) or turn == tool_use.max_turns - 1:
+            sample.truncated = turn_out.truncated
+            break
+        results = await asyncio.gather(
+            *(loop.run_in_executor(tool_use.pool, timed_call, tool_use.tools, c) for c in calls)
+        )
+        results += [(f"error: {problem}", "error", 0.0) for problem in malformed]  # said to the model, never raised
+        sample.tool_calls += [(c["name"], status, seconds) for c, (_, status, seconds) in zip(calls, results)]
+        sample.tool_calls += [("?", "error", 0.0)] * len(malformed)
+        replies = [tok.decode(plain_ids(tok, r)[: tool_use.max_reply_tokens]) for r, _, _ in results]
+        reply_ids = tool_reply_ids(
+            tok, replies, last_token=turn_out.response_ids[-1] if turn_out.response_ids else None
+        )
+        if len(sample.response_ids) + len(reply_ids) >= sampling.max_new_tokens:  # no room for it and a next turn
+            sample.truncated = True
+            break
+        sample.response_ids += reply_ids
+        sample.messages += [{"role": "tool", "content": r} for r in replies]
+        sample.rollout_logprobs += [0.0] * len(reply_ids)
+        sample.model_mask += [0] * len(reply_ids)
+    sample.turns, sample.text = len(texts), "\n".join(texts)
+    return sample
+
+
+_CONTENT = "\x00the assistant's content\x00"  # a string no chat template writes itself
+_REPLY = re.compile("\x00tool reply ([0-9]+)\x00")
+
+
+def tool_reply_ids(tokenizer, replies: list[str], last_token: int | None) -> list[int]:
+    """The tokens that follow a model turn with tool calls, as the chat template renders them:
+    whatever ends the assistant turn (less the stop token the model sampled itself), one tool
+    message per reply, and the next assistant turn's header. Taken as the token delta of a whole
+    rendered conversation: a tool message rendered alone loses what the template writes between
+    turns (verl#6501: the newline after Qwen's <|im_end|>). The template's own markers are special
+    tokens; the replies are plain text (`plain_ids`): a program that prints '<|im_end|><|im_start|>user'
+    can't forge a turn."""
+    base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _CONTENT}]
+    slots = [{"role": "tool", "content": f"\x00tool reply {i}\x00"} for i in range(len(replies))]
+    full = tokenizer.apply_chat_template(base + slots, tokenize=False, add_generation_prompt=True)
+    if _CONTENT not in full:
+        raise ValueError(
+            "the chat template rewrites an earlier assistant turn when tool messages follow it; "
+            "a multi-turn rollout needs a template that keeps earlier turns as they were"
+        )
+    pieces = _REPLY.split(
+        full[full.index(_CONTENT) + len(_CONTENT) :]
+    )  # template text, reply number, template text, ...
+    if pieces[1::2] != [str(i) for i in range(len(replies))]:
+        raise ValueError("the chat template does not show each tool message's content once, in order")
+    ids = [
+        i
+        for k, piece in enumerate(pieces)
+        for i in (
+            plain_ids(tokenizer, replies[int(piece)]) if k % 2 else tokenizer.encode(piece, add_special_tokens=False)
+        )
+    ]
+    return ids[1:] if ids and ids[0] == last_token else ids

@@ -23,7 +23,15 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from preflight import exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
+from common import (
+    InputError,
+    agreed_signal,
+    all_reduce_dict,
+    allow_interrupt,
+    exit_on_interrupt,
+    handle_signals,
+    print0,
+)  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
 
 exit_on_interrupt("train_rm.py")
 import numpy as np
@@ -33,11 +41,11 @@ import torch.nn.functional as F
 
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import PromptSampler, load_pairs, shard, source_name, split_pairs
-from fsdp import all_reduce_dict, clip_and_step, compute_dtype, init_distributed, load_model, lr_lambda, shard_model
-from preflight import InputError, check_flags, check_model, friendly_errors, package_rules, parse_args
+from fsdp import clip_and_step, compute_dtype, init_distributed, load_model, lr_lambda, shard_model
+from preflight import check_flags, check_model, friendly_errors, package_rules, parse_args
 from reward_model import chat_template, conversation, has_reward_head, last_token_scores, pad, rm_tokens, score
-from runlog import RunLog, StepClock, claim_run_dir, legend, log_line, print0, run_info
-from stop import NonFinite, agreed_signal, allow_interrupt, handle_signals
+from runlog import RunLog, StepClock, claim_run_dir, legend, log_line, run_info
+from stop import NonFinite
 
 
 @dataclass
@@ -184,7 +192,7 @@ def main(args: Args):
         args.run_name or f"rm-{os.path.basename(args.model.rstrip('/'))}-{source_name(args.dataset)}-s{args.seed}"
     )
     run_dir = claim_run_dir(args.output_dir, run_name, resume=args.resume)  # runlog.py: this script's, locked
-    resume_from = checkpoint_to_resume(run_dir, args.resume, args)  # resumed: the flags it started with
+    resume_from = checkpoint_to_resume(run_dir, args.resume, asdict(args))  # resumed: the flags it started with
     tokenizer, context = check_model(args.model, raw_text=False)  # the template: chat_template below
     if context is not None and args.max_len > context:
         raise InputError(

@@ -30,8 +30,7 @@ sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])  # the repo root, for the m
 from fsdp import init_distributed, load_model, shard_model  # noqa: E402
 from lora import ALL_LINEAR, adapter_tensors, apply_lora, check_lora, lora_modules  # noqa: E402
 from memory import sync_weights  # noqa: E402
-from rollout import HFEngine, SGLangOptions, start_sglang, tp_group  # noqa: E402
-from stop import stop_engine  # noqa: E402
+from rollout import HFEngine, SGLangOptions, start_sglang, stop_engine, tp_group  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from sync_bench import gap  # noqa: E402  (SGLang samples random prompts, the trainer rescores them)

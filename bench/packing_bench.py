@@ -31,17 +31,8 @@ sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 import fsdp  # noqa: E402
 from data import Sample, collate  # noqa: E402
 from preflight import friendly_errors  # noqa: E402
-from fsdp import (
-    batch_logprobs,
-    init_distributed,
-    load_model,
-    matmul_params,
-    mfu,
-    micro_batches,
-    peak_flops,  # noqa: E402
-    shard_model,
-    token_logprobs,
-)
+from fsdp import init_distributed, load_model, matmul_params, mfu, micro_batches, peak_flops, shard_model
+from logprobs import batch_logprobs, token_logprobs
 from make_random_model import SHAPES  # noqa: E402  (bench/ is on sys.path: this file's folder)
 
 

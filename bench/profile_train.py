@@ -15,7 +15,8 @@ import torch
 import tyro
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
-from fsdp import init_distributed, load_model, shard_model, token_logprobs  # noqa: E402
+from fsdp import init_distributed, load_model, shard_model  # noqa: E402
+from logprobs import token_logprobs
 from memory import MemoryLog  # noqa: E402
 
 

@@ -30,10 +30,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from data import BUILTIN_TASKS, load_examples, tokenize_prompts  # noqa: E402
-from preflight import InputError, check_engine, check_flags, check_model, friendly_errors, parse_args  # noqa: E402
+from preflight import check_engine, check_flags, check_model, friendly_errors, parse_args  # noqa: E402
+from common import InputError
 from reward import correct  # noqa: E402
-from rollout import SGLangOptions, Sampling, generate, start_engine, stop_token_ids  # noqa: E402
-from stop import stop_engine  # noqa: E402
+from rollout import Sampling, SGLangOptions, generate, start_engine, stop_engine, stop_token_ids  # noqa: E402
 
 
 @dataclass

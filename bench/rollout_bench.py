@@ -30,9 +30,8 @@ sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from data import load_task, tokenize_prompts  # noqa: E402
 from fsdp import init_distributed, load_model, shard_model  # noqa: E402
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up  # noqa: E402
-from rollout import HFEngine, SGLangOptions, Sampling, generate, start_sglang, stop_token_ids  # noqa: E402
+from rollout import HFEngine, Sampling, SGLangOptions, generate, start_sglang, stop_engine, stop_token_ids  # noqa: E402
 from server import ServerEngine, launch_servers  # noqa: E402
-from stop import stop_engine  # noqa: E402
 
 
 @dataclass

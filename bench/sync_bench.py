@@ -27,10 +27,10 @@ import tyro
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])  # the repo root, for the modules
 
 from data import collate  # noqa: E402
-from fsdp import init_distributed, load_model, shard_model, token_logprobs  # noqa: E402
+from fsdp import init_distributed, load_model, shard_model  # noqa: E402
+from logprobs import token_logprobs
 from memory import sync_weights  # noqa: E402
-from rollout import SGLangOptions, Sampling, generate, mismatch_stats, start_sglang, tp_group  # noqa: E402
-from stop import stop_engine  # noqa: E402
+from rollout import Sampling, SGLangOptions, generate, mismatch_stats, start_sglang, stop_engine, tp_group  # noqa: E402
 
 
 @dataclass

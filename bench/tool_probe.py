@@ -22,9 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from data import ADDITION_PROMPT, task_prompts  # noqa: E402
 from preflight import check_model  # noqa: E402
 from reward import int_match_reward, judge  # noqa: E402
-from rollout import HFEngine, SGLangOptions, Sampling, ToolUse, generate, start_sglang, stop_token_ids  # noqa: E402
-from stop import stop_engine  # noqa: E402
-from tools import TOOLS, tool_call_stop_ids, tools_prompt  # noqa: E402
+from rollout import HFEngine, Sampling, SGLangOptions, generate, start_sglang, stop_engine, stop_token_ids  # noqa: E402
+from tools import TOOLS, ToolUse, tool_call_stop_ids, tools_prompt  # noqa: E402
 
 
 @dataclass

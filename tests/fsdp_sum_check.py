@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])  # the repo root, for the modules
-from fsdp import all_reduce, init_distributed, load_model, shard_model, token_logprobs  # noqa: E402
+from fsdp import init_distributed, load_model, shard_model  # noqa: E402
+from logprobs import token_logprobs
+from common import all_reduce
 
 rank, world, device = init_distributed()
 torch.manual_seed(0)

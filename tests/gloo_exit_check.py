@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])  # the repo root, for the modules
-from fsdp import init_distributed, load_model, shard_model, token_logprobs  # noqa: E402
+from fsdp import init_distributed, load_model, shard_model  # noqa: E402
+from logprobs import token_logprobs
 from preflight import friendly_errors  # noqa: E402
 
 

@@ -25,11 +25,20 @@ import tyro
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])  # the repo root, for the modules
 
 from data import addition_task, collate, tokenize_prompts  # noqa: E402
-from fsdp import init_distributed, load_model, shard_model, token_logprobs  # noqa: E402
+from fsdp import init_distributed, load_model, shard_model  # noqa: E402
+from logprobs import token_logprobs
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up  # noqa: E402
-from rollout import HFEngine, SGLangOptions, Sampling, generate, mismatch_stats, start_sglang, stop_token_ids  # noqa: E402
+from rollout import (
+    HFEngine,
+    Sampling,
+    SGLangOptions,
+    generate,
+    mismatch_stats,
+    start_sglang,
+    stop_engine,
+    stop_token_ids,
+)  # noqa: E402
 from server import ServerEngine, launch_servers  # noqa: E402
-from stop import stop_engine  # noqa: E402
 
 
 @dataclass

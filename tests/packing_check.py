@@ -14,16 +14,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])  # the repo root, for the modules
 from data import Sample, collate  # noqa: E402
-from fsdp import (
-    all_reduce,
-    balance,
-    batch_logprobs,
-    init_distributed,
-    load_model,
-    micro_batches,
-    shard_model,  # noqa: E402
-    token_logprobs,
-)
+from fsdp import balance, init_distributed, load_model, micro_batches, shard_model
+from logprobs import batch_logprobs, token_logprobs
+from common import all_reduce
 
 rank, world, device = init_distributed()
 gen = torch.Generator().manual_seed(rank)

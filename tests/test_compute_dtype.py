@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from data import collate, prompt_tokens
-from fsdp import batch_logprobs, compute_dtype, cpu_flags, load_model, shard_model
+from fsdp import compute_dtype, cpu_flags, load_model, shard_model
+from logprobs import batch_logprobs
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from rollout import Sampling, generate, mismatch_stats, start_engine, stop_token_ids
 

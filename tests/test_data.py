@@ -25,7 +25,7 @@ from data import (
     shard,
     tokenize_prompts,
 )
-from preflight import InputError
+from common import InputError
 
 # The GSM8K copy in ../shared beside the checkout (CI has it there), or wherever GSM8K_DIR points.
 GSM8K_DIR = os.environ.get("GSM8K_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k"))

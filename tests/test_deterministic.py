@@ -12,7 +12,8 @@ from stand_in_server import StandInServer
 from test_first_hour import ours_last, run
 
 from data import sample_seeds, seed_for, shard
-from preflight import DETERMINISTIC_ATTENTION, InputError
+from preflight import DETERMINISTIC_ATTENTION
+from common import InputError
 from rollout import GumbelNoise, HFEngine, Sampling
 from server import ServerEngine, ServerInputError, launch_servers
 

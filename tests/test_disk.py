@@ -223,7 +223,8 @@ def test_an_output_dir_that_cant_be_written_stops_before_anything_loads(tiny_mod
 
 
 def test_check_writable_makes_nothing_and_names_the_file_in_the_way(tmp_path):
-    from preflight import InputError, check_writable
+    from preflight import check_writable
+    from common import InputError
 
     check_writable(str(tmp_path / "runs" / "r"))  # to be made later: fine, and nothing is made now
     check_writable(str(tmp_path))

@@ -509,8 +509,8 @@ def test_an_engine_that_fails_to_start_ends_with_our_line(tiny_model_dir, tmp_pa
 
 def test_quit_while_starting_cuts_the_start_short_once():
     """Each TP rank's scheduler sends its own SIGQUIT: the first cuts the start short, the others find it ignored."""
-    from preflight import Interrupted
-    from stop import quit_while_starting
+    from common import Interrupted
+    from rollout import quit_while_starting
 
     signal.signal(signal.SIGQUIT, quit_while_starting)  # conftest restores the handler after the test
     with pytest.raises(Interrupted) as info:
@@ -535,7 +535,7 @@ def test_a_start_cut_short_stops_the_engine_it_started(monkeypatch):
 
     import rollout
     from conftest import install_fake_sglang
-    from preflight import Interrupted
+    from common import Interrupted
 
     seen = {}
 
@@ -624,7 +624,8 @@ def test_an_error_or_a_start_cut_short_leaves_the_process_group(monkeypatch, cap
     was the last line under our own (seen on an H100): friendly_errors leaves the group first."""
     import torch.distributed as dist
 
-    from preflight import InputError, Interrupted, friendly_errors
+    from preflight import friendly_errors
+    from common import InputError, Interrupted
 
     monkeypatch.delenv("RL_DEBUG", raising=False)
     for error, code in ((Interrupted(signal.SIGINT), 130), (InputError("--lr 0 must be > 0"), 2)):

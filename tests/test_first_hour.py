@@ -119,7 +119,8 @@ def test_readme_cpu_line_relative_folder(tiny_model_dir, tmp_path):
 def test_model_folder_missing_files(tiny_model_dir, tmp_path, remove, missing):
     """grpo.py and evaluate.py for the first, as a user meets it (exit 2, one line, nothing written); the others
     through the same preflight.check_model in this process (the scripts' own launch adds nothing to them)."""
-    from preflight import InputError, check_model
+    from preflight import check_model
+    from common import InputError
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)
@@ -205,7 +206,8 @@ def test_tools_prompt_longer_than_the_context_names_a_model_that_fits(tiny_model
 )
 def test_context_error_offers_only_fixes_that_fit(context, prompt, tools, new, fixes):
     """Hand-computed: tokens that fit = context - tools' prompt - the other flag; each fix offered, applied, fits."""
-    from preflight import InputError, check_context
+    from data import check_context
+    from common import InputError
 
     check_context(context, context - tools - new, new, tools_prompt=tools)  # exactly full: fine
     check_context(None, prompt, new, tools_prompt=tools)  # context unknown: nothing to check
@@ -332,7 +334,7 @@ def test_sampled_evaluation_at_temperature_0_is_refused():
     import evaluate
     import grpo
     import ppo
-    from preflight import InputError
+    from common import InputError
 
     message = "--eval-temperature 0.0 must be > 0 with --eval-samples (at 0 every sample is the greedy answer)"
     for script in (grpo, ppo):
@@ -488,7 +490,7 @@ def test_a_template_with_another_placeholder_is_refused_before_anything_loads(tm
     evaluate.py's checks are the same rule (data.template_rule), asked in this process."""
     import evaluate
     import ppo
-    from preflight import InputError
+    from common import InputError
 
     template, refused = (
         "{prompt} (hint: {answer})",
@@ -532,7 +534,7 @@ def test_evaluate_scores_what_the_run_held_out(tmp_path):
     begins 15, 37, 34, 8); rows it trained on only when asked (--split train) or where it trained on a whole file,
     and then a note says so; another file, or no run: all its rows."""
     from evaluate import Args, rows_to_score, run_of
-    from preflight import InputError
+    from common import InputError
 
     data = write_rows(tmp_path / "my.jsonl", [{"prompt": f"Q{i}?", "answer": str(i)} for i in range(40)])
     model, run = a_run(tmp_path, dataset=(data,), seed=3, num_eval_prompts=16)
@@ -772,7 +774,7 @@ def test_a_reward_file_that_fails_to_import(tiny_model_dir, tmp_path, source, ex
 def test_a_reward_file_that_exits_or_prints_on_import(tmp_path, capsys):
     """sys.exit at a reward file's top level printed its message and exited 1, naming nothing; what its top level
     prints to stderr and then imports fine is shown as it was."""
-    from preflight import InputError
+    from common import InputError
     from reward import load_reward
 
     (tmp_path / "r.py").write_text("import sys\nsys.exit('no table.csv here')\n")
@@ -924,7 +926,8 @@ def test_a_run_folder_refuses_every_other_script_and_stays_inside_output_dir(tin
     `--run-name ../../x`, which wrote outside --output-dir, is refused. Four processes at once, each stopped at preflight."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from preflight import InputError, run_folder
+    from preflight import run_folder
+    from common import InputError
 
     runs = tmp_path / "home" / "runs"
     fake_run(runs / "p", "ppo.py"), fake_run(runs / "g", "grpo.py", command_only=True)
@@ -981,7 +984,7 @@ def test_a_live_runs_lock_refuses_another_and_a_dead_runs_does_not(tmp_path):
     file notwithstanding. A folder with no run but a lock file is no earlier run."""
     import fcntl
 
-    from preflight import InputError
+    from common import InputError
     from runlog import LOCK, claim_run_dir
 
     run_dir = tmp_path / "runs" / "r"
@@ -1093,7 +1096,7 @@ def test_a_flag_that_needs_a_package_not_installed_says_which(monkeypatch):
     import grpo
     import ppo
     import train_rm
-    from preflight import InputError
+    from common import InputError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for script in (grpo, ppo, train_rm):
@@ -1111,7 +1114,7 @@ def test_an_attention_that_cant_train_on_this_machine_is_refused_before_anything
     there): one line now, before the model is read; ppo.py and train_rm.py share the rule (preflight.attn_problem)."""
     import ppo
     import train_rm
-    from preflight import InputError
+    from common import InputError
 
     code, out, seconds = run(
         "grpo.py",
@@ -1142,7 +1145,7 @@ def test_varlen_without_packing_is_refused(monkeypatch):
 
     import grpo
     import ppo
-    from preflight import InputError
+    from common import InputError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for script in (grpo, ppo):
@@ -1186,7 +1189,8 @@ def test_training_state_that_cant_fit_a_gpu_is_one_line_before_anything_loads(ti
     import grpo
     import ppo
     import start
-    from preflight import InputError, parameter_count, state_problem
+    from preflight import parameter_count, state_problem
+    from common import InputError
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert parameter_count(tiny_model_dir) == sum(p.numel() for p in model.parameters())  # tied head counted once
@@ -1230,7 +1234,8 @@ def test_a_reward_model_passed_as_the_policy_is_refused_before_loading(tiny_mode
     now one line from config.json's architectures, naming where it belongs, before the model loads; ppo.py's actor and
     evaluate.py make the same call (generates=True). --reward-model (and a critic's folder as --critic-model) keep
     taking them."""
-    from preflight import InputError, check_model
+    from preflight import check_model
+    from common import InputError
     from reward_model import check_reward_model
 
     rm = scorer_folder(tiny_model_dir, tmp_path / "rm", "LlamaForSequenceClassification")
@@ -1256,7 +1261,8 @@ def test_a_reward_model_passed_as_the_policy_is_refused_before_loading(tiny_mode
 def test_a_checkpoint_folder_passed_for_a_model_names_its_model_folder(tiny_model_dir, tmp_path):
     """runs/<run>/checkpoints/step_N given where its model/ belongs: the line names model/; a missing folder under
     another flag than --model gets no hint to build a tiny causal LM."""
-    from preflight import InputError, check_model
+    from preflight import check_model
+    from common import InputError
 
     step = tmp_path / "step_000002"
     shutil.copytree(tiny_model_dir, step / "model")
@@ -1274,7 +1280,8 @@ def test_a_rollout_tp_the_model_cant_split_is_refused_before_loading(tiny_model_
     (tp a multiple of them); a tp that does not fit was an assert deep in SGLang's start, blamed on its memory."""
     from types import SimpleNamespace
 
-    from preflight import InputError, check_model, tp_problem
+    from preflight import check_model, tp_problem
+    from common import InputError
 
     def shape(heads, kv, mlp):
         return SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=mlp)

@@ -333,7 +333,8 @@ def test_varlen_attention_on_the_gpu_kernel():
     stand-in): packed log-probs and gradients of the real model in bf16 against sdpa's on padded rows, no further off
     than sdpa's own packed row (its block-diagonal mask) is: bf16 kernels differ in rounding (SmolLM2, random ids:
     ~4e-2 a token on 2026-11-26, as SGLang against transformers), a wrong boundary or scale by whole nats."""
-    from fsdp import load_model, token_logprobs
+    from fsdp import load_model
+    from logprobs import token_logprobs
     from test_packing import tiny_batch
 
     batch, real = tiny_batch(seed=8)

@@ -25,7 +25,7 @@ from grpo import (
     variant_defaults,
     variant_line,
 )
-from preflight import InputError
+from common import InputError
 
 # ----------------------------------------------------------------------------------------------
 # group_advantages
@@ -308,7 +308,7 @@ def test_check_args_lists_every_problem():
 
 
 def test_decoupled_rollout_flags_are_checked_together(monkeypatch):
-    from preflight import InputError
+    from common import InputError
 
     with pytest.raises(InputError) as e:
         check_args(Args(async_rollout=True, rollout_url=("localhost:30000",), tis_cap=-1.0), world_size=1)
@@ -345,7 +345,7 @@ def test_decoupled_rollout_flags_are_checked_together(monkeypatch):
 
 def test_rollout_tp_stays_within_a_node(monkeypatch):
     """An engine's TP group is GPUs of one node (CUDA IPC weight sync): 2 nodes of 1 rank can't share one."""
-    from preflight import InputError
+    from common import InputError
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     with pytest.raises(

@@ -16,7 +16,8 @@ import torch
 
 from checkpoint import load_checkpoint, save_checkpoint
 from data import collate
-from fsdp import batch_logprobs, load_model, shard_model, token_logprobs
+from fsdp import load_model, shard_model
+from logprobs import batch_logprobs, token_logprobs
 from lora import (
     GapCheck,
     adapter_config,
@@ -31,7 +32,8 @@ from lora import (
     trainable,
 )
 from memory import sync_weights
-from preflight import InputError, RunFailed, check_flags
+from preflight import check_flags
+from common import InputError, RunFailed
 from rollout import HFEngine, Sampling, SGLangOptions, generate
 
 pytestmark = pytest.mark.usefixtures("gloo")

@@ -11,7 +11,8 @@ import torch
 
 from conftest import torchrun_check
 from data import Sample, collate
-from fsdp import forward_tokens, load_model, matmul_params, mfu, micro_batches, pack_rows, peak_flops, token_logprobs
+from fsdp import load_model, matmul_params, mfu, micro_batches, pack_rows, peak_flops
+from logprobs import forward_tokens, token_logprobs
 from test_smoke import ROOT, metrics, run_grpo
 
 # (prompt, response) tokens: 3 to 262 in all, as collate right-pads them; a 2-token row has a single target
@@ -136,12 +137,13 @@ def test_logit_chunks_and_compiled_layers_keep_the_numbers(tiny_model_dir, monke
     """token_logprobs' head LOGIT_CHUNK tokens at a time (recomputed in backward), and --compile's layers and head math, under
     FSDP2 as the scripts run them: the log-probs, entropies and gradients of the whole-logits, plain model."""
     import fsdp
+    import logprobs
 
     batch, real = tiny_batch(seed=4)
     weights = torch.rand(real.shape, generator=torch.Generator().manual_seed(5)) * batch.response_mask
 
     def run(model, chunk):
-        monkeypatch.setattr(fsdp, "LOGIT_CHUNK", chunk)
+        monkeypatch.setattr(logprobs, "LOGIT_CHUNK", chunk)
         model.zero_grad(set_to_none=True)
         device = next(model.parameters()).device  # FSDP2 takes the GPU where there is one
         logp, entropy = token_logprobs(
@@ -166,6 +168,7 @@ def test_logit_chunks_and_compiled_layers_keep_the_numbers(tiny_model_dir, monke
     compiled = fsdp.shard_model(
         load_model(tiny_model_dir, torch.device("cpu"), torch.float32), param_dtype=None, compile=True
     )
+    logprobs.compile_head(compiled)
     for name, got in (("chunks of 64", run(plain, 64)), ("compiled, chunks of 64", run(compiled, 64))):
         for k in whole:
             torch.testing.assert_close(got[k], whole[k], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}, {k}: {m}")

@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 from ppo import Args, actor_loss, adaptive_kl_coef, check_args, clipped_value_loss, gae, masked_whiten, token_rewards
-from preflight import InputError
+from common import InputError
 
 
 def test_gae_hand_example():

@@ -404,7 +404,7 @@ def test_math_reward_cannot_stall_and_refuses_threads():
 def test_math_verify_missing_says_how_to_install(monkeypatch):
     import sys
 
-    from preflight import InputError
+    from common import InputError
     from reward import math_reward
 
     monkeypatch.setitem(sys.modules, "math_verify", None)  # import math_verify now raises ImportError
@@ -519,7 +519,7 @@ def test_load_reward_imports_a_function_from_a_file(tmp_path):
     ],
 )
 def test_load_reward_errors_name_the_spec_and_the_fix(tmp_path, content, spec, message):
-    from preflight import InputError
+    from common import InputError
     from reward import load_reward
 
     path = tmp_path / "r.py"
@@ -550,7 +550,7 @@ def test_a_reward_that_returns_no_number_is_bad_input(tmp_path, value, shown):
     import sys
     import warnings
 
-    from preflight import InputError
+    from common import InputError
     from reward import load_reward, score_all
 
     (tmp_path / "r.py").write_text(

@@ -13,7 +13,7 @@ import torch
 from conftest import torchrun_check
 from test_smoke import metrics, run_grpo
 
-from preflight import InputError
+from common import InputError
 from reward_model import (
     check_reward_model,
     combine_rewards,

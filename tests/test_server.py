@@ -18,7 +18,7 @@ from test_smoke import ROOT, metrics, run_grpo
 from transformers import AutoModelForCausalLM
 
 from memory import sync_weights
-from rollout import HFEngine, SGLangOptions, Sampling, generate, graph_batch, send
+from rollout import HFEngine, Sampling, SGLangOptions, generate, graph_batch, send, stop_engine
 from server import (
     ServerEngine,
     ServerError,
@@ -30,7 +30,7 @@ from server import (
     post,
     wait_healthy,
 )
-from stop import EngineWatch, stop_engine
+from stop import EngineWatch
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
 

@@ -10,8 +10,17 @@ import pytest
 import torch
 
 from data import collate
-from rollout import Sampling, ToolUse, generate, mismatch_stats, tool_reply_ids
-from tools import TOOLS, calculator, call_tool, parse_tool_calls, tool_call_stop_ids, tools_prompt
+from rollout import Sampling, generate, mismatch_stats
+from tools import (
+    TOOLS,
+    ToolUse,
+    calculator,
+    call_tool,
+    parse_tool_calls,
+    tool_call_stop_ids,
+    tool_reply_ids,
+    tools_prompt,
+)
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'
 
@@ -271,7 +280,8 @@ def test_tools_reach_the_model_in_a_system_prompt_or_the_template_then_worked_ex
 
 def test_max_prompt_len_counts_the_question_and_the_tools_prompt_comes_on_top(tok):
     from data import Example, context_tokens, prompt_tokens, tokenize_prompts
-    from preflight import InputError, check_context
+    from data import check_context
+    from common import InputError
 
     context, specs = tools_prompt(tok, TOOLS, "{question}")
     extra = context_tokens(tok, context, specs)

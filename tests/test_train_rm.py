@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from data import load_pairs, split_pairs
-from preflight import InputError
+from common import InputError
 from train_rm import pairwise_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
