@@ -72,3 +72,24 @@ def test_a_fixed_seed_run_computes_what_it_did(name, trained_tiny_model_dir, tmp
         assert g.keys() == w.keys(), (step, g.keys(), w.keys())
         for k in w:
             assert math.isclose(g[k], w[k], rel_tol=1e-4, abs_tol=1e-6), f"{name} step {step} {k}: {g[k]} != {w[k]}"
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_the_reading_edition_computes_what_grpo_py_does(nproc, trained_tiny_model_dir, tmp_path):
+    """grpo_minimal.py (the core alone, ~270 lines) at grpo.py's golden run's seed and flags: the same rewards, losses,
+    entropies and gradient norms as grpo.py's default path recorded (one process), and as grpo.py computes them on
+    two ranks (FSDP2 over gloo: the groups dealt, the token mean over both ranks)."""
+    flags = ("--steps", "5", "--eval-every", "0", "--seed", "3")
+    run_grpo(trained_tiny_model_dir, tmp_path / "minimal", *flags, script="grpo_minimal.py", nproc=nproc)
+    got, _ = metrics(tmp_path / "minimal")
+    if nproc == 1:
+        want = json.load(open(GOLDEN))["grpo"]
+    else:
+        run_grpo(trained_tiny_model_dir, tmp_path / "full", *flags, "--save-every", "-1", nproc=nproc)
+        want, _ = metrics(tmp_path / "full")
+    assert len(got) == len(want) == 5
+    keys = ("rollout/reward_mean", "rollout/reward_std", "train/loss", "train/grad_norm", "train/entropy")
+    for step, (g, w) in enumerate(zip(got, want), start=1):
+        for k in keys:
+            assert math.isclose(g[k], w[k], rel_tol=1e-4, abs_tol=1e-6), f"step {step} {k}: {g[k]} != {w[k]}"
+

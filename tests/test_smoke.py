@@ -37,7 +37,11 @@ COMMON = [
     "--rollout-engine",
     "hf",
 ]
-PER_SCRIPT = {"grpo.py": ["--group-size", "4"], "ppo.py": ["--group-size", "4", "--critic-lr", "1e-3"]}
+PER_SCRIPT = {
+    "grpo.py": ["--group-size", "4"],
+    "grpo_minimal.py": ["--group-size", "4"],
+    "ppo.py": ["--group-size", "4", "--critic-lr", "1e-3"],
+}
 
 
 def command(model, out_dir, *extra, launcher, script="grpo.py", launch=()):
