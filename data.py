@@ -57,6 +57,7 @@ _FIELD = re.compile(r"(?<![\w\\}^_{])\{((?:[A-Za-z_]\w*|\d+)(?:[!:][^{}]*)?)\}")
 # ----------------------------------------------------------------------------------------------
 # Where a name points (a file, a folder, the hub), and whether prompts fit the model
 
+
 def looks_like_path(name: str) -> bool:
     """A hub id is 'owner/name'; anything else that looks like a path is never sent to the hub."""
     return (

@@ -503,13 +503,16 @@ def check_args(args: Args, world_size: int):
             *rm_flag_rules(  # --reward-weights finite, not both 0; the --reward-model-* flags only with it
                 reward_model=a.reward_model,
                 weights=a.reward_weights,
+                norm=a.reward_model_norm,
                 max_len=a.reward_model_max_len,
                 micro_batch_size=a.reward_model_micro_batch_size,
+                template=a.reward_model_template,
                 given=given,
             ),
             *lora_rules(  # rank >= 0, alpha > 0 and finite, the other --lora-* with a rank only
                 rank=a.lora_rank,
                 alpha=a.lora_alpha,
+                targets=a.lora_targets,
                 sync=a.lora_sync,
                 gap_ratio=a.lora_gap_ratio,
                 rollout_tp=a.rollout_tp,
@@ -1244,4 +1247,4 @@ def main(args: Args):
 
 if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard
     with friendly_errors("grpo.py"):
-        main(parse_args(Args, CPU_SIZES))  # no GPU: CPU_SIZES for the flags not given (preflight.size_for_cpu)
+        main(parse_args(Args, CPU_SIZES))  # no GPU: CPU_SIZES for the flags not given (preflight.parse_args)

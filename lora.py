@@ -305,17 +305,18 @@ class GapCheck:
 
 
 def lora_rules(
-    *, rank: int, alpha: float, sync: str, gap_ratio: float, rollout_tp: int, given: set[str]
+    *, rank: int, alpha: float, targets, sync: str, gap_ratio: float, rollout_tp: int, given: set[str]
 ) -> list[tuple[str, object, bool, str]]:
-    """preflight.check_flags' rules for the --lora-* flags (`given`: the command line's flags, preflight.given_flags):
-    the others only with a rank."""
-    alone = [k for k in ("lora_alpha", "lora_targets", "lora_sync", "lora_gap_ratio") if k in given and rank <= 0]
+    """preflight.check_flags' rules for the --lora-* flags (`given`: the command line's flags by field name,
+    preflight.given_flags): the others only with a rank."""
+    others = {"lora_alpha": alpha, "lora_targets": " ".join(targets), "lora_sync": sync, "lora_gap_ratio": gap_ratio}
+    alone = [(k, v) for k, v in others.items() if k in given and rank <= 0]
     only = "given with --lora-rank R > 0 only (--lora-rank 0, the default: full fine-tuning)"
     return [
         ("--lora-rank", rank, rank >= 0, ">= 0 (0: full fine-tuning; 1-64 for LoRA)"),
         ("--lora-alpha", alpha, 0 < alpha < math.inf, "> 0 and finite (the adapter's scale is alpha / rank)"),
         ("--lora-gap-ratio", gap_ratio, gap_ratio == 0 or gap_ratio >= 1, ">= 1 (0: no check)"),
-        *[(f"--{k.replace('_', '-')}", "", False, only) for k in alone],
+        *[(f"--{k.replace('_', '-')}", v, False, only) for k, v in alone],
         (
             "--lora-sync",
             sync,

@@ -306,7 +306,7 @@ def parse_args(cls, cpu_sizes: dict | None = None, argv: list[str] | None = None
     """tyro.cli(cls) of a script's flat Args, where a flag's old name (RENAMED) is bad input, and the help groups the
     flags as the comment rules of `cls` do ('# --- sampling'), each of `cpu_sizes` beside its default, '(default: 16;
     CPU: 4)': -h a line a flag, -H with each flag's docstring. On a machine without a GPU, `cpu_sizes` for the flags
-    the command line does not give (size_for_cpu: one line says so)."""
+    the command line does not give (one line says so)."""
     import tyro  # lazy: `import preflight` stays light
 
     argv = sys.argv[1:] if argv is None else argv
@@ -319,8 +319,31 @@ def parse_args(cls, cpu_sizes: dict | None = None, argv: list[str] | None = None
         config = (tyro.conf.OmitArgPrefixes,)
         tyro.cli(help_groups(cls, cpu_sizes or {}), args=asked[:1], description=about, compact_help=True, config=config)
     args = tyro.cli(cls, args=argv)
-    script = os.path.basename(getattr(sys.modules[cls.__module__], "__file__", None) or f"{cls.__module__}.py")
-    return size_for_cpu(args, cpu_sizes, script, argv) if cpu_sizes else args
+    import torch  # lazy, as tyro
+
+    from fsdp import compute_dtype  # lazy, as torch
+
+    if not cpu_sizes or torch.cuda.is_available():
+        return args
+    # no GPU: the GPU-sized defaults would take hours a step; `cpu_sizes` for every flag not given, said in one line
+    changed = {k: v for k, v in cpu_sizes.items() if k not in given_flags(argv)}
+    if os.environ.get("RANK", "0") == "0":
+        script = os.path.basename(getattr(sys.modules[cls.__module__], "__file__", None) or f"{cls.__module__}.py")
+        colocated = dataclasses.asdict(args).get("rollout_mode") == "colocate"  # grpo's, ppo's: generated here
+        where = (
+            "generating with plain transformers (--rollout-engine hf) on the CPU"
+            if colocated
+            else "training on the CPU"
+        )
+        bf16 = compute_dtype(torch.device("cpu")) == torch.bfloat16  # fsdp.compute_dtype says why
+        dtype = "bfloat16" if bf16 else "float32 (this CPU has no bf16 instructions)"
+        flags = as_flags(changed, list(changed))
+        print(
+            f"{script}: no GPU found (torch.cuda.is_available() is False): {where}, computing in {dtype}"
+            + (f", CPU-sized defaults: {flags}" if flags else ""),
+            flush=True,
+        )
+    return dataclasses.replace(args, **changed)
 
 
 def help_groups(cls, cpu_sizes: dict):
@@ -350,7 +373,7 @@ def given_flags(argv: list[str]) -> set[str]:
     return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
 
 
-def as_flags(args: dict, names: list[str]) -> str:
+def as_flags(values: dict, names: list[str]) -> str:
     """'--policy-loss cispo --correction-bounds 0.5 2.0 --no-scale-rewards': flags as a command line gives them."""
 
     def one(k, v):
@@ -359,37 +382,7 @@ def as_flags(args: dict, names: list[str]) -> str:
             return f"--{'' if v else 'no-'}{flag}"
         return f"--{flag} {' '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
 
-    return " ".join(one(k, args[k]) for k in names)
-
-
-def size_for_cpu(args, sizes: dict, script: str, argv: list[str] | None = None):
-    """On a machine without a GPU, the GPU-sized defaults would take hours a step: use `sizes`
-    for every field not given on the command line (`argv`; None: sys.argv's), and say so in one line."""
-    import torch
-
-    from fsdp import compute_dtype  # lazy, as torch
-
-    if torch.cuda.is_available():
-        return args
-    changed = {k: v for k, v in sizes.items() if k not in given_flags(sys.argv[1:] if argv is None else argv)}
-    flags = as_flags(changed, list(changed))
-    if os.environ.get("RANK", "0") == "0":
-        where = (
-            "generating with plain transformers (--rollout-engine hf) on the CPU"  # colocated rollout (grpo, ppo)
-            if getattr(args, "rollout_mode", None) == "colocate"
-            else "training on the CPU"
-        )
-        dtype = (
-            "bfloat16"
-            if compute_dtype(torch.device("cpu")) == torch.bfloat16
-            else "float32 (this CPU has no bf16 instructions)"
-        )  # fsdp.compute_dtype says why
-        print(
-            f"{script}: no GPU found (torch.cuda.is_available() is False): {where}, computing in {dtype}"
-            + (f", CPU-sized defaults: {flags}" if flags else ""),
-            flush=True,
-        )
-    return dataclasses.replace(args, **changed)
+    return " ".join(one(k, values[k]) for k in names)
 
 
 def check_engine(kind: str, flag: str = "--rollout-engine") -> str:

@@ -31,12 +31,25 @@ RM_LINE = [  # the console's (name, metric, format, meaning)
 
 
 def rm_flag_rules(
-    *, reward_model: str | None, weights: tuple[float, float], max_len: int, micro_batch_size: int, given: set[str]
+    *,
+    reward_model: str | None,
+    weights: tuple[float, float],
+    norm: bool,
+    max_len: int,
+    micro_batch_size: int,
+    template: str | None,
+    given: set[str],
 ) -> list[tuple[str, object, bool, str]]:
     """check_flags' rules for grpo.py's and ppo.py's --reward-model flags: the others only with it (`given`: the
-    command line's flags, preflight.given_flags)."""
-    alone = ["reward_weights", "reward_model_norm", "reward_model_max_len", "reward_model_micro_batch_size"]
-    alone = [k for k in alone + ["reward_model_template"] if k in given and not reward_model]
+    command line's flags by field name, preflight.given_flags)."""
+    others = {
+        "reward_weights": weights,
+        "reward_model_norm": norm,
+        "reward_model_max_len": max_len,
+        "reward_model_micro_batch_size": micro_batch_size,
+        "reward_model_template": template,
+    }
+    alone = [(k, v) for k, v in others.items() if k in given and not reward_model]
     return [
         ("--reward-model-max-len", max_len, max_len >= 2, ">= 2"),
         ("--reward-model-micro-batch-size", micro_batch_size, micro_batch_size >= 1, ">= 1"),
@@ -46,7 +59,7 @@ def rm_flag_rules(
             all(map(math.isfinite, weights)) and any(weights),
             "two finite numbers, not both 0: the rule reward's weight, then the reward model's",
         ),
-        *[(f"--{k.replace('_', '-')}", "", False, "given with --reward-model only") for k in alone],
+        *[(f"--{k.replace('_', '-')}", v, False, "given with --reward-model only") for k, v in alone],
     ]
 
 

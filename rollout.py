@@ -143,7 +143,7 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
         except BaseException as e:  # Ctrl-C during start-up, or a failed start: stop what was started
             engine.processes = [p for p in multiprocessing.active_children() if p not in before]
             stop_engine(engine, None)
-            # a scheduler failed: stop.quit_while_starting ran whether its Interrupted is e or was swallowed where
+            # a scheduler failed: quit_while_starting ran whether its Interrupted is e or was swallowed where
             # Python ignores exceptions (a callback after a fork: then e is SGLang's own error)
             if not (quit_while_starting.ran or isinstance(e, Exception)):  # Ctrl-C, SIGTERM: friendly_errors says so
                 raise
@@ -168,7 +168,7 @@ def run_without_signals(target, *args, **kwargs):
     """An SGLang process (scheduler, detokenizer) that ignores Ctrl-C and SIGTERM. In a terminal,
     Ctrl-C reaches the whole process group, and Slurm signals every process of a job: the engine
     must not die of them (that would look like a crash), the trainer stops it itself when it has
-    saved what it should (stop.stop_engine). A Ctrl-C in the few seconds before this line runs (the
+    saved what it should (stop_engine). A Ctrl-C in the few seconds before this line runs (the
     child importing the script) can still end the child, with its KeyboardInterrupt traceback. Its
     progress bars get a thread lock, as the trainer's (stop.EngineWatch says why)."""
     from tqdm import tqdm  # lazy: only in SGLang's processes
@@ -730,7 +730,8 @@ def mismatch_stats(batch, touched: torch.Tensor | None = None) -> dict:
     (r - 1 - log r); the largest r; given `touched` [B, T-1], the share of tokens a rollout correction capped or masked."""
     m = batch.response_mask  # [B, T-1]
     log_r = ((batch.old_logprobs - batch.rollout_logprobs) * m).clamp(-20.0, 20.0)  # a -inf log-prob: finite, not inf
-    k3 = torch.exp(log_r) - 1 - log_r  # clamped: one wild token can't overflow the mean
+    # clamped log_r: one wild token can't overflow the mean; k3 >= 0 but for fp32's rounding where r is near 1
+    k3 = (torch.exp(log_r) - 1 - log_r).clamp(min=0)
     corrected = (touched.float() * m).sum() if touched is not None else torch.zeros(())
     tokens, gap, kl, corrected = all_reduce(torch.stack([m.sum(), log_r.abs().sum(), (k3 * m).sum(), corrected]))
     largest = all_reduce(log_r.masked_fill(m == 0, -math.inf).max(), dist.ReduceOp.MAX)

@@ -435,7 +435,7 @@ class ServerEngine:
         """See release_memory_occupation."""
 
     def shutdown(self):
-        """Only this client's loop and group end here (servers this job started: stop.stop_engine)."""
+        """Only this client's loop and group end here (servers this job started: rollout.stop_engine)."""
         self.loop.close()
         if self.group is not None:
             dist.destroy_process_group(self.group)
@@ -524,7 +524,7 @@ def start_rollout(
 
 
 class ServerProcess(subprocess.Popen):
-    """A server this job launched, seen as stop.EngineWatch and stop.kill see an engine's processes
+    """A server this job launched, seen as stop.EngineWatch and rollout.kill see an engine's processes
     (multiprocessing.Process's names)."""
 
     name = "sglang.launch_server"

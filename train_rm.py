@@ -23,15 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from common import (
-    InputError,
-    agreed_signal,
-    all_reduce_dict,
-    allow_interrupt,
-    exit_on_interrupt,
-    handle_signals,
-    print0,
-)  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
+from common import exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
 
 exit_on_interrupt("train_rm.py")
 import numpy as np
@@ -46,6 +38,7 @@ from preflight import check_flags, check_model, friendly_errors, package_rules, 
 from reward_model import chat_template, conversation, has_reward_head, last_token_scores, pad, rm_tokens, score
 from runlog import RunLog, StepClock, claim_run_dir, legend, log_line, run_info
 from stop import NonFinite
+from common import InputError, agreed_signal, all_reduce_dict, allow_interrupt, handle_signals, print0
 
 
 @dataclass
@@ -174,7 +167,7 @@ def check_args(a: Args, world_size: int):
             ("--save-every", a.save_every, a.save_every >= -1, ">= -1"),
             ("--keep-checkpoints", a.keep_checkpoints, a.keep_checkpoints >= 0, ">= 0"),
             ("--max-nonfinite-steps", a.max_nonfinite_steps, a.max_nonfinite_steps >= 1, ">= 1"),
-            *package_rules(a),  # --track needs wandb, --attn-implementation flash_attention_2 flash-attn
+            *package_rules(track=a.track, attn_implementation=a.attn_implementation),  # wandb; attention that trains
         ]
     )
 
@@ -411,4 +404,4 @@ def main(args: Args):
 
 if __name__ == "__main__":
     with friendly_errors("train_rm.py"):
-        main(parse_args(Args, CPU_SIZES))  # no GPU: CPU_SIZES for the flags not given (preflight.size_for_cpu)
+        main(parse_args(Args, CPU_SIZES))  # no GPU: CPU_SIZES for the flags not given (preflight.parse_args)

@@ -6,7 +6,7 @@
         --runs padded/sdpa packed/sdpa                                                        # CPU smoke check
 
 Every step holds the same `samples` sequences: `prompt_len` prompt tokens plus a response of a length drawn
-uniformly from [min_len, max_len] (seeded), random ids. The log-prob phase is fsdp.batch_logprobs (no
+uniformly from [min_len, max_len] (seeded), random ids. The log-prob phase is logprobs.batch_logprobs (no
 gradient); the update phase is token_logprobs with entropy, a token-mean loss, backward and one AdamW
 step, as grpo.py runs them. Each run loads the model afresh (FSDP2, bf16 compute): `padded/ATTN` takes
 --micro-batch-size rows per micro-batch (today's path), `packed/ATTN` at most --max-tokens tokens per

@@ -26,6 +26,14 @@ for path in (ROOT, os.path.join(ROOT, "tests")):  # `from grpo import ...`, `fro
         sys.path.insert(0, path)
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "slow: launches scripts (first-hour, failure, server, jail suites; multi-rank and variant runs); the fast tier "
+        "is pytest -m 'not slow': the hand-worked unit tests, the golden tests, one smoke run per script, the notebook",
+    )
+
+
 def torchrun_check(script: str, *args: str) -> subprocess.CompletedProcess:
     """tests/<script> under torchrun as two CPU ranks (gloo): the checks that need a real two-rank world."""
     return subprocess.run(

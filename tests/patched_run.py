@@ -77,9 +77,9 @@ elif mode in ("nan_reward", "raising_reward", "slow_reward"):
 elif mode == "nan_loss":
     import torch
 
-    import fsdp
+    import logprobs
 
-    real, calls = fsdp.token_logprobs, {"n": 0}
+    real, calls = logprobs.token_logprobs, {"n": 0}
 
     def token_logprobs(*args, **kwargs):
         logp, entropy = real(*args, **kwargs)
@@ -89,7 +89,7 @@ elif mode == "nan_loss":
                 logp = logp * float("nan")
         return logp, entropy
 
-    fsdp.token_logprobs = token_logprobs
+    logprobs.token_logprobs = token_logprobs
 elif mode == "tool_caller":
     import torch
 

@@ -178,6 +178,7 @@ def test_generate_groups_sends_at_most_max_requests_a_call_with_the_same_seeds()
     assert sum(calls, []) == [seed_for(s, j) for s in (10, 11, 12, 13, 14) for j in range(4)]
 
 
+@pytest.mark.slow
 def test_deterministic_rollout_on_another_attention_is_one_line_before_anything_loads(tmp_path):
     code, out, _ = run(
         "grpo.py",

@@ -13,6 +13,8 @@ import sys
 import pytest
 from test_smoke import ROOT, command, run_grpo
 
+pytestmark = pytest.mark.slow  # the suite launches scripts (the fast tier: pytest -m "not slow")
+
 QUIET = ["--eval-every", "0", "--log-samples-every", "0"]
 
 

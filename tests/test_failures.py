@@ -18,6 +18,8 @@ from test_smoke import metrics, run_grpo
 from checkpoint import damage
 from conftest import copy_run
 
+pytestmark = pytest.mark.slow  # the suite launches scripts (the fast tier: pytest -m "not slow")
+
 QUIET = ["--eval-every", "0", "--log-samples-every", "1"]
 
 
@@ -394,7 +396,7 @@ def test_a_reward_past_its_time_limit_scores_zero_and_the_run_goes_on(trained_ti
     assert seconds < 60 and os.path.isdir(tmp_path / "r" / "checkpoints" / "step_000002")
 
 
-@pytest.mark.parametrize(  # one handler takes both signals (stop._on_signal): each script with one, each signal once
+@pytest.mark.parametrize(  # one handler takes both signals (common._on_signal): each script with one, each signal once
     "script, signum", [("grpo.py", signal.SIGINT), ("ppo.py", signal.SIGTERM)], ids=["grpo.py-SIGINT", "ppo.py-SIGTERM"]
 )
 def test_a_signal_while_a_slow_reward_runs_stops_the_run_in_seconds(trained_tiny_model_dir, tmp_path, script, signum):
@@ -553,7 +555,7 @@ def test_a_start_cut_short_stops_the_engine_it_started(monkeypatch):
             os.kill(child.pid, signal.SIGTERM)
             time.sleep(0.2)
             seen["child"], seen["alive after SIGINT and SIGTERM"] = child, child.is_alive()
-            raise Interrupted(signal.SIGINT)  # what stop._on_signal raises during start-up
+            raise Interrupted(signal.SIGINT)  # what common._on_signal raises during start-up
 
         def shutdown(self):
             seen["shutdown"] = True
@@ -563,12 +565,12 @@ def test_a_start_cut_short_stops_the_engine_it_started(monkeypatch):
     with pytest.raises(Interrupted):
         rollout.start_sglang("/nowhere", gpu_id=0, options=rollout.SGLangOptions(mem_fraction=0.5))
     assert seen["alive after SIGINT and SIGTERM"] and seen["child"].exitcode == -signal.SIGKILL
-    assert "shutdown" not in seen  # stop_engine, not Engine.shutdown (see stop.stop_engine)
+    assert "shutdown" not in seen  # stop_engine, not Engine.shutdown (see rollout.stop_engine)
 
 
 FAKE_SGLANG = """
 import asyncio, multiprocessing, os, signal, sys, time, types
-import stop
+import common, stop
 
 class Watchdog:  # SGLang's SubprocessWatchdog: it would SIGQUIT the trainer when a child dies
     def __init__(self, processes):
@@ -587,10 +589,10 @@ def auto_create_handle_loop():  # as SGLang's TokenizerManager: its loop, with i
         loop.add_signal_handler(signal.SIGQUIT, print, "SGLang kills the process tree")
 manager.auto_create_handle_loop = auto_create_handle_loop
 engine = types.SimpleNamespace(tokenizer_manager=manager, processes=[child], shutdown=lambda: None)
-stop.handle_signals()
+common.handle_signals()
 watch = stop.EngineWatch(engine, phase=lambda: "generate", interval=0.1)
 assert manager._subprocess_watchdog.stopped and not loop._signal_handlers
-assert signal.getsignal(signal.SIGTERM) is stop._on_signal
+assert signal.getsignal(signal.SIGTERM) is common._on_signal
 if sys.argv[1] == "sigquit":  # the scheduler hit an exception, printed it and sent SIGQUIT
     os.kill(os.getpid(), signal.SIGQUIT)
 else:  # the scheduler was killed

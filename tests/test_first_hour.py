@@ -20,6 +20,8 @@ import warnings
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the suite launches scripts (the fast tier: pytest -m "not slow")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -1177,7 +1179,7 @@ def test_attention_implementations_by_machine(monkeypatch, impl, gpu, must):
     assert attn_problem(impl) == must or attn_problem(impl).startswith(must)
 
 
-@pytest.mark.usefixtures("gloo")  # checked_run counts the ranks
+@pytest.mark.usefixtures("gloo")  # check_training_state counts the ranks
 def test_training_state_that_cant_fit_a_gpu_is_one_line_before_anything_loads(tiny_model_dir, tmp_path, monkeypatch):
     """A Qwen2.5-7B full fine-tuning on one 80 GB GPU ran out of memory at its first optimizer step, with --offload
     too, after SGLang and the model had loaded (bench/results/lora_7b_h100.json), and the hint named the micro-batch:
@@ -1186,8 +1188,6 @@ def test_training_state_that_cant_fit_a_gpu_is_one_line_before_anything_loads(ti
     import torch
     from transformers import AutoModelForCausalLM
 
-    import grpo
-    import ppo
     import start
     from preflight import parameter_count, state_problem
     from common import InputError
@@ -1207,13 +1207,12 @@ def test_training_state_that_cant_fit_a_gpu_is_one_line_before_anything_loads(ti
     with_ref = state_problem(p7, lora=False, reference=True, world_size=2, gpu_bytes=gpu)  # 18 bytes: 64 GiB each
     assert with_ref is None and state_problem(p7, lora=False, reference=True, world_size=2, gpu_bytes=70 * 10**9)
 
-    # in checked_run, on a "GPU" whose memory the tiny model's 16 bytes a parameter overflow: one line, nothing loaded;
-    # ppo.py's too (its Args have no --beta: the GPU-only check read it and ppo.py stopped on every GPU, found on an H100)
+    # as grpo.py's and ppo.py's mains call it, on a "GPU" whose memory the tiny model's 16 bytes a parameter overflow:
+    # one line, nothing loaded
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 10**6})())
-    for script, algo in (("grpo", grpo), ("ppo", ppo)):
-        args = algo.Args(model=tiny_model_dir, output_dir=str(tmp_path / script), run_name="r")
-        with pytest.raises(InputError, match=r"on each of 1 GPU\(s\), over this GPU's 0 GiB .*--lora-rank 8"):
-            start.checked_run(script, args, torch.device("cuda", 0), reference=True)
+    with pytest.raises(InputError, match=r"on each of 1 GPU\(s\), over this GPU's 0 GiB .*--lora-rank 8"):
+        start.check_training_state(tiny_model_dir, torch.device("cuda", 0), lora=False, reference=True)
+    start.check_training_state(tiny_model_dir, torch.device("cpu"), lora=False, reference=True)  # a CPU: nothing
 
 
 def scorer_folder(tiny_model_dir, folder, architecture: str) -> str:

@@ -92,4 +92,3 @@ def test_the_reading_edition_computes_what_grpo_py_does(nproc, trained_tiny_mode
     for step, (g, w) in enumerate(zip(got, want), start=1):
         for k in keys:
             assert math.isclose(g[k], w[k], rel_tol=1e-4, abs_tol=1e-6), f"step {step} {k}: {g[k]} != {w[k]}"
-

@@ -406,18 +406,28 @@ def test_sglang_is_started_with_lora_for_the_adapter_way(tmp_path):
 def test_bad_lora_input_is_one_line(tiny_model_dir):
     from grpo import Args
 
+    def rules(a, given):
+        return lora_rules(
+            rank=a.lora_rank,
+            alpha=a.lora_alpha,
+            targets=a.lora_targets,
+            sync=a.lora_sync,
+            gap_ratio=a.lora_gap_ratio,
+            rollout_tp=a.rollout_tp,
+            given=set(given),
+        )
+
     def problem(args, given=()):
         with pytest.raises(InputError) as e:
-            check_flags(lora_rules(args, set(given)))
+            check_flags(rules(args, given))
         return str(e.value)
 
     assert problem(Args(lora_rank=-1)) == "--lora-rank -1 must be >= 0 (0: full fine-tuning; 1-64 for LoRA)"
     assert problem(Args(lora_rank=4, lora_alpha=0.0)).startswith("--lora-alpha 0.0 must be > 0")
-    assert problem(Args(lora_alpha=16.0), ["--lora-alpha"]).startswith(
-        "--lora-alpha 16.0 must be given with --lora-rank"
-    )
+    assert problem(Args(lora_alpha=16.0), ["lora_alpha"]).startswith("--lora-alpha 16.0 must be given with --lora-rank")
+    assert problem(Args(lora_rank=4, lora_alpha=float("inf"))).startswith("--lora-alpha inf must be > 0 and finite")
     assert problem(Args(lora_rank=4, lora_sync="adapter", rollout_tp=2)).startswith("--lora-sync adapter must be merge")
-    check_flags(lora_rules(Args(lora_rank=4, lora_sync="adapter"), {"--lora-sync"}))  # fine
+    check_flags(rules(Args(lora_rank=4, lora_sync="adapter"), {"lora_sync"}))  # fine
     with pytest.raises(InputError) as e:
         check_lora(tiny_model_dir, 4, ("qproj",))
     assert str(e.value) == (
@@ -435,6 +445,7 @@ def test_bad_lora_input_is_one_line(tiny_model_dir):
 # grpo.py end to end (two short runs)
 
 
+@pytest.mark.slow
 def test_grpo_lora_adapter_way_resumes_exactly(trained_tiny_model_dir, tmp_path):
     """grpo.py --lora-rank 4 --lora-sync adapter --beta 0.02 (the reference: the adapter off): 2 steps with checkpoints
     at 1 and 2; step 2 removed, --resume from 1 takes step 2 again with the same numbers and the same adapter. The

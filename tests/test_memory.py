@@ -136,6 +136,7 @@ def test_sync_sends_every_parameter_full_and_bf16(policy, tiny_model_dir):
         assert torch.equal(tensor, sharded[name].detach().full_tensor().to(torch.bfloat16))
 
 
+@pytest.mark.slow
 def test_sync_with_a_tp_group_hands_each_rank_its_own_copy(tiny_model_dir):
     """--rollout-tp 2: for every parameter SGLang gets one handle per TP rank, each made by that rank
     (TP worker i opens rank i's copy on its own GPU), bucket by bucket (tests/sync_tp_check.py)."""

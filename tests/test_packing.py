@@ -132,6 +132,7 @@ def test_varlen_attention_gives_sdpa_numbers_sequence_by_sequence(policy, tiny_m
     assert calls[0] == ([0, 40, 80, 120, 160, 200, 240], 40)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("gloo")
 def test_logit_chunks_and_compiled_layers_keep_the_numbers(tiny_model_dir, monkeypatch):
     """token_logprobs' head LOGIT_CHUNK tokens at a time (recomputed in backward), and --compile's layers and head math, under
@@ -276,6 +277,7 @@ def assert_close_runs(padded, packed, keys):
     assert not any("mfu" in k for k in b)  # a CPU has no peak FLOP/s: no MFU key rather than a made-up one
 
 
+@pytest.mark.slow
 def test_grpo_packed_matches_padded_two_ranks(trained_tiny_model_dir, tmp_path):
     padded, packed = smoke_pair(
         trained_tiny_model_dir, tmp_path, "grpo.py", "--beta", "0.05", "--gradient-checkpointing", "--seed", "2"
@@ -289,18 +291,21 @@ def test_grpo_packed_matches_padded_two_ranks(trained_tiny_model_dir, tmp_path):
     assert all(1 <= x < 1.2 for x in spread) and spread[0] == spread[2], spread  # padded or packed: the same deal
 
 
+@pytest.mark.slow
 def test_ppo_packed_matches_padded_two_ranks(trained_tiny_model_dir, tmp_path):
     padded, packed = smoke_pair(trained_tiny_model_dir, tmp_path, "ppo.py", "--kl-coef", "0.05", steps=1)
     assert_close_runs(padded, packed, ["train/entropy", "train/grad_norm", "critic/value_loss", "critic/grad_norm"])
     assert abs(packed[0]["train/loss"] - padded[0]["train/loss"]) < 1e-5  # whitened advantages: a loss near 0
 
 
+@pytest.mark.slow
 def test_fsdp_packed_equals_padded_two_ranks(tiny_model_dir):
     """FSDP2, fp32, ranks needing different numbers of micro-batches: the same log-probs and gradient."""
     proc = torchrun_check("tests/packing_check.py", tiny_model_dir)
     assert proc.returncode == 0 and "packed matches padded" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_packing_bench_runs_on_cpu(tiny_model_dir, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(

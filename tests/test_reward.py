@@ -281,17 +281,17 @@ def test_math_verify_in_score_all_runs_in_the_main_thread():
 def test_a_signal_ends_the_wait_for_rewards_at_once(monkeypatch, release):
     """SIGTERM (or Ctrl-C) while rewards are scored: score_all returns within a second, the calls not done
     'stopped' (the loop then stops as after generation), and the signal is noted for it."""
-    import stop
+    import common
     from reward import score_all
 
-    monkeypatch.setitem(stop._state, "signum", 0)  # restored after the test, as are the handlers below
+    monkeypatch.setitem(common._state, "signum", 0)  # restored after the test, as are the handlers below
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    stop.handle_signals()
+    common.handle_signals()
     try:
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
         t0 = time.time()
         out = score_all(lambda c, a: release.wait() or 1.0, [(i, "") for i in range(4)], workers=4, timeout_s=60)
-        assert time.time() - t0 < 1.5 and out == [(0.0, "stopped")] * 4 and stop.requested() == signal.SIGTERM
+        assert time.time() - t0 < 1.5 and out == [(0.0, "stopped")] * 4 and common.requested() == signal.SIGTERM
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)

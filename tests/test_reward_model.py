@@ -88,6 +88,7 @@ def test_scores_are_the_models_own_with_padding_and_truncation(rm_dir, gloo):
     assert len(set(scores.tolist())) == 4
 
 
+@pytest.mark.slow
 def test_scores_under_torchrun_two_ranks(rm_dir):
     proc = torchrun_check("tests/rm_score_check.py", rm_dir)
     assert proc.returncode == 0 and "scores match" in proc.stdout, proc.stderr[-3000:]
@@ -204,20 +205,18 @@ def test_the_reward_models_context_bounds_what_it_reads(tiny_model_dir, tmp_path
     ],
 )
 def test_reward_model_flags_are_checked(flags, message, monkeypatch):
-    from preflight import check_flags
-    from reward_model import rm_flag_rules
-
     import grpo
     import ppo
 
-    for script in (grpo, ppo):
+    for script in (grpo, ppo):  # as each script's check_args reads them
         monkeypatch.setattr(sys, "argv", [script.__name__ + ".py", *flags])
         args = tyro.cli(script.Args, args=flags)
         with pytest.raises(InputError) as e:
-            check_flags(rm_flag_rules(args))
+            script.check_args(args, world_size=1)
         assert message in str(e.value)
 
 
+@pytest.mark.slow
 def test_grpo_with_a_causal_lm_as_reward_model_stops_before_loading(trained_tiny_model_dir, tmp_path):
     proc = run_grpo(trained_tiny_model_dir, tmp_path, "--reward-model", trained_tiny_model_dir, expect_ok=False)
     lines = proc.stderr.strip().splitlines()
@@ -225,6 +224,7 @@ def test_grpo_with_a_causal_lm_as_reward_model_stops_before_loading(trained_tiny
     assert not os.path.exists(tmp_path / "r")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
 def test_train_against_the_reward_model_alone(script, trained_tiny_model_dir, rm_dir, tmp_path):
     """--reward-weights 0 1: the reward is the RM's score alone (whitened), the rule reward still measured;
@@ -284,6 +284,7 @@ def test_rm_pairs_by_hand():
     assert [r["group"] for r in rows] == ["format", "number", "number"] and rows[1]["chosen"] != rows[2]["chosen"]
 
 
+@pytest.mark.slow
 def test_rm_pairs_runs_in_calls_of_prompts_per_call(trained_tiny_model_dir, tmp_path):
     """bench/rm_pairs.py on the CPU (HF engine), 5 + 3 prompts x 2 samples sent 2 prompts a call: every prompt's
     samples come back (completions 10 and 6), the pairs and the summary are written; bad counts and a --out not .jsonl stop in one line."""
@@ -328,6 +329,7 @@ def test_rm_pairs_runs_in_calls_of_prompts_per_call(trained_tiny_model_dir, tmp_
     assert proc.returncode == 2 and "must be a .jsonl file in a folder that exists" in proc.stderr
 
 
+@pytest.mark.slow
 def test_the_reward_model_is_a_tenant_of_the_memory_phases(trained_tiny_model_dir, rm_dir, tmp_path):
     """Each step: wake_up and sleep move the reward model with the policy (with --offload: to the CPU while the engine
     generates, memory.py; tests/test_memory.py checks that every model in `models` moves), and it scores only after

@@ -51,7 +51,10 @@ PROBLEM = (
     if shutil.which("bwrap") is None
     else sandbox.sandbox_problem("bwrap")
 )
-pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=f"the jail cannot run here: {PROBLEM}")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(PROBLEM is not None, reason=f"the jail cannot run here: {PROBLEM}"),
+]  # slow: the suite launches scripts (the fast tier: pytest -m "not slow")
 
 # What a program must never print: the trainer's keys (in its environment and the worker's), a secret in the
 # worker's argv, one in the trainer's memory, and the content of a file next to the trainer.

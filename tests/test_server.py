@@ -32,6 +32,8 @@ from server import (
 )
 from stop import EngineWatch
 
+pytestmark = pytest.mark.slow  # the suite launches scripts (the fast tier: pytest -m "not slow")
+
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
 
 

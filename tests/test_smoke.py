@@ -151,6 +151,7 @@ def assert_console(stdout: str, run_dir, script: str, held_out: str, steps: int 
     )
 
 
+@pytest.mark.slow
 def test_grpo_torchrun_two_ranks_all_variants(trained_tiny_model_dir, tmp_path):
     """Two gloo ranks with the reference model, dynamic sampling, overlong filtering, offload,
     two mini-batches, SAPO's gate, a different loss aggregation, REINFORCE++'s whitening over both
@@ -206,6 +207,7 @@ def test_grpo_torchrun_two_ranks_all_variants(trained_tiny_model_dir, tmp_path):
         (["--policy-loss", "cispo", "--rollout-correction", "seq-mask", "--clip-high", "0.28"], [1.0, 0.28]),
     ],
 )
+@pytest.mark.slow
 def test_grpo_variants(trained_tiny_model_dir, tmp_path, variant, clip):
     """The policy losses, advantages and corrections end to end, several flags a run: each trains, logs the
     mismatch and the share corrected (on the console too), and takes its paper's clip range unless given."""
@@ -222,6 +224,7 @@ def test_grpo_variants(trained_tiny_model_dir, tmp_path, variant, clip):
     )  # gspo's paper's objective
 
 
+@pytest.mark.slow
 def test_grpo_rollout_tp_group(trained_tiny_model_dir, tmp_path):
     """--rollout-tp 2: rank 0 owns the engine, rank 1 sends its prompts to it and gets its samples back."""
     run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "2", "--eval-every", "1", "--rollout-tp", "2", nproc=2)
@@ -284,6 +287,7 @@ def run_two_nodes(model, out_dir, *extra, node1_dir=None, expect_ok=True) -> lis
     return consoles
 
 
+@pytest.mark.slow
 def test_grpo_two_nodes(trained_tiny_model_dir, tmp_path):
     """`torchrun --nnodes 2 --node-rank 0|1`, one rank per node: each node's rank starts its own engine,
     both write into one checkpoint (the run folder is shared, as on a shared filesystem), and the
@@ -309,6 +313,7 @@ def test_grpo_two_nodes(trained_tiny_model_dir, tmp_path):
     assert (tmp_path / "r" / "checkpoints" / "step_000003" / "trainer.pt").exists()
 
 
+@pytest.mark.slow
 def test_two_nodes_without_a_shared_folder_stop_clearly(trained_tiny_model_dir, tmp_path):
     """Each node writing into a folder of its own: the first save stops both, naming --output-dir."""
     consoles = run_two_nodes(
@@ -326,6 +331,7 @@ def test_two_nodes_without_a_shared_folder_stop_clearly(trained_tiny_model_dir, 
     assert not (tmp_path / "r" / "checkpoints" / "step_000001").exists()
 
 
+@pytest.mark.slow
 def test_existing_run_is_not_overwritten(trained_tiny_model_dir, one_grpo_step, tmp_path):
     copy_run(one_grpo_step, tmp_path)  # grpo.py --steps 1 --eval-every 0, as this test ran it
     before = sorted(os.listdir(tmp_path / "r" / "checkpoints"))
@@ -344,6 +350,7 @@ def test_existing_run_is_not_overwritten(trained_tiny_model_dir, one_grpo_step, 
         (["--lora-rank", "4", "--lora-targets", "qkv"], "--lora-targets qkv match no linear layer of --model"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_fails_clearly_and_writes_nothing(tiny_model_dir, tmp_path, extra, message):
     args = ["--steps", "1", "--eval-every", "0", *extra]
     proc = run_grpo(tiny_model_dir, tmp_path, *args, nproc=2 if "--prompts-per-step" in extra else 1, expect_ok=False)
@@ -400,6 +407,7 @@ def test_ppo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
     assert critic.config.num_labels == 1
 
 
+@pytest.mark.slow
 def test_ppo_torchrun_two_ranks(trained_tiny_model_dir, tmp_path):
     """Two gloo ranks, offload, with --lora-rank (issue 42): the actor's adapter, the critic's own and its head
     trained, the reference the actor's adapter off, the engine's weights merged."""
@@ -468,6 +476,7 @@ def test_evaluate_script_on_a_checkpoint(trained_tiny_model_dir, tmp_path):
     assert len(completions) == 8 and all("####" in c["completion"] for c in completions[:1])
 
 
+@pytest.mark.slow
 def test_launch_time_is_when_the_process_started():
     """Start-up metrics count from process launch, imports included: a fresh interpreter that
     sleeps 1 s before asking must report at least that second."""
@@ -505,6 +514,7 @@ def test_sglang_schedulers_start_without_torchrun_agent_store(monkeypatch):
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
 
 
+@pytest.mark.slow
 def test_fsdp_sums_gradients_over_ranks(tiny_model_dir):
     """The normalization story of grpo.py's `aggregate`: two ranks with half a batch each and the
     global token count give the whole batch's gradient (FSDP sums; no division by world size)."""
@@ -512,6 +522,7 @@ def test_fsdp_sums_gradients_over_ranks(tiny_model_dir):
     assert proc.returncode == 0 and "gradients match" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_two_cpu_ranks_leave_no_fsdp_module_for_the_interpreter_teardown(tiny_model_dir):
     """gloo: FSDP2 modules still alive at interpreter exit hold the process group's work, and freeing them
     there aborted 1 in 10 to 1 in 3 two-rank runs (exit -6; once in CI at the end of test_grpo_two_nodes).
@@ -522,6 +533,7 @@ def test_two_cpu_ranks_leave_no_fsdp_module_for_the_interpreter_teardown(tiny_mo
     assert proc.stdout.count("FSDP2 modules left at exit: 0") == 2, proc.stdout
 
 
+@pytest.mark.slow
 def test_own_task_and_math_mixed_with_a_reward_file(trained_tiny_model_dir, tmp_path):
     """The README's own-task recipe, as a user runs it: rows of {"prompt", "answer"} beside MATH rows,
     each source judged by its kind and held out on its own (eval/<source>/...), a reward from a file. Each capital is
@@ -563,6 +575,7 @@ def test_own_task_and_math_mixed_with_a_reward_file(trained_tiny_model_dir, tmp_
     assert "held out 10 of 20 rows (every copy of 1 prompt) of" in proc.stdout and "eval after step 2" in proc.stdout
 
 
+@pytest.mark.slow
 def test_reward_file_errors_name_the_spec(tiny_model_dir, tmp_path):
     proc = run_grpo(tiny_model_dir, tmp_path, "--reward", "nowhere.py:reward", expect_ok=False)
     assert (

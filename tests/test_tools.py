@@ -358,6 +358,7 @@ def assert_trained_on_the_models_tokens(proc, out_dir):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, nproc, resume", [("grpo.py", 2, True), ("ppo.py", 1, False)])
 def test_a_run_with_tools_trains_on_the_models_tokens(tool_model_dir, tmp_path, script, nproc, resume):
     """grpo.py under two ranks runs a step, then --resume to step 2 (a tool run resumes); ppo.py in one process runs

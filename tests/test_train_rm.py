@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from data import load_pairs, split_pairs
+from fsdp import compute_dtype
 from common import InputError
 from train_rm import pairwise_loss
 
@@ -182,8 +183,9 @@ def test_train_rm_learns_a_learnable_preference(rm_run):
 
 
 def test_checkpoint_is_a_reward_model_that_scores_as_in_training(rm_run, gloo):
-    """grpo.py --reward-model's own checks and loading; its held-out accuracy and margin are the final evaluation's
-    (bf16 weights: on a CPU that computes in fp32 the numbers move by the rounding)."""
+    """grpo.py --reward-model's own checks and loading, computing as train_rm.py did (fsdp.compute_dtype: fp32 under
+    the suite's pins): its held-out accuracy and margin are the final evaluation's, up to the bf16 rounding of the
+    saved weights."""
     from reward_model import check_reward_model, conversation, load_reward_model, score_conversations
 
     run_dir, _ = rm_run
@@ -194,7 +196,7 @@ def test_checkpoint_is_a_reward_model_that_scores_as_in_training(rm_run, gloo):
     assert config["pad_token_id"] == tokenizer.pad_token_id is not None and "<|im_start|>" in template
     pairs, _ = load_pairs(str(run_dir.parent / "pairs.jsonl"))
     held = split_pairs(pairs, seed=0, num_eval=64, where="")[1]
-    rm = load_reward_model(model_dir, torch.device("cpu"), torch.bfloat16)
+    rm = load_reward_model(model_dir, torch.device("cpu"), compute_dtype(torch.device("cpu")))
     scores, _ = score_conversations(
         rm,
         [conversation(p.prompt, side) for p in held for side in (p.chosen, p.rejected)],
@@ -210,6 +212,7 @@ def test_checkpoint_is_a_reward_model_that_scores_as_in_training(rm_run, gloo):
     assert stats["margin"].item() / len(held) == pytest.approx(final["eval/margin"], rel=0.05, abs=0.02)
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(rm_run, trained_tiny_model_dir, tmp_path):
     """The run's folder as it was after step 10 (the step-20 checkpoint gone), then --resume: steps 11-20 and the
     evaluations at 10 and 20 give the numbers of the run that never stopped, rows not duplicated."""
@@ -238,6 +241,7 @@ def test_resume_continues_exactly(rm_run, trained_tiny_model_dir, tmp_path):
     assert drop(again) == drop(train) and evals_again == evals  # exactly; rows of steps 11-20 once each
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_take_the_steps_of_one_process(rm_run, trained_tiny_model_dir, tmp_path):
     """16 pairs a step, 8 on each rank: the loss divided by the global count and FSDP's summed gradients give the
     plain run's steps (each rank's pairs are one of its micro-batches; summation order aside)."""
@@ -260,6 +264,7 @@ def test_torchrun_two_ranks_take_the_steps_of_one_process(rm_run, trained_tiny_m
             assert a[key] == pytest.approx(b[key], rel=2e-3, abs=1e-5), (a["step"], key)
 
 
+@pytest.mark.slow
 def test_a_bad_pairs_file_stops_in_one_line_writing_nothing(trained_tiny_model_dir, tmp_path):
     (tmp_path / "bad.jsonl").write_text(
         '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n'
@@ -271,6 +276,7 @@ def test_a_bad_pairs_file_stops_in_one_line_writing_nothing(trained_tiny_model_d
     assert not os.path.exists(tmp_path / "r")
 
 
+@pytest.mark.slow
 def test_what_the_model_or_its_template_cannot_read_stops_in_one_line(trained_tiny_model_dir, tmp_path):
     """Before the model loads: a classifier of 2 labels as --model; one without a chat template (never said to read
     raw text first); a pair the chat template refuses (named by its number); pairs the cut to --max-len leaves the same
