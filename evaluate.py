@@ -225,7 +225,9 @@ def rows_to_score(args: Args, run_dir: str | None, run: dict | None) -> tuple[li
     if args.split == "train":
         return train, f"the rows {run_dir} trained on ({', '.join(datasets)}, seed {run['seed']})", "--split train"
     if evals:
-        also = [f"they are its --dataset {d} too" for d in datasets if same(evals, d)]  # the README's capitals
+        also = [
+            f"they are its --dataset {d} too" for d in datasets if same(evals, d)
+        ]  # docs/data-and-reward.md's capitals
         return held, f"the rows of {evals}, {run_dir}'s --eval-dataset", (also or [""])[0]
     return held, f"the prompts {run_dir} held out of {', '.join(datasets)} (seed {run['seed']})", ""
 

@@ -5,13 +5,15 @@
     python grpo.py --model ./tiny-model --rollout-engine hf                   # CPU, no SGLang
     python grpo.py --rollout-mode server --rollout-url http://HOST:30000 [--async-rollout]   # SGLang on GPUs of its own
 
-Each step (main's loop): wake SGLang up and sync the weights (memory.py), sample G completions per prompt and score
-them (start.the_task's reward), sleep SGLang, recompute old (and reference) log-probs, turn each group's rewards into
-advantages, then `update`: epochs x mini-batches x micro-batches of `grpo_loss`, an optimizer step per mini-batch.
-The file reads in that order: Args, the flags' checks, the variants' pieces, then the default step in one stretch:
-its GRPO pieces (pure functions of tensors), update, main (its set-up: named calls of start.py; then the loop).
+Each step (main's loop, its phases called by name): wake SGLang up and sync the weights (memory.wake_up), evaluate
+when due (rollout.held_out_eval), sample G completions per prompt and score them (rollout.send_prompts, the reward bound
+in main: reward.reward_fn or --reward), sleep SGLang (memory.sleep), recompute old (and reference) log-probs, turn each
+group's rewards into advantages, then `update`: epochs x mini-batches x micro-batches of `grpo_loss`, an optimizer
+step per mini-batch; the step's line and row, a checkpoint when due, the signal check. The file reads in that order:
+Args, the flags' checks, the variants' pieces, then the default step in one stretch: its GRPO pieces (pure functions of
+tensors), update, main (its set-up, each a named call; then the loop). grpo_minimal.py is the default step alone.
 
-Variants, all flags (README: GRPO variants): the advantage (--advantage grpo, rloo, reinforce++; --no-scale-rewards
+Variants, all flags (docs/variants.md): the advantage (--advantage grpo, rloo, reinforce++; --no-scale-rewards
 + --loss-agg seq-mean-token-sum-norm: Dr.GRPO), the policy loss (--policy-loss ppo-clip, gspo, cispo, sapo;
 --clip-high 0.28: DAPO's clip-higher), the sampler-trainer mismatch (--rollout-correction tis, mis, icepop, seq-mask;
 logged every step whatever the choice), --dynamic-sampling, --overlong-filter, --beta > 0 with --kl-estimator k2/k3 in
@@ -146,7 +148,7 @@ class Args:
     """passes over each rollout batch"""
     seed: int = 0
     """seeds data order, sampling and initialization"""
-    # --- LoRA (README: LoRA)
+    # --- LoRA (docs/lora.md)
     lora_rank: int = 0
     """> 0: train a LoRA adapter of this rank (fp32, AdamW) on the base frozen in bf16 (lora.py); 0: full fine-tuning.
     For RL even rank 1 learns as full fine-tuning does, at ~10x its --lr ('LoRA Without Regret')"""
@@ -157,11 +159,11 @@ class Args:
     lora_sync: Literal["merge", "adapter"] = "adapter"
     """how the engine gets the adapter: adapter (SGLang with LoRA on: the base once, then the adapter alone each step,
     every request names it); merge (W + alpha/r B A as bf16 weights: any engine or server, --rollout-tp > 1 too, but an
-    update finer than bf16's step at W is lost in the rounding: README, LoRA)"""
+    update finer than bf16's step at W is lost in the rounding: docs/lora.md)"""
     lora_gap_ratio: float = 3.0
     """the run fails when the sampler-trainer log-prob gap exceeds this x its first step's + 0.01: the engine does not
     hold the trained weights (lora.GapCheck); 0: no check (nor with --async-rollout, one update stale by design)"""
-    # --- GRPO (README: GRPO variants)
+    # --- GRPO (docs/variants.md)
     advantage: Literal["grpo", "rloo", "reinforce++"] = "grpo"
     """grpo: reward minus its group's mean, over the group's std (--scale-rewards); rloo: minus the mean of the other
     G-1 samples of its group (leave-one-out); reinforce++: minus the group's mean, then whitened over the whole batch"""
@@ -259,7 +261,7 @@ class Args:
     """move parameters and optimizer state to CPU while SGLang generates"""
     attn_implementation: str = "sdpa"
     """transformers attention for training; packed, sdpa computes all n^2 token pairs of a micro-batch, varlen (GPU:
-    torch's FlashAttention-2, fsdp.varlen_attention) and flex_attention (GPU) only each sequence's own (README: packing)"""
+    torch's FlashAttention-2, fsdp.varlen_attention) and flex_attention (GPU) only each sequence's own (docs/packing.md)"""
     rollout_engine: Literal["auto", "sglang", "hf"] = "auto"
     """'sglang' (GPU), 'hf' (plain transformers, CPU tests), 'auto': sglang when CUDA is available"""
     rollout_tp: int = 1
@@ -298,7 +300,7 @@ class Args:
     deterministic_rollout: bool = False
     """the same --seed samples the same completions: SGLang's deterministic inference (batch-invariant kernels, each
     sample its own seed; --sglang-attention-backend fa3, fa4, flashinfer or triton; a --rollout-url server started with
-    --enable-deterministic-inference), a deterministic update; slower (README: deterministic rollout)"""
+    --enable-deterministic-inference), a deterministic update; slower (docs/determinism.md)"""
     sync_bucket_mb: int = 512
     """weight sync gathers and sends this many MB at a time"""
     # --- evaluation, checkpoints, logging

@@ -6,11 +6,12 @@
     python ppo.py --model ./tiny-model --rollout-engine hf                    # CPU, no SGLang
     python ppo.py --rollout-mode server --rollout-url http://HOST:30000 [--async-rollout]    # SGLang on GPUs of its own
 
-Each step (main's loop): wake SGLang up and sync the actor's weights (memory.py), sample completions, score them
-(start.the_task's reward), sleep SGLang, recompute old log-probs, reference log-probs and values, turn the score on the
-last token plus a per-token KL penalty into per-token rewards, estimate advantages by GAE, whiten them, then `update`:
-clipped-value steps on the critic and PPO-clip steps on the actor. The file reads as grpo.py: Args, the flags' checks,
-the PPO pieces, update, main (its set-up: start.py's calls and the critic; then the loop).
+Each step (main's loop, its phases called by name): wake SGLang up and sync the actor's weights (memory.wake_up),
+evaluate when due, sample completions and score them (the reward bound in main: reward.reward_fn or --reward), sleep
+SGLang (memory.sleep), recompute old log-probs, reference log-probs and values, turn the score on the last token plus a
+per-token KL penalty into per-token rewards, estimate advantages by GAE, whiten them, then `update`: clipped-value steps
+on the critic and PPO-clip steps on the actor. The file reads as grpo.py: Args, the flags' checks, the PPO pieces,
+update, main (its set-up, each a named call, and the critic; then the loop).
 
 The recipe of Ziegler et al. (2019) / InstructGPT as verl and OpenRLHF run it. Options: a fixed KL
 coefficient or an adaptive controller toward --target-kl, critic warm-up steps, an entropy bonus.
@@ -136,7 +137,7 @@ class Args:
     """passes over each rollout batch"""
     seed: int = 0
     """seeds data order, sampling and initialization"""
-    # --- LoRA (README: LoRA)
+    # --- LoRA (docs/lora.md)
     lora_rank: int = 0
     """> 0: train LoRA adapters of this rank (fp32, AdamW) on bases frozen in bf16 (lora.py): the actor's, and the
     critic's body its own (its value head trained whole, in fp32); 0: full fine-tuning"""
@@ -147,7 +148,7 @@ class Args:
     lora_sync: Literal["merge", "adapter"] = "adapter"
     """how the engine gets the adapter: adapter (SGLang with LoRA on: the base once, then the adapter alone each step,
     every request names it); merge (W + alpha/r B A as bf16 weights: any engine or server, --rollout-tp > 1 too, but an
-    update finer than bf16's step at W is lost in the rounding: README, LoRA)"""
+    update finer than bf16's step at W is lost in the rounding: docs/lora.md)"""
     lora_gap_ratio: float = 3.0
     """the run fails when the sampler-trainer log-prob gap exceeds this x its first step's + 0.01: the engine does not
     hold the trained weights (lora.GapCheck); 0: no check (nor with --async-rollout, one update stale by design)"""
@@ -233,7 +234,7 @@ class Args:
     """move parameters and optimizer state to CPU while SGLang generates"""
     attn_implementation: str = "sdpa"
     """transformers attention for training; packed, sdpa computes all n^2 token pairs of a micro-batch, varlen (GPU:
-    torch's FlashAttention-2, fsdp.varlen_attention) and flex_attention (GPU) only each sequence's own (README: packing)"""
+    torch's FlashAttention-2, fsdp.varlen_attention) and flex_attention (GPU) only each sequence's own (docs/packing.md)"""
     rollout_engine: Literal["auto", "sglang", "hf"] = "auto"
     """'sglang' (GPU), 'hf' (plain transformers, CPU tests), 'auto': sglang when CUDA is available"""
     rollout_tp: int = 1
@@ -275,7 +276,7 @@ class Args:
     deterministic_rollout: bool = False
     """the same --seed samples the same completions: SGLang's deterministic inference (batch-invariant kernels, each
     sample its own seed; --sglang-attention-backend fa3, fa4, flashinfer or triton; a --rollout-url server started with
-    --enable-deterministic-inference), a deterministic update; slower (README: deterministic rollout)"""
+    --enable-deterministic-inference), a deterministic update; slower (docs/determinism.md)"""
     sync_bucket_mb: int = 512
     """weight sync gathers and sends this many MB at a time"""
     # --- evaluation, checkpoints, logging

@@ -186,7 +186,7 @@ def package_rules(*, track: bool, attn_implementation: str) -> list[tuple[str, o
             "--track",
             track,
             not track or find_spec("wandb") is not None,
-            "given with wandb installed (pip install wandb)",
+            "given with wandb installed (pip install wandb; wandb login)",
         ),
         ("--attn-implementation", attn_implementation, attn is None, attn),
     ]

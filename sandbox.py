@@ -606,9 +606,7 @@ def run_on_service(code: str, url: str, lim: dict) -> str:
 def sandbox_problem(sandbox: str) -> str | None:
     """None if programs can run in `sandbox`, else one line: what is wrong and how to fix it. Runs a
     one-line program the way every call will."""
-    fixes = (
-        "; or pass --python-sandbox process to accept a plain subprocess's weaker isolation (README: the python tool)"
-    )
+    fixes = "; or pass --python-sandbox process to accept a plain subprocess's weaker isolation (docs/tools.md: the python tool)"
     if sandbox == "process":
         return None
     if sandbox == "bwrap":

@@ -137,7 +137,7 @@ def select_tools(names: str, *, python_sandbox: str = "bwrap", seconds: float = 
         if python_sandbox == "process":
             print0(
                 "warning: --python-sandbox process: model-written programs run as plain subprocesses of the trainer, "
-                "which they can read, signal or exhaust (README: the python tool)"
+                "which they can read, signal or exhaust (docs/tools.md: the python tool)"
             )
         PYTHON_SANDBOX.update(sandbox=python_sandbox, limits={"seconds": seconds})
         if not python_sandbox.startswith(("http://", "https://")):  # a service's memory is its own

@@ -28,7 +28,7 @@ import torch
 import tyro
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
-import fsdp  # noqa: E402
+import logprobs  # noqa: E402
 from data import Sample, collate  # noqa: E402
 from preflight import friendly_errors  # noqa: E402
 from fsdp import init_distributed, load_model, matmul_params, mfu, micro_batches, peak_flops, shard_model
@@ -43,7 +43,7 @@ class Args:
     runs: tuple[str, ...] = ("padded/sdpa", "packed/sdpa", "packed/flex_attention")
     """padded|packed / the transformers attention implementation [/ tokens per packed micro-batch, else --max-tokens]
     [/ compile: torch.compile each decoder layer and the log-prob math] [/ eagerhead: that math not compiled]
-    [/ whole: the head's logits all at once, not fsdp.LOGIT_CHUNK tokens]"""
+    [/ whole: the head's logits all at once, not logprobs.LOGIT_CHUNK tokens]"""
     samples: int = 256
     """sequences per step (the same in every run)"""
     prompt_len: int = 100
@@ -153,17 +153,17 @@ def main(args: Args):
             )
         model.zero_grad(set_to_none=True)
 
-    results, chunk = [], fsdp.LOGIT_CHUNK
+    results, chunk = [], logprobs.LOGIT_CHUNK
     for run in args.runs:
         layout, attn, *rest = run.split("/")
         budget = [int(x) for x in rest if x.isdigit()]
         max_tokens = 0 if layout == "padded" else budget[0] if budget else args.max_tokens
-        fsdp.LOGIT_CHUNK = 2**40 if "whole" in rest else chunk  # whole: as before the chunked head
+        logprobs.LOGIT_CHUNK = 2**40 if "whole" in rest else chunk  # whole: as before the chunked head
         model = shard_model(
             load_model(path, device, torch.float32, args.gradient_checkpointing, attn), compile="compile" in rest
         )  # --compile: each decoder layer through torch.compile
-        if "eagerhead" in rest:  # compiled layers, but fsdp.logits_to_logprobs as it is
-            del model.logits_to_logprobs
+        if "compile" in rest and "eagerhead" not in rest:  # eagerhead: compiled layers, logits_to_logprobs as it is
+            logprobs.compile_head(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=cuda)
         n_params, out = matmul_params(model), {"run": run}
         if cuda:

@@ -153,7 +153,7 @@ def test_prompt_plus_new_tokens_longer_than_the_context(tiny_model_dir, tmp_path
 
 
 def test_tools_prompt_longer_than_the_context_names_a_model_that_fits(tiny_model_dir, tmp_path):
-    """The README's tools example on the tiny model (context 512): no flag can make room for the tools' prompt, so the
+    """docs/tools.md's example on the tiny model (context 512): no flag can make room for the tools' prompt, so the
     error names a longer context only, and tiny_model.py's option that builds one."""
     code, out, _ = run(
         "grpo.py",
@@ -559,7 +559,9 @@ def test_evaluate_scores_what_the_run_held_out(tmp_path):
     model, run = a_run(tmp_path, dataset=(data,), eval_dataset=other, seed=3)  # its held-out prompts: other.jsonl's
     assert score() == ([1, 1, 1], f"the rows of {other}, {run_dir}'s --eval-dataset", "")
     assert score(dataset=data) == (list(range(40)), f"all rows of {data}", f"it held out {other} instead")
-    model, run = a_run(tmp_path, dataset=(other,), eval_dataset=other)  # the README's capitals: one file both ways
+    model, run = a_run(
+        tmp_path, dataset=(other,), eval_dataset=other
+    )  # docs/data-and-reward.md's capitals: one file both ways
     assert score()[2] == f"they are its --dataset {other} too"
 
 

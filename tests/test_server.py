@@ -360,7 +360,7 @@ def test_grpo_trains_against_a_server(server_process, trained_tiny_model_dir, tm
 
 def test_a_server_killed_mid_run_ends_it_with_exit_code_1(server_process, tiny_model_dir, tmp_path):
     """The server dies between steps: the run ends within seconds, its last line naming the server, with exit
-    code 1 (it was 2, which the README keeps for bad input); what the finished steps wrote stays."""
+    code 1 (it was 2, which docs/stopping.md keeps for bad input); what the finished steps wrote stays."""
     from test_failures import console_lines, start, wait_for
 
     url, server = server_process

@@ -535,7 +535,7 @@ def test_two_cpu_ranks_leave_no_fsdp_module_for_the_interpreter_teardown(tiny_mo
 
 @pytest.mark.slow
 def test_own_task_and_math_mixed_with_a_reward_file(trained_tiny_model_dir, tmp_path):
-    """The README's own-task recipe, as a user runs it: rows of {"prompt", "answer"} beside MATH rows,
+    """docs/data-and-reward.md's own-task recipe, as a user runs it: rows of {"prompt", "answer"} beside MATH rows,
     each source judged by its kind and held out on its own (eval/<source>/...), a reward from a file. Each capital is
     asked 10 times: one of the two is held out whole, every copy of it, by prompt (issue 40: 2 rows were, by row)."""
     (tmp_path / "capitals.jsonl").write_text(
