@@ -180,7 +180,8 @@ def test_grpo_three_full_steps(tmp_path, extra):
     assert [m["step"] for m in train_steps] == [1, 2, 3]
     for m in train_steps:  # every step's rollout came from the weights the trainer holds
         assert m["rollout/logprob_abs_diff"] < LOGPROB_TOLERANCE, m
-        assert m["train/grad_norm"] > 0
+    # a step whose 16 groups each earned one reward (SmolLM2 scores 0 on most samples) has no gradient: seen on an H200
+    assert any(m["train/grad_norm"] > 0 for m in train_steps), train_steps
     assert (tmp_path / "t" / "checkpoints" / "step_000003" / "model" / "config.json").exists()
 
 
