@@ -763,6 +763,7 @@ class Sample:
     tool_calls: list = field(default_factory=list)  # (tool name, "ok" | "error" | "timeout", seconds) per call
     prompt: str | list[dict] = ""  # the question as asked (Example.prompt): a reward model reads it (reward_model.py)
     messages: list[dict] | None = None  # multi-turn: the model's turns and the tools' replies as chat messages
+    versions: list[int] | None = None  # --max-staleness >= 2: per response token, the weight version that sampled it
 
 
 def label(samples: list[Sample], examples: list[Example]) -> list[Sample]:

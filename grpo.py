@@ -65,6 +65,7 @@ from fsdp import (
 from logprobs import old_and_ref_logprobs, token_logprobs
 from lora import GapCheck, check_lora, lora_rules
 from memory import MemoryLog, sleep, wake_up
+from producer import Producer
 from preflight import check_engine, check_flags, check_model, engine_count, friendly_errors, given_flags, parse_args
 from preflight import package_rules
 from preflight import rollout_rules, sampling_rules
@@ -185,16 +186,19 @@ class Args:
     """ratio clipped below at 1 - clip_low (1: no lower bound); not given: 3e-4 with gspo, 1 with cispo"""
     clip_high: float = 0.2
     """ratio clipped above at 1 + clip_high (0.28: clip-higher from DAPO); not given: 4e-4 with gspo, 4 with cispo"""
-    rollout_correction: Literal["auto", "none", "tis", "mis", "icepop", "seq-mask"] = "auto"
+    rollout_correction: Literal["auto", "none", "tis", "mis", "icepop", "seq-mask", "decoupled"] = "auto"
     """for the sampler not being the trained policy (SGLang's bf16 kernels; one update older with --async-rollout),
     by r = p_old / p_sampler per token: tis weights each token's loss by min(r, --tis-cap); mis masks the tokens whose
     r leaves --correction-bounds out of the loss; icepop masks them too and weights the others by r; seq-mask drops a
-    sequence whose geometric-mean r leaves them. auto: tis with --async-rollout, else none"""
+    sequence whose geometric-mean r leaves them; decoupled (AReaL's decoupled PPO) weights each token by r and masks it
+    where r > HI: p_old is the proximal policy the trainer recomputes, the ratio clipped against it. auto: tis with
+    --async-rollout, decoupled with --max-staleness >= 2, else none"""
     tis_cap: float | None = None
     """the cap of --rollout-correction tis (None: 2.0); 0 with --async-rollout: no correction"""
     correction_bounds: tuple[float, float] | None = None
-    """[lo, hi] of r that mis, icepop and seq-mask keep (inclusive); None: mis 0.5 2 (verl's token rejection),
-    icepop 0.5 5 (IcePop's), seq-mask 0.999 1.001 (verl's geometric rejection: a mean over tokens moves little)"""
+    """[lo, hi] of r that mis, icepop, seq-mask and decoupled keep (inclusive); None: mis 0.5 2 (verl's token
+    rejection), icepop 0.5 5 (IcePop's), seq-mask 0.999 1.001 (verl's geometric rejection: a mean over tokens moves
+    little), decoupled 0 5 (AReaL's behaviour-weight cap)"""
     beta: float = 0.0
     """KL coefficient to the reference model; 0 loads no reference model at all"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -284,7 +288,13 @@ class Args:
     from the route to the first server)"""
     async_rollout: bool = False
     """with --rollout-mode server: generate the next step's batch while this one trains; each batch is then
-    sampled by the weights from before the last update (one step off-policy; see --rollout-correction)"""
+    sampled by the weights from before the last update (one step off-policy; see --rollout-correction); the same as
+    --max-staleness 1"""
+    max_staleness: int = 0
+    """with --rollout-mode server, k: how many weight updates a sample's oldest token may lag the trained weights. 0:
+    each step samples with the weights it trains; 1: --async-rollout; k >= 2: fully asynchronous (producer.py): the
+    servers never wait for the trainer, a weight update aborts their requests and resumes them from their tokens so far
+    (partial rollouts), a group older than k is dropped, and the loss is decoupled PPO (--rollout-correction auto)"""
     sglang_mem_fraction: float = 0.6
     """share of GPU memory for SGLang's weights + KV cache while it is awake"""
     sglang_attention_backend: str = "triton"
@@ -351,6 +361,11 @@ CPU_SIZES = {
 CONSOLE = SAMPLES_LINE + [("gnorm", "train/grad_norm", ".2f", "gradient norm before clipping")] + TIMES_LINE
 # shown after the others, on a step where they are not 0
 IF_NOT_0 = [TRUNC, ("kl", "train/kl", ".2g", "KL to the reference per token (where not 0: --beta > 0)"), CLIP]
+FULLY_ASYNC_CONSOLE = [  # --max-staleness >= 2 (producer.py)
+    ("stale", "rollout/staleness", ".2f", "updates between a sample's oldest token and the trained weights, mean"),
+    ("partial", "rollout/partial_frac", ".2f", "share of samples a weight update interrupted and resumed"),
+    ("dropped", "rollout/dropped_groups", ".0f", "groups dropped so far as older than --max-staleness"),
+]
 CORRECTION_CONSOLE = [
     ("mismatch kl", "rollout/mismatch_kl", ".1e", "KL(sampler || trainer) over the model's tokens"),
     ("corrected", "rollout/correction_frac", ".3f", "share of tokens --rollout-correction capped or masked"),
@@ -403,7 +418,7 @@ def check_args(args: Args, world_size: int):
                 a.tis_cap is None
                 or a.tis_cap == 0
                 or a.rollout_correction == "tis"
-                or (a.rollout_correction == "auto" and a.async_rollout),
+                or (a.rollout_correction == "auto" and (a.async_rollout or a.max_staleness == 1)),
                 "given with --rollout-correction tis or --async-rollout only",
             ),
             (
@@ -412,9 +427,9 @@ def check_args(args: Args, world_size: int):
                 a.correction_bounds is None
                 or (
                     0 <= a.correction_bounds[0] <= 1 <= a.correction_bounds[1] < math.inf
-                    and a.rollout_correction in ("mis", "icepop", "seq-mask")
+                    and a.rollout_correction in ("mis", "icepop", "seq-mask", "decoupled")
                 ),
-                "LO HI with 0 <= LO <= 1 <= HI < inf, with --rollout-correction mis, icepop or seq-mask",
+                "LO HI with 0 <= LO <= 1 <= HI < inf, with --rollout-correction mis, icepop, seq-mask or decoupled",
             ),
             ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, ">= 1"),
             (
@@ -422,6 +437,33 @@ def check_args(args: Args, world_size: int):
                 a.async_rollout,
                 not a.async_rollout or (server and not a.dynamic_sampling),
                 "with --rollout-mode server, without --dynamic-sampling (its refills wait on this step's rewards)",
+            ),
+            ("--max-staleness", a.max_staleness, a.max_staleness >= 0, ">= 0 (0: synchronous)"),
+            (
+                "--max-staleness",
+                a.max_staleness,
+                a.max_staleness == 0 or (server and not a.dynamic_sampling),
+                "0 without --rollout-mode server (a colocated engine takes turns with training on its GPUs), and "
+                "without --dynamic-sampling (its refills wait on this step's rewards)",
+            ),
+            (
+                "--async-rollout",
+                a.async_rollout,
+                not a.async_rollout or a.max_staleness <= 1,
+                f"not given with --max-staleness {a.max_staleness}: it is --max-staleness 1",
+            ),
+            (
+                "--deterministic-rollout",
+                a.deterministic_rollout,
+                not (a.deterministic_rollout and a.max_staleness >= 2),
+                "without --max-staleness >= 2: fully asynchronous samples depend on when a weight update interrupts "
+                "them, so no run repeats bit for bit",
+            ),
+            (
+                "--tools",
+                a.tools,
+                not (a.tools and a.max_staleness >= 2),
+                "without --max-staleness >= 2 for now: an episode is not resumed mid-way after a weight update",
             ),
             (
                 "--dynamic-sampling",
@@ -527,12 +569,16 @@ def check_args(args: Args, world_size: int):
 def variant_defaults(args: Args) -> Args:
     """The defaults that depend on other flags, for the flags not given on the command line: each policy loss's clip
     range and each correction's bounds (VARIANT_DEFAULTS), and tis with --async-rollout, as before --rollout-correction."""
-    correction = args.rollout_correction
-    if correction == "auto":
-        correction = "tis" if args.async_rollout and args.tis_cap != 0 else "none"
+    correction, staleness = args.rollout_correction, max(args.max_staleness, int(args.async_rollout))
+    if correction == "auto":  # the objective follows the staleness
+        correction = "decoupled" if staleness >= 2 else "tis" if staleness == 1 and args.tis_cap != 0 else "none"
     defaults = {"tis_cap": 2.0, **VARIANT_DEFAULTS.get(args.policy_loss, {}), **VARIANT_DEFAULTS.get(correction, {})}
     given = given_flags(sys.argv[1:])
-    return replace(args, rollout_correction=correction, **{k: v for k, v in defaults.items() if k not in given})
+    defaults = {k: v for k, v in defaults.items() if k not in given}
+    # one flag set, one meaning: --async-rollout is --max-staleness 1
+    return replace(
+        args, rollout_correction=correction, max_staleness=staleness, async_rollout=staleness == 1, **defaults
+    )
 
 
 def variant_line(args: Args) -> str:
@@ -541,7 +587,7 @@ def variant_line(args: Args) -> str:
     correction = args.rollout_correction
     if correction == "tis":
         correction += f" (cap {args.tis_cap:g})"
-    elif correction != "none":  # mis, icepop, seq-mask
+    elif correction != "none":  # mis, icepop, seq-mask, decoupled
         correction += " (bounds {:g} {:g})".format(*args.correction_bounds)
     gate = (
         "tau {:g} / {:g}".format(*args.sapo_tau)
@@ -549,6 +595,8 @@ def variant_line(args: Args) -> str:
         else f"clip {args.clip_low:g} / {args.clip_high:g}"
     )
     line = f"algorithm: advantage {args.advantage} | policy loss {args.policy_loss} ({gate}, {args.loss_agg}) | rollout correction {correction}"
+    if args.max_staleness:
+        line += f" | staleness at most {args.max_staleness}" + " (fully async: producer.py)" * (args.max_staleness >= 2)
     if args.epochs * args.num_minibatches == 1:
         line += " | one update a batch: every ratio 1, nothing clips (--num-minibatches N: the policy losses differ)"
     return line
@@ -569,8 +617,9 @@ VARIANT_DEFAULTS = {
     "sapo": {"sapo_tau": (1.0, 1.05)},  # SAPO's tau_pos, tau_neg
     "mis": {"correction_bounds": (0.5, 2.0)},  # verl's token rejection: 2 and its reciprocal
     "icepop": {"correction_bounds": (0.5, 5.0)},  # IcePop's alpha, beta (OpenRLHF's default)
-    "seq-mask": {"correction_bounds": (0.999, 1.001)},
-}  # verl's geometric rejection (geo_rs)
+    "seq-mask": {"correction_bounds": (0.999, 1.001)},  # verl's geometric rejection (geo_rs)
+    "decoupled": {"correction_bounds": (0.0, 5.0)},  # AReaL's behav_imp_weight_cap, as its examples set it
+}
 
 
 # The variants --advantage and --loss choose, each beside its siblings (VARIANT_DEFAULTS: their papers' settings);
@@ -680,14 +729,18 @@ def ppo_clip(ratio, advantages, clip_low: float, clip_high: float):
 
 def rollout_correction(old_logp, sampler_logp, mask, kind: str, *, tis_cap: float, bounds: tuple[float, float] | None):
     """The sampler is not the policy that computed old_logp: SGLang's bf16 kernels differ from the trainer's even with
-    the same weights, and with --async-rollout its weights are one update older. With r = p_old / p_sampler per token
-    of `mask` (the model's tokens), bounds = (lo, hi), inclusive:
+    the same weights, and with --async-rollout its weights are one update older (--max-staleness k: up to k). With
+    r = p_old / p_sampler per token of `mask` (the model's tokens), bounds = (lo, hi), inclusive:
       tis       weight min(r, tis_cap)  (truncated IS: Yao et al. 2025, "Your efficient RL framework secretly brings
                 you off-policy RL training")
       mis       tokens with r outside [lo, hi] out of the loss, no weight  (verl's token rejection, from Liu, Li et
                 al. 2025, "When speed kills stability", whose masked IS also weights the others by r: icepop's way)
       icepop    those out, the others weighted by r  (IcePop: Ling team 2025, Ring-1T, arXiv 2510.18855)
       seq-mask  a sequence out when its geometric-mean r leaves [lo, hi]  (verl's geometric rejection, Liu, Li et al.)
+      decoupled icepop's arithmetic where the sampler lags by up to k updates: old_logp is the proximal policy the
+                trainer recomputes before the update, the loss clips its ratio against it, and r weighs each token
+                from the behaviour (sampler) policy to it, masked above hi  (AReaL's decoupled PPO: Fu et al. 2025,
+                arXiv 2505.24298, its behaviour-weight cap)
     Returns (weight or None, keep, touched), [B, T]: weight multiplies each token's loss, keep the loss mask (a
     masked token leaves the normalizer too), touched marks the tokens capped or masked. No gradient: both are constants."""
     log_r = (old_logp - sampler_logp) * mask
@@ -698,10 +751,11 @@ def rollout_correction(old_logp, sampler_logp, mask, kind: str, *, tis_cap: floa
         return torch.where(r.isnan(), 0.0, r.clamp(max=tis_cap)), mask, ((r > tis_cap) | r.isnan()) & (mask > 0)
     if kind == "seq-mask":  # one ratio per sequence, on each of its tokens
         r = torch.exp(log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(mask)
-    if kind not in ("mis", "icepop", "seq-mask"):
-        raise ValueError(f"--rollout-correction {kind!r} is unknown; use none, tis, mis, icepop or seq-mask")
+    if kind not in ("mis", "icepop", "seq-mask", "decoupled"):
+        raise ValueError(f"--rollout-correction {kind!r} is unknown; use none, tis, mis, icepop, seq-mask or decoupled")
     keep = mask * ((r >= bounds[0]) & (r <= bounds[1]))
-    weight = torch.where(keep > 0, r, 0.0) if kind == "icepop" else None  # a masked token's r may be inf
+    weighted = kind in ("icepop", "decoupled")
+    weight = torch.where(keep > 0, r, 0.0) if weighted else None  # a masked token's r may be inf
     return weight, keep, (mask - keep) > 0
 
 
@@ -994,6 +1048,7 @@ def main(args: Args):
     start_step = clock.begin(checkpoints.last)  # 0: a new run
     # a step's line: these columns, then the rare ones where not 0; the legend says what each name means
     console = CONSOLE + CORRECTION_CONSOLE * (args.rollout_correction != "none") + TOOLS_LINE * bool(tools)
+    console += FULLY_ASYNC_CONSOLE * (args.max_staleness >= 2)
     console += RM_LINE * bool(args.reward_model)
     print0(legend(console + IF_NOT_0))
     eval_columns = EVAL_LINE + sampled_line(args.eval_samples) + EVAL_TOOLS_LINE * bool(tools)
@@ -1015,8 +1070,24 @@ def main(args: Args):
         and eval_due(start_step, every=args.eval_every, before_train=args.eval_before_train),
     )
     nonfinite = NonFinite(args.max_nonfinite_steps)  # steps whose updates all skipped for NaN/inf: a line, then stop
-    # the engine holds the trained weights (not checked with --async-rollout: its samples are one update old by design)
-    gap_check = GapCheck(args.lora_gap_ratio if args.lora_rank and not args.async_rollout else 0)
+    # the engine holds the trained weights (not checked with --max-staleness >= 1: samples lag the updates by design)
+    gap_check = GapCheck(args.lora_gap_ratio if args.lora_rank and not args.max_staleness else 0)
+    data_position = sampler.state_dict()  # every rank's the same, before anything is drawn
+    producer = None  # --max-staleness >= 2: groups come from a producer that keeps the servers full (producer.py)
+    if args.max_staleness >= 2:
+        producer = Producer(
+            rollout.engine,  # rank 0's; None elsewhere: those ranks only take their share
+            sampler,
+            train_prompts,
+            sampling=sampling,
+            group_size=args.group_size,
+            groups_per_step=args.prompts_per_step,
+            max_staleness=args.max_staleness,
+            seed=args.seed,
+            tokenizer=tokenizer,
+            timeout_s=args.rollout_timeout,
+        )
+        producer.start()  # paused until the first weight sync
 
     # ---- the loop ----------------------------------------------------------------------------------
     local_prompts = args.prompts_per_step // world_size
@@ -1029,11 +1100,15 @@ def main(args: Args):
 
         # -- 1. wake SGLang up with the current weights (memory.wake_up: the first half of the diagram), with
         # --async-rollout after it finishes this step's batch (generating since the last step); evaluate when due
-        data_before = ahead.before if ahead else sampler.state_dict()  # where a stop before this update leaves it
+        data_before = ahead.before if ahead else data_position if producer else sampler.state_dict()  # a stop's
         if ahead is not None:
             with mem.phase("generate"):
                 ahead.result()
+        if producer is not None:  # a weight update interrupts, never drains: running requests abort, kept so far
+            producer.pause()
         wake_up(rollout.engine, policy=policy, **sync, **phases)
+        if producer is not None:  # the servers hold the weights of step - 1 updates: the aborted requests go on
+            producer.resume(version=step - 1)
         if eval_due(step - 1, every=args.eval_every, before_train=args.eval_before_train):  # after step - 1 updates
             with mem.phase("eval"):
                 evaluation = held_out_eval(  # greedy, and --eval-samples K sampled: pass@k, maj@k
@@ -1055,6 +1130,8 @@ def main(args: Args):
             kept_P_G, seen, rounds = [], [], 0
             while True:
                 pending, ahead = ahead, None
+                if producer is not None:  # B finished groups, none older than --max-staleness (producer.py)
+                    pending = producer.take(version=step - 1)
                 if pending is None:  # rollout.py: draw this rank's prompts, --group-size samples each, send them
                     pending = send_prompts(
                         rollout,
@@ -1191,7 +1268,8 @@ def main(args: Args):
             )
 
         # -- 7. the step's line and metrics row, a few samples, a checkpoint when due, a signal's stop
-        after = ahead.before if ahead else sampler.state_dict()  # the data position after this step
+        after = ahead.before if ahead else pending.before if producer else sampler.state_dict()  # the data position
+        data_position = after
         metrics |= clock.times(step, time.time() - t_step, mem.metrics())  # seconds and memory by phase
         metrics = {k: float(v) for k, v in metrics.items()}
         print0(log_line(clock.label(step), metrics, console, rare=IF_NOT_0 + REWARD_LINE))
@@ -1207,6 +1285,8 @@ def main(args: Args):
             break
 
     # ---- the last evaluation, then the closing lines ---------------------------------------------
+    if producer is not None:  # no more groups; the running ones abort, and the servers take the evaluation
+        producer.close()
     if not stopped and args.eval_every and start_step < args.steps:
         wake_up(rollout.engine, policy=policy, **sync, **phases)
         evaluation = held_out_eval(

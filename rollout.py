@@ -9,8 +9,8 @@ What the training scripts call, with the Rollout that server.start_rollout gives
 
     pending = send_prompts(rollout, sampler, prompts, n=32, group_size=16, seeds=(0, "sample", step))  # a step's
     samples = pending.result()                                                 # this rank's, each prompt's G in a row
-    stats = step_rollout_stats(samples, pending, generate_s=9.5, tools=False)  # the step's rollout/ metrics
-    signum = held_out_eval(rollout, eval_prompts, log, step=step, k=0, temperature=1.0, top_p=1.0, seed=0)
+    stats = step_rollout_stats(samples, pending, generate_s=9.5)  # the step's rollout/ metrics
+    metrics = held_out_eval(rollout, eval_prompts, step=step, k=0, temperature=1.0, top_p=1.0, seed=0)  # eval/ ...
 
 Both engines answer SGLang's calls (`generate`, `update_weights_from_tensor`, `flush_cache`,
 `release/resume_memory_occupation`), so the loop and memory.py read the same on a laptop as on a GPU
@@ -573,11 +573,19 @@ def send_prompts(
 
 def step_rollout_stats(samples: list[Sample], pending: "Pending", *, generate_s: float) -> dict:
     """A step's rollout/ metrics, all ranks': what its samples scored, their lengths and the engine's tokens a second
-    (reward.rollout_stats; its seconds: `pending`'s own when it was sent ahead, --async-rollout, else the generate
-    phase's `generate_s`) and their staleness (updates between the sampling weights and the trained ones: 1 sent
-    ahead, else 0)."""
+    (reward.rollout_stats; its seconds: `pending`'s own when it was sent ahead, --async-rollout and --max-staleness,
+    else the generate phase's `generate_s`) and their staleness: updates between the weights that sampled a sample's
+    oldest token and the trained ones (1 sent ahead, else 0; fully async, producer.py: each sample's own), its mean and
+    largest, with the fully async producer's share of samples a weight update interrupted and resumed, and the groups
+    it has dropped as staler than --max-staleness so far."""
     stats = rollout_stats(samples, seconds=pending.seconds if pending.ahead else generate_s)
-    stats["rollout/staleness"] = float(pending.ahead)
+    staleness = getattr(pending, "staleness", None) or [float(pending.ahead)] * len(samples)  # one per sample
+    total, count = all_reduce(torch.tensor([float(sum(staleness)), float(len(staleness))]))
+    stats["rollout/staleness"] = float(total / count.clamp(min=1))
+    stats["rollout/staleness_max"] = float(all_reduce(float(max(staleness, default=0)), dist.ReduceOp.MAX))
+    if hasattr(pending, "partial"):  # fully async
+        stats["rollout/partial_frac"] = float(all_reduce(float(pending.partial)) / count.clamp(min=1))
+        stats["rollout/dropped_groups"] = float(pending.dropped)
     return stats
 
 

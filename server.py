@@ -423,6 +423,20 @@ class ServerEngine:
             post(url, "/unload_lora_adapter", {"lora_name": lora_name}, self.timeout_s)
         return {"success": True}
 
+    def pause_generation(self):
+        """--max-staleness >= 2, before a weight sync: every server stops its running requests, which answer with
+        their tokens so far (finish_reason abort), and holds new ones until continue_generation (SGLang's
+        /pause_generation, mode abort: a sync on an unpaused server waits for every request to drain)."""
+        for pausing in [
+            in_thread(post, url, "/pause_generation", {"mode": "abort"}, self.timeout_s) for url in self.urls
+        ]:
+            pausing.result()  # a server's error: its own words
+
+    def continue_generation(self):
+        """After the sync: the servers take requests again (SGLang's /continue_generation)."""
+        for url in self.urls:
+            post(url, "/continue_generation", {}, self.timeout_s)
+
     def flush_cache(self):
         """The prefix cache holds KV computed with the old weights."""
         for url in self.urls:

@@ -41,6 +41,16 @@ GENERATE = threading.Lock()  # one generation at a time in this process: torch's
 # two stand-ins in one test would otherwise interleave their seeds
 
 
+def aborted(out: dict) -> dict:
+    """A request a pause (mode abort) cut short, as SGLang answers it: the first half of its tokens and their log-probs,
+    finish_reason abort."""
+    n = len(out["output_ids"]) // 2
+    meta = {**out["meta_info"], "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}}
+    if "output_token_logprobs" in meta:
+        meta["output_token_logprobs"] = meta["output_token_logprobs"][:n]
+    return {**out, "output_ids": out["output_ids"][:n], "meta_info": meta}
+
+
 class StandInServer:
     def __init__(
         self,
@@ -63,6 +73,9 @@ class StandInServer:
         self.info |= {"enable_lora": bool(lora_rank), "max_lora_rank": lora_rank or None}
         self.group, self.syncs = None, 0
         self.events = []  # ["generate", prompts, weight version] and ["flush", version]: GET /stand_in_events
+        # /pause_generation (mode abort) and /continue_generation: a request running when a pause comes answers with
+        # the first half of its tokens, finish_reason abort (SGLang: its tokens so far); new ones wait for continue
+        self.paused, self.pauses = threading.Event(), 0
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -111,11 +124,23 @@ class StandInServer:
                     return self.answer(*stand_in.receive(payload))
                 if self.path in ("/load_lora_adapter", "/unload_lora_adapter"):
                     return self.answer(*stand_in.adapter(self.path, payload))
+                if self.path == "/pause_generation":
+                    stand_in.pauses += 1
+                    stand_in.paused.set()
+                    stand_in.events.append(["pause", payload.get("mode")])
+                    return self.answer(200, {"success": True})
+                if self.path == "/continue_generation":
+                    stand_in.paused.clear()
+                    stand_in.events.append(["continue"])
+                    return self.answer(200, {"success": True})
                 if self.path == "/flush_cache":  # once per weight sync: the weights' version
                     stand_in.events.append(["flush", sum(e[0] == "flush" for e in stand_in.events) + 1])
                     return self.answer(200, "Cache flushed.")
                 if self.path != "/generate":
                     return self.answer(404, {"error": self.path})
+                while stand_in.paused.is_set():  # held until /continue_generation
+                    time.sleep(0.01)
+                pauses = stand_in.pauses
                 stand_in.requests.append(payload)
                 stand_in.events.append(
                     ["generate", len(payload["input_ids"]), sum(e[0] == "flush" for e in stand_in.events)]
@@ -131,6 +156,8 @@ class StandInServer:
                         stand_in.engine.generate([p], [sp], payload.get("return_logprob", False), lora and [lora])[0]
                         for p, sp, lora in zip(ids, params, loras)
                     ]
+                if stand_in.pauses != pauses:  # a pause came while it ran: aborted, with half its tokens
+                    outs = [aborted(out) for out in outs]
                 self.answer(200, outs if batch else outs[0])
 
         self.http = ThreadingHTTPServer(("127.0.0.1", port), Handler)
@@ -206,6 +233,7 @@ if __name__ == "__main__":  # python tests/stand_in_server.py MODEL_DIR [--port 
     parser.add_argument("--sync-hang-at", type=int, default=0)
     parser.add_argument("--health-check-s", type=float, default=20.0)
     parser.add_argument("--max-lora-rank", type=int, default=0)
+    parser.add_argument("--delay-s", type=float, default=0.0)  # each /generate waits this long first
     cli, rest = parser.parse_known_args()  # the rest of launch_servers' flags mean nothing on a CPU
     server = StandInServer(
         cli.model_path or rest[0],
@@ -214,6 +242,7 @@ if __name__ == "__main__":  # python tests/stand_in_server.py MODEL_DIR [--port 
         sync_hang_at=cli.sync_hang_at,
         health_check_s=cli.health_check_s,
         lora_rank=cli.max_lora_rank,
+        delay_s=cli.delay_s,
     )
     print(f"ready {server.url}", flush=True)
     server.http.serve_forever()

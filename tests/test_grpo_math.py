@@ -692,6 +692,71 @@ def test_rollout_correction_icepop_masks_and_weights():
     assert_close(weight, torch.tensor([[1.0, 3.0, 0.0], [1.0, 1.0, 0.0]]))
 
 
+def test_rollout_correction_decoupled_weights_by_the_behaviour_ratio_masked_above_the_cap():
+    """decoupled (AReaL's decoupled PPO, --max-staleness >= 2), bounds (0, 2.5): p_old is the proximal policy the
+    trainer recomputed, p_sampler the behaviour policy k versions back. r = p_old / p_sampler = [[1, 3, 0.4], [1, 1]]:
+    the r = 3 token is above the cap and leaves the loss; the others weigh r, the low r = 0.4 too (no lower mask):
+    weight [[1, 0, 0.4], [1, 1, 0]], keep [[1, 0, 1], [1, 1, 0]]."""
+    weight, keep, touched = correct("decoupled", bounds=(0.0, 2.5))
+    assert keep.tolist() == [[1, 0, 1], [1, 1, 0]] and touched.tolist() == [[False, True, False], [False, False, False]]
+    assert_close(weight, torch.tensor([[1.0, 0.0, 0.4], [1.0, 1.0, 0.0]]))
+
+
+def test_the_decoupled_loss_clips_against_the_proximal_policy_and_weighs_by_the_behaviour_ratio():
+    """One token, A = 1, sampled by the behaviour policy with p_behav = 0.2; the proximal policy (the weights before
+    this update, recomputed) gives it p_prox = 0.3, the policy now p = 0.39: the ratio against the proximal policy is
+    1.3, clipped to 1.2 (clip 0.2), and the behaviour weight r = 0.3 / 0.2 = 1.5 (under the cap 5) scales it:
+    loss = -1.5 * min(1.3, 1.2) = -1.8; d loss / d log p = 0 (the clipped branch has no gradient). At p = 0.33 (ratio
+    1.1, inside the band): loss = -1.5 * 1.1 = -1.65, d loss / d log p = -1.5 * 1.1 = -1.65."""
+    p_behav, p_prox = torch.tensor([[0.2]]), torch.tensor([[0.3]])
+    weight, keep, _ = rollout_correction(
+        p_prox.log(), p_behav.log(), torch.ones(1, 1), "decoupled", tis_cap=2.0, bounds=(0.0, 5.0)
+    )
+    assert_close(weight, torch.tensor([[1.5]]))
+    for p_now, loss_want, grad_want in ((0.39, -1.8, 0.0), (0.33, -1.65, -1.65)):
+        logp = torch.tensor([[math.log(p_now)]], requires_grad=True)
+        token_loss, _ = clipped_policy_loss(logp, p_prox.log(), torch.ones(1, 1), 0.2, 0.2)
+        loss = (token_loss * weight * keep).sum()
+        loss.backward()
+        assert_close(loss, torch.tensor(loss_want))
+        assert_close(logp.grad, torch.tensor([[grad_want]]))
+
+
+def test_max_staleness_sets_the_objective_and_async_rollout_is_staleness_one(monkeypatch):
+    """--max-staleness 0: none; 1 (or --async-rollout): tis, one step off; >= 2: decoupled PPO with AReaL's cap, bounds
+    (0, 5). One flag set, one meaning: --async-rollout becomes --max-staleness 1 and the other way round."""
+    server = dict(rollout_mode="server", rollout_url=("http://h:1",))
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--max-staleness", "3"])
+    a = variant_defaults(Args(**server, max_staleness=3))
+    assert (a.rollout_correction, a.correction_bounds, a.async_rollout, a.max_staleness) == (
+        "decoupled",
+        (0.0, 5.0),
+        False,
+        3,
+    )
+    assert "staleness at most 3 (fully async: producer.py)" in variant_line(a)
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--max-staleness", "1"])
+    a = variant_defaults(Args(**server, max_staleness=1))
+    assert (a.rollout_correction, a.async_rollout) == ("tis", True)
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--async-rollout"])
+    assert variant_defaults(Args(**server, async_rollout=True)).max_staleness == 1
+
+
+def test_fully_async_flags_are_checked_in_one_line():
+    server = dict(rollout_mode="server", rollout_url=("http://h:1",))
+    check_args(Args(**server, max_staleness=2), world_size=1)
+    for bad, words in (
+        (dict(max_staleness=2), "--max-staleness 2 must be 0 without --rollout-mode server"),
+        (dict(**server, max_staleness=-1), "--max-staleness -1 must be >= 0"),
+        (dict(**server, max_staleness=2, deterministic_rollout=True), "--deterministic-rollout True must be without"),
+        (dict(**server, max_staleness=2, async_rollout=True), "--async-rollout True must be not given with"),
+        (dict(**server, max_staleness=2, tools="calculator"), "--tools calculator must be without --max-staleness"),
+    ):
+        with pytest.raises(InputError) as e:
+            check_args(Args(**bad), world_size=1)
+        assert words in str(e.value), str(e.value)
+
+
 def test_rollout_correction_seq_mask_drops_whole_sequences():
     """seq-mask, [0.999, 1.001]: sequence 0's geometric mean (1 * 3 * 0.4)^(1/3) = 1.2^(1/3) = 1.0627 > 1.001:
     all three tokens out; sequence 1's (1 * 1)^(1/2) = 1 (padding left out): kept. A fully masked sequence:

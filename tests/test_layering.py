@@ -10,7 +10,7 @@ import sys
 import pytest
 from test_smoke import ROOT
 
-CORE = {"common", "data", "reward", "rollout", "memory", "fsdp", "logprobs", "lora"}
+CORE = {"common", "data", "reward", "rollout", "memory", "fsdp", "logprobs", "lora", "producer"}
 MACHINERY = {"preflight", "start", "runlog", "stop", "checkpoint", "server", "tools", "sandbox", "reward_model", "plot"}
 SCRIPTS = {"grpo", "ppo", "grpo_minimal", "train_rm", "evaluate"}
 MODULES = CORE | MACHINERY | SCRIPTS

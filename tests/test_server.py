@@ -441,6 +441,42 @@ def test_grpo_async_under_torchrun_is_one_step_off_policy(server_process, traine
     assert "step 4/" in proc.stdout
 
 
+def test_grpo_fully_async_bounds_staleness_and_resumes_interrupted_samples(stand_in, trained_tiny_model_dir, tmp_path):
+    """--max-staleness 2 against a server whose requests take 0.2 s each, two ranks: every weight sync is a pause
+    (abort), the flush of the new weights, then continue, and requests go out again in between; no sample is more
+    than 2 updates stale, some are interrupted and resumed, the loss is decoupled PPO, and the run ends cleanly."""
+    url, _ = stand_in("--delay-s", "0.2")
+    proc = run_grpo(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--rollout-mode",
+        "server",
+        "--rollout-url",
+        url,
+        "--steps",
+        "5",
+        "--eval-every",
+        "0",
+        "--max-staleness",
+        "2",
+        nproc=2,
+    )
+    train, _ = metrics(tmp_path)
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5] and train[0]["rollout/staleness"] == 0
+    assert all(r["rollout/staleness_max"] <= 2 for r in train) and max(r["rollout/staleness"] for r in train) > 0
+    assert any(r["rollout/partial_frac"] > 0 for r in train)  # a weight update cut samples, which were resumed
+    config = json.loads((tmp_path / "r" / "args.json").read_text())
+    assert (config["rollout_correction"], config["correction_bounds"], config["async_rollout"]) == (
+        "decoupled",
+        [0.0, 5.0],
+        False,
+    )
+    kinds = [e[0] for e in events(url)]
+    syncs = [i for i, k in enumerate(kinds) if k == "flush"]
+    assert len(syncs) == 5 and all(kinds[i - 1] == "pause" and kinds[i + 1] == "continue" for i in syncs)
+    assert "| stale " in proc.stdout and "| partial " in proc.stdout and "step 5/5" in proc.stdout
+
+
 def test_ppo_async_against_a_server(server_process, trained_tiny_model_dir, tmp_path):
     url, _ = server_process
     run_grpo(
