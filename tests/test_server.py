@@ -358,12 +358,14 @@ def test_grpo_trains_against_a_server(server_process, trained_tiny_model_dir, tm
     ]
 
 
-def test_a_server_killed_mid_run_ends_it_with_exit_code_1(server_process, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("mode", [(), ("--max-staleness", "2")], ids=["sync", "fully-async"])
+def test_a_server_killed_mid_run_ends_it_with_exit_code_1(stand_in, tiny_model_dir, tmp_path, mode):
     """The server dies between steps: the run ends within seconds, its last line naming the server, with exit
-    code 1 (it was 2, which docs/stopping.md keeps for bad input); what the finished steps wrote stays."""
+    code 1 (it was 2, which docs/stopping.md keeps for bad input); what the finished steps wrote stays. Fully async
+    (--max-staleness 2): the producer's requests, a pause or the sync meet the dead server, never a hang."""
     from test_failures import console_lines, start, wait_for
 
-    url, server = server_process
+    url, server = stand_in(*(("--delay-s", "0.1") if mode else ()))
     proc = start(
         tiny_model_dir,
         tmp_path,
@@ -379,6 +381,7 @@ def test_a_server_killed_mid_run_ends_it_with_exit_code_1(server_process, tiny_m
         "1",
         "--keep-checkpoints",
         "0",
+        *mode,
     )
     wait_for(tmp_path, "step 2/", proc, timeout=240)
     server.kill()
@@ -390,6 +393,40 @@ def test_a_server_killed_mid_run_ends_it_with_exit_code_1(server_process, tiny_m
     # its next request, or the weight sync under way, meets the dead server
     assert lines[-1].startswith("grpo.py: ") and url in lines[-1] and "still running?" in lines[-1], lines[-3:]
     assert os.path.isdir(tmp_path / "r" / "checkpoints" / "step_000002") and len(metrics(tmp_path)[0]) >= 2
+
+
+def test_sigterm_during_a_fully_async_run_saves_and_stops_in_seconds(stand_in, tiny_model_dir, tmp_path):
+    """--max-staleness 2: SIGTERM while the producer keeps the server busy: the run stops within seconds, exit 143,
+    the finished steps saved, and the server paused then continued (its requests aborted, not drained)."""
+    from test_failures import console_lines, start, wait_for
+
+    url, _ = stand_in("--delay-s", "0.2")
+    proc = start(
+        tiny_model_dir,
+        tmp_path,
+        "--rollout-mode",
+        "server",
+        "--rollout-url",
+        url,
+        "--steps",
+        "200",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "100",
+        "--max-staleness",
+        "2",
+    )
+    wait_for(tmp_path, "step 2/", proc, timeout=240)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    proc.wait(timeout=60)
+    lines = console_lines(tmp_path)
+    assert proc.returncode == 143 and time.time() - t0 < 20, lines[-5:]
+    assert any("stopped by SIGTERM after step" in x for x in lines) and not any("Traceback" in x for x in lines)
+    done = len(metrics(tmp_path)[0])
+    assert os.path.isdir(tmp_path / "r" / "checkpoints" / f"step_{done:06d}")
+    assert [e[0] for e in events(url)][-2:] == ["pause", "continue"]  # the producer closed: aborted, not drained
 
 
 def test_the_users_server_that_is_not_there_is_bad_input(tiny_model_dir, tmp_path):
