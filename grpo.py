@@ -460,12 +460,6 @@ def check_args(args: Args, world_size: int):
                 "them, so no run repeats bit for bit",
             ),
             (
-                "--tools",
-                a.tools,
-                not (a.tools and a.max_staleness >= 2),
-                "without --max-staleness >= 2 for now: an episode is not resumed mid-way after a weight update",
-            ),
-            (
                 "--dynamic-sampling",
                 a.dynamic_sampling,
                 not (a.dynamic_sampling and a.reward_model),
@@ -1085,6 +1079,7 @@ def main(args: Args):
             max_staleness=args.max_staleness,
             seed=args.seed,
             tokenizer=tokenizer,
+            tool_use=tool_use,  # with --tools: each sample an episode, resumed mid-turn after a weight update
             timeout_s=args.rollout_timeout,
         )
         producer.start()  # paused until the first weight sync

@@ -24,6 +24,7 @@ k >= 2 is grpo.py's decoupled PPO (--rollout-correction decoupled): the ratio cl
 trainer recomputes (the proximal policy), each token weighted by proximal / sampler probability, masked above a cap.
 """
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from common import Interrupted, all_reduce, interruptible
 from data import Sample, seed_for
-from rollout import Pending, Sampling, adapter_named, read_output
+from rollout import Pending, Sampling, adapter_named, all_or_none, read_output
 
 
 @dataclass
@@ -65,9 +66,11 @@ class Producer:
         max_staleness: int,
         seed: int,
         tokenizer=None,
+        tool_use=None,
         timeout_s: float = 600.0,
     ):
         self.engine, self.sampler, self.prompts, self.sampling = engine, sampler, prompts, sampling
+        self.tool_use = tool_use  # tools.ToolUse: each sample an episode, resumed mid-turn (Resuming)
         self.G, self.B, self.k, self.seed, self.tokenizer = group_size, groups_per_step, max_staleness, seed, tokenizer
         self.timeout_s = timeout_s
         self.version, self.drawn, self.running, self.ready = 0, 0, 0, []  # ready: finished, not yet taken
@@ -76,7 +79,8 @@ class Producer:
         self.last_take = time.perf_counter()
         self.lock, self.changed = threading.Lock(), threading.Condition()
         self.unpaused, self.closed, self.error = threading.Event(), False, None  # paused until the first resume
-        self.thread = None
+        self.thread, self.loop = None, None  # with tools: one event loop runs every episode (episodes)
+        self.decoding = threading.Lock()  # a fast tokenizer is not for two threads at once ("Already borrowed")
 
     # ---- the gate, in a thread of its own ------------------------------------------------------------
 
@@ -108,47 +112,75 @@ class Producer:
     def _run(self, group: Group):
         """The group's G requests; those a weight update aborted go out again after it, from their tokens so far."""
         try:
-            prompt = self.prompts.ids[group.index]
-            group.samples = [
-                Sample(prompt_ids=prompt, response_ids=[], rollout_logprobs=[], truncated=False, versions=[])
-                for _ in range(self.G)
-            ]
-            todo, rounds = list(range(self.G)), 0
-            while todo:
-                self.unpaused.wait()
-                if self.closed:
-                    return
-                version = self.version  # the weights these tokens are sampled with (no sync runs while unpaused)
-                outs = self.engine.generate(
-                    input_ids=[prompt + group.samples[j].response_ids for j in todo],
-                    sampling_params=[self._params(group, j, rounds) for j in todo],
-                    return_logprob=True,
-                    **adapter_named(self.engine, len(todo)),
-                )
-                todo = [j for j, out in zip(todo, outs) if not self._extend(group.samples[j], out, version)]
-                group.partial += len(todo) if rounds == 0 else 0
-                rounds += 1
-            for s in group.samples:
-                s.text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True) if self.tokenizer else ""
+            if self.tool_use is not None:
+                self._episodes(group)
+            else:
+                self._requests(group)
             with self.changed:
                 group.done, self.running, self.accepted = True, self.running - 1, self.accepted + 1
                 self.ready.append(group)
                 self.changed.notify_all()
+        except Closed:  # the producer closed while the group waited for a resume: left unfinished
+            pass
         except BaseException as e:  # noqa: BLE001 (it goes to the trainer, at its next take)
             with self.changed:
                 self.error = self.error or e
                 self.changed.notify_all()
 
+    def _requests(self, group: Group):
+        """One turn a sample: its G requests in one call, and again for those a weight update aborted."""
+        prompt = self.prompts.ids[group.index]
+        group.samples = [
+            Sample(prompt_ids=prompt, response_ids=[], rollout_logprobs=[], truncated=False, versions=[])
+            for _ in range(self.G)
+        ]
+        todo, rounds = list(range(self.G)), 0
+        while todo:
+            self.unpaused.wait()
+            if self.closed:
+                raise Closed()
+            version = self.version  # the weights these tokens are sampled with (no sync runs while unpaused)
+            outs = self.engine.generate(
+                input_ids=[prompt + group.samples[j].response_ids for j in todo],
+                sampling_params=[self._params(group, j, rounds) for j in todo],
+                return_logprob=True,
+                **adapter_named(self.engine, len(todo)),
+            )
+            todo = [j for j, out in zip(todo, outs) if not self._extend(group.samples[j], out, version)]
+            group.partial += len(todo) if rounds == 0 else 0
+            rounds += 1
+        with self.decoding:
+            for s in group.samples:
+                s.text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    def _episodes(self, group: Group):
+        """With tools: each sample an episode of turns and tool replies (tools.ToolUse.episode, through the seam), its
+        engine a Resuming one: a turn a weight update aborts goes on from its tokens so far, the episode mid-way."""
+        engines = [Resuming(self) for _ in range(self.G)]
+        episodes = [
+            self.tool_use.episode(e, self.prompts.ids[group.index], self._seed(group, j, 0), sampling=self.sampling)
+            for j, e in enumerate(engines)
+        ]
+        with self.decoding:  # every group's episodes on one loop thread: the tokenizer in one thread at a time
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                threading.Thread(target=self.loop.run_forever, daemon=True, name="episodes").start()
+        group.samples = asyncio.run_coroutine_threadsafe(all_or_none(episodes), self.loop).result()
+        for sample, engine in zip(group.samples, engines):
+            sample.versions = spread(engine.versions, sample.model_mask)
+        group.partial = sum(e.resumed for e in engines)
+
+    def _seed(self, group: Group, j: int, rounds: int) -> int:
+        """Sample j's seed, from the group's number; a resumed request another one, so that it does not replay the
+        first tokens' draws."""
+        if rounds == 0:
+            return seed_for(self.seed, "sample", group.number, j)
+        return seed_for(self.seed, "resume", group.number, j, rounds)
+
     def _params(self, group: Group, j: int, rounds: int) -> dict:
-        """Sampling params of sample j's request: its seed from the group's number (a resumed one: another seed, so
-        that it does not replay the first tokens' draws), the budget left of max_new_tokens."""
-        seed = (
-            seed_for(self.seed, "sample", group.number, j)
-            if rounds == 0
-            else seed_for(self.seed, "resume", group.number, j, rounds)
-        )
-        budget = self.sampling.max_new_tokens - len(group.samples[j].response_ids)  # cumulative: what is left
-        return {**self.sampling.params(seed), "max_new_tokens": budget}
+        """Sampling params of sample j's request: its seed, the budget left of max_new_tokens (cumulative)."""
+        budget = self.sampling.max_new_tokens - len(group.samples[j].response_ids)
+        return {**self.sampling.params(self._seed(group, j, rounds)), "max_new_tokens": budget}
 
     def _extend(self, sample: Sample, out: dict, version: int) -> bool:
         """Add a request's tokens to its sample, each with `version`. Returns whether the sample is finished: False for
@@ -276,3 +308,61 @@ class Producer:
 def oldest(group: Group, version: int) -> int:
     """The version that sampled the group's oldest token (`version` for a group of no tokens)."""
     return min((min(s.versions, default=version) for s in group.samples), default=version)
+
+
+class Closed(Exception):
+    """The producer closed while a group waited for a resume."""
+
+
+class Resuming:
+    """The engine as one sample's tool episode sees it (tools.ToolUse.episode calls async_generate once a turn): a turn
+    a weight update aborts goes out again from its tokens so far, with the turn's budget left and another seed, and
+    the episode goes on mid-way with its tool replies intact; `versions` collects each model token's version, in
+    order, and `resumed` whether any turn was."""
+
+    def __init__(self, producer: Producer):
+        self.producer, self.versions, self.resumed = producer, [], False
+
+    @property
+    def adapter(self):  # the LoRA adapter the requests name (rollout.adapter_named), the producer's engine's
+        return getattr(self.producer.engine, "adapter", None)
+
+    async def async_generate(self, input_ids, sampling_params, return_logprob=False, lora_path=None):
+        loop, p = asyncio.get_running_loop(), self.producer
+        ids, logprobs, rounds, budget = [], [], 0, sampling_params["max_new_tokens"]
+        while True:
+            await loop.run_in_executor(None, p.unpaused.wait)
+            if p.closed:
+                raise Closed()
+            version = p.version
+            params = {**sampling_params, "max_new_tokens": budget - len(ids)}
+            if rounds:
+                params["sampling_seed"] = seed_for(sampling_params["sampling_seed"], "resume", rounds)
+            lora = {"lora_path": [lora_path]} if lora_path else {}
+            out = await loop.run_in_executor(
+                None, lambda: p.engine.generate([input_ids + ids], [params], return_logprob=True, **lora)[0]
+            )
+            finish = out["meta_info"]["finish_reason"]
+            ids += list(out["output_ids"])
+            logprobs += out["meta_info"]["output_token_logprobs"]
+            self.versions += [version] * len(out["output_ids"])
+            rounds += 1
+            ended = bool(ids) and ids[-1] in p.sampling.stop_ids
+            if finish["type"] != "abort" or ended or len(ids) >= budget:
+                self.resumed |= rounds > 1
+                if finish["type"] == "abort":
+                    finish = {"type": "stop" if ended else "length"}
+                return {"output_ids": ids, "meta_info": {"finish_reason": finish, "output_token_logprobs": logprobs}}
+
+
+def spread(model_versions: list[int], model_mask: list[int] | None) -> list[int]:
+    """One version per response token from the model tokens' own, in order: a tool reply's tokens take the version
+    of the model token before them (the first model token's where none is)."""
+    if model_mask is None:
+        return list(model_versions)
+    versions, model = [], iter(model_versions)
+    last = model_versions[0] if model_versions else 0
+    for m in model_mask:
+        last = next(model) if m else last
+        versions.append(last)
+    return versions

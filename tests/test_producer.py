@@ -158,8 +158,9 @@ def test_the_data_position_is_before_the_oldest_group_not_trained_on():
     p = producer(engine, k=2, B=2, prompts=50)
     p.resume(version=0)
     assert until(lambda: p.accepted == 6)
-    pending = p.take(version=0)  # groups 0 and 1
-    assert pending.before == {"epoch": 0, "index": 2, "num_prompts": 50, "seed": 0}
+    pending = p.take(version=0)  # the first two to finish
+    oldest = min(g.number for g in p.open)  # group n is the prompt drawn at index n
+    assert pending.before == {"epoch": 0, "index": oldest, "num_prompts": 50, "seed": 0} and oldest <= 2
     assert p.sampler.state_dict()["index"] == 6
     p.close()
 
@@ -196,4 +197,94 @@ def test_servers_that_finish_nothing_end_the_wait_at_the_timeout():
     with pytest.raises(RuntimeError, match="finished 0 of a step's 2 groups within --rollout-timeout 0.5 s"):
         p.take(version=0)
     engine.hold.clear()
+    p.close()
+
+
+class ScriptedTurns:
+    """Turn k of an episode writes turns[k] and the end-of-turn token (the turn read from the assistant headers in the
+    request, as tests/test_tools.py's engine does); a pause while a call runs aborts it with half of those tokens.
+    The first call waits `delay_s`, so that a pause can land in it."""
+
+    def __init__(self, tokenizer, turns, delay_s=0.3):
+        self.tok, self.turns, self.delay_s, self.pauses, self.calls = tokenizer, turns, delay_s, 0, []
+        self.paused, self.tokenizing = threading.Event(), threading.Lock()  # its calls run in several threads
+
+    def generate(self, input_ids, sampling_params, return_logprob=False, **kwargs):
+        while self.paused.is_set():
+            time.sleep(0.005)
+        pauses = self.pauses
+        self.calls.append((len(input_ids[0]), sampling_params[0]["max_new_tokens"]))
+        time.sleep(self.delay_s if len(self.calls) == 1 else 0.0)
+        with self.tokenizing:
+            turn = self.tok.decode(input_ids[0]).count("<|im_start|>assistant") - 1
+            full = self.tok.encode(self.turns[turn], add_special_tokens=False) + [self.tok.eos_token_id]
+        ids = full[self._sofar(input_ids[0], full) :]  # a resumed turn: what is left of it
+        finish = "stop"
+        if self.pauses != pauses:
+            ids, finish = ids[: len(ids) // 2], "abort"
+        logprobs = [(-0.5, t, None) for t in ids]
+        return [
+            {"output_ids": ids, "meta_info": {"finish_reason": {"type": finish}, "output_token_logprobs": logprobs}}
+        ]
+
+    @staticmethod
+    def _sofar(input_ids, full):
+        """How many of the turn's tokens end input_ids already (a resumed turn's prefix)."""
+        return max((n for n in range(len(full) + 1) if n == 0 or input_ids[-n:] == full[:n]), default=0)
+
+    def pause_generation(self):
+        self.pauses += 1
+        self.paused.set()
+
+    def continue_generation(self):
+        self.paused.clear()
+
+
+def test_a_tool_episode_interrupted_mid_turn_goes_on_from_its_tokens(tool_model_dir):
+    """--tools with --max-staleness 2: a weight update lands in the first turn (a calculator call): that turn answers
+    half its tokens (version 0), goes out again from them (version 1) and finishes the call; the tool runs, its reply
+    follows, the second turn answers. The episode is the one an uninterrupted run gives, token for token (the model's
+    turns and the tool's reply), with a version per token: the first turn's first half 0, the rest 1."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    from tools import TOOLS, ToolUse
+
+    tok = AutoTokenizer.from_pretrained(tool_model_dir)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'
+    turns = [call, "#### 408"]
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 12 * 34?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    engine = ScriptedTurns(AutoTokenizer.from_pretrained(tool_model_dir), turns)  # its own: it runs in other threads
+    tool_use = ToolUse(TOOLS, tok, ThreadPoolExecutor(2), max_turns=4, max_reply_tokens=64)
+    p = Producer(
+        engine,
+        PromptSampler(1, seed=0),
+        Prompts(ids=[prompt], examples=[None], dropped=0),
+        sampling=Sampling(400, [tok.eos_token_id]),
+        group_size=1,
+        groups_per_step=1,
+        max_staleness=2,
+        seed=0,
+        tool_use=tool_use,
+    )
+    p.start()
+    p.resume(version=0)
+    assert until(lambda: len(engine.calls) >= 1)
+    p.pause()
+    p.resume(version=1)
+    taken = [p.take(version=1) for _ in range(4)]  # the gate's (2 + 1 + 1) x 1 groups, in the order they finished
+    (pending,) = [t for t in taken if t.partial]  # the one the pause landed in
+    (sample,) = pending.result()
+    first = tok.encode(call, add_special_tokens=False) + [tok.eos_token_id]
+    half = len(first) // 2
+    assert sample.response_ids[: len(first)] == first and "408" in sample.text and sample.turns == 2
+    assert sample.tool_calls and sample.tool_calls[0][:2] == ("calculator", "ok")
+    assert sample.versions[:half] == [0] * half and set(sample.versions[half:]) == {1}
+    assert len(sample.versions) == len(sample.response_ids) and pending.partial == 1 and pending.staleness == [1]
+    assert (len(prompt) + half, 400 - half) in engine.calls  # the turn resumed from its tokens, with its budget left
+    for t in taken:  # the uninterrupted episodes: the same tokens, all of one version
+        assert t.result()[0].response_ids == sample.response_ids
     p.close()
