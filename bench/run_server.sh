@@ -6,6 +6,7 @@
 #   server_sync   trainer on GPU 0, an SGLang server on GPU 1 (sglang.launch_server, as a user starts it), weights over NCCL
 #   server_async  the same, --async-rollout (one step off-policy)
 #   injob_async   torchrun x1 on GPU 0 with --rollout-gpus 1 --async-rollout: the job starts its own server on GPU 1
+#   injob_full_k2, injob_full_k4   the same with --max-staleness 2 / 4 instead: fully async (producer.py)
 # and on more GPUs (CUDA_VISIBLE_DEVICES names them; the job's servers take the last ones):
 #   colocate_x4        torchrun x4, an engine on each GPU (the baseline for the 4-GPU placements)
 #   injob_async_2p2    torchrun x2 + --rollout-gpus 2 --async-rollout: 2 training GPUs, 2 servers
@@ -47,6 +48,8 @@ for run in $RUNS; do
     server_sync) start_server; extra=(--rollout-mode server --rollout-url "$URL" "${SYNC[@]}") ;;
     server_async) start_server; extra=(--rollout-mode server --rollout-url "$URL" "${SYNC[@]}" --async-rollout) ;;
     injob_async) stop_server; launch=(torchrun --standalone --nproc_per_node 1); extra=(--rollout-mode server --rollout-gpus 1 --async-rollout) ;;
+    injob_full_k*) stop_server; launch=(torchrun --standalone --nproc_per_node 1)
+                   extra=(--rollout-mode server --rollout-gpus 1 --max-staleness "${run#injob_full_k}") ;;
     colocate_x4) stop_server; launch=(torchrun --standalone --nproc_per_node 4) ;;
     injob_async_2p2) stop_server; launch=(torchrun --standalone --nproc_per_node 2); extra=(--rollout-mode server --rollout-gpus 2 --async-rollout) ;;
     injob_async_tp2) stop_server; launch=(torchrun --standalone --nproc_per_node 1)

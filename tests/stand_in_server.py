@@ -6,7 +6,7 @@ rollout.HFEngine on the CPU: tests run the client end to end without a GPU.
     server.stop()
 
 `starting`: how many /health_generate calls answer 503 first; `delay_s`: how long each /generate
-waits before answering (a stalled server). A weight sync that goes wrong on the server's side:
+waits before answering, after generating (a slow or stalled server; a pause in that time aborts it). A weight sync that goes wrong on the server's side:
 `sync_fail_at=N`: the Nth bucket is refused at once (400 and SGLang's message, nothing received);
 `sync_hang_at=N`: the Nth bucket is never received nor answered, and from then on the server is stuck
 as SGLang's is inside a broadcast that never ends: /health_generate answers 503 after `health_check_s`
@@ -145,7 +145,6 @@ class StandInServer:
                 stand_in.events.append(
                     ["generate", len(payload["input_ids"]), sum(e[0] == "flush" for e in stand_in.events)]
                 )
-                time.sleep(stand_in.delay_s)
                 batch = isinstance(payload["input_ids"][0], list)
                 ids = payload["input_ids"] if batch else [payload["input_ids"]]
                 params = payload["sampling_params"] if batch else [payload["sampling_params"]]
@@ -156,6 +155,7 @@ class StandInServer:
                         stand_in.engine.generate([p], [sp], payload.get("return_logprob", False), lora and [lora])[0]
                         for p, sp, lora in zip(ids, params, loras)
                     ]
+                time.sleep(stand_in.delay_s)  # the tokens decoded with the weights it started with, then the wait
                 if stand_in.pauses != pauses:  # a pause came while it ran: aborted, with half its tokens
                     outs = [aborted(out) for out in outs]
                 self.answer(200, outs if batch else outs[0])

@@ -478,11 +478,15 @@ def test_grpo_async_under_torchrun_is_one_step_off_policy(server_process, traine
     assert "step 4/" in proc.stdout
 
 
-def test_grpo_fully_async_bounds_staleness_and_resumes_interrupted_samples(stand_in, trained_tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_fully_async_bounds_staleness_and_resumes_interrupted_samples(
+    stand_in, trained_tiny_model_dir, tmp_path, lora
+):
     """--max-staleness 2 against a server whose requests take 0.2 s each, two ranks: every weight sync is a pause
     (abort), the flush of the new weights, then continue, and requests go out again in between; no sample is more
-    than 2 updates stale, some are interrupted and resumed, the loss is decoupled PPO, and the run ends cleanly."""
-    url, _ = stand_in("--delay-s", "0.2")
+    than 2 updates stale, some are interrupted and resumed, the loss is decoupled PPO, and the run ends cleanly. With
+    --lora-rank 4 the adapter goes to the paused server and every request names it."""
+    url, _ = stand_in("--delay-s", "0.2", *(("--max-lora-rank", "4") if lora else ()))
     proc = run_grpo(
         trained_tiny_model_dir,
         tmp_path,
@@ -496,10 +500,12 @@ def test_grpo_fully_async_bounds_staleness_and_resumes_interrupted_samples(stand
         "0",
         "--max-staleness",
         "2",
+        *(("--lora-rank", "4") if lora else ()),
         nproc=2,
     )
     train, _ = metrics(tmp_path)
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5] and train[0]["rollout/staleness"] == 0
+    assert all(r["rollout/logprob_abs_diff"] < 0.05 for r in train)  # the server samples with the synced weights
     assert all(r["rollout/staleness_max"] <= 2 for r in train) and max(r["rollout/staleness"] for r in train) > 0
     assert any(r["rollout/partial_frac"] > 0 for r in train)  # a weight update cut samples, which were resumed
     config = json.loads((tmp_path / "r" / "args.json").read_text())
@@ -508,7 +514,7 @@ def test_grpo_fully_async_bounds_staleness_and_resumes_interrupted_samples(stand
         [0.0, 5.0],
         False,
     )
-    kinds = [e[0] for e in events(url)]
+    kinds = [e[0] for e in events(url) if e[0] != "lora"]  # the adapter's load and unload: while paused
     syncs = [i for i, k in enumerate(kinds) if k == "flush"]
     assert len(syncs) == 5 and all(kinds[i - 1] == "pause" and kinds[i + 1] == "continue" for i in syncs)
     assert "| stale " in proc.stdout and "| partial " in proc.stdout and "step 5/5" in proc.stdout
