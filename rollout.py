@@ -576,16 +576,24 @@ def step_rollout_stats(samples: list[Sample], pending: "Pending", *, generate_s:
     (reward.rollout_stats; its seconds: `pending`'s own when it was sent ahead, --async-rollout and --max-staleness,
     else the generate phase's `generate_s`) and their staleness: updates between the weights that sampled a sample's
     oldest token and the trained ones (1 sent ahead, else 0; fully async, producer.py: each sample's own), its mean and
-    largest, with the fully async producer's share of samples a weight update interrupted and resumed, and the groups
-    it has dropped as staler than --max-staleness so far."""
+    largest, with the fully async producer's share of samples a weight update interrupted and resumed, the groups it
+    has dropped as staler than --max-staleness so far, the share of samples at each staleness 0..k
+    (rollout/staleness_frac_j) and how many weight versions sampled the step's tokens."""
     stats = rollout_stats(samples, seconds=pending.seconds if pending.ahead else generate_s)
     staleness = getattr(pending, "staleness", None) or [float(pending.ahead)] * len(samples)  # one per sample
     total, count = all_reduce(torch.tensor([float(sum(staleness)), float(len(staleness))]))
     stats["rollout/staleness"] = float(total / count.clamp(min=1))
     stats["rollout/staleness_max"] = float(all_reduce(float(max(staleness, default=0)), dist.ReduceOp.MAX))
-    if hasattr(pending, "partial"):  # fully async
+    if hasattr(pending, "partial"):  # fully async: how stale, by share of samples; how many weight versions sampled
         stats["rollout/partial_frac"] = float(all_reduce(float(pending.partial)) / count.clamp(min=1))
         stats["rollout/dropped_groups"] = float(pending.dropped)
+        ks = range(int(stats["rollout/staleness_max"]) + 1)
+        shares = all_reduce(torch.tensor([float(sum(s == k for s in staleness)) for k in ks])) / count.clamp(min=1)
+        stats |= {f"rollout/staleness_frac_{k}": float(share) for k, share in zip(ks, shares)}
+        versions = {v for s in samples for v in (s.versions or [])}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, versions)
+        stats["rollout/versions"] = float(len(set().union(*gathered)))  # the weight versions of the step's tokens
     return stats
 
 

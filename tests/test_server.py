@@ -506,6 +506,9 @@ def test_grpo_fully_async_bounds_staleness_and_resumes_interrupted_samples(
     train, _ = metrics(tmp_path)
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5] and train[0]["rollout/staleness"] == 0
     assert all(r["rollout/logprob_abs_diff"] < 0.05 for r in train)  # the server samples with the synced weights
+    for r in train:  # the staleness histogram adds up, one share per lag 0..largest; versions of the step's tokens
+        shares = [r[f"rollout/staleness_frac_{k}"] for k in range(int(r["rollout/staleness_max"]) + 1)]
+        assert abs(sum(shares) - 1) < 1e-9 and 1 <= r["rollout/versions"] <= 3
     assert all(r["rollout/staleness_max"] <= 2 for r in train) and max(r["rollout/staleness"] for r in train) > 0
     assert any(r["rollout/partial_frac"] > 0 for r in train)  # a weight update cut samples, which were resumed
     config = json.loads((tmp_path / "r" / "args.json").read_text())
