@@ -21,12 +21,16 @@ What the jail holds (`bwrap`), and why each part: the boundary is the kernel's, 
 - A seccomp filter (libseccomp through pyseccomp) refusing what no program here needs and what
   widens the kernel's surface: ptrace, other processes' memory, pidfds, namespaces and mounts, bpf,
   io_uring, keyrings, modules, kexec, perf, userfaultfd, vsock (a VM's host side, which network
-  namespaces don't separate), files in memory (outside the disk cap), SysV shared memory and message
-  queues (kernel memory outside every rlimit), a socket's buffer size (its default, 208 KiB, not 8 MiB),
-  inotify and flock (a per-uid quota, a whole file: one call starving the others). Int arguments are
-  compared on their low 32 bits, as the kernel reads them.
+  namespaces don't separate), files in memory (outside the disk cap), SysV shared memory, message
+  queues and semaphores and POSIX message queues (kernel memory outside every rlimit, a per-uid quota),
+  TCP sockets (no network in there, and over its own loopback TCP autotunes its buffers to ~36 MiB a
+  connection), a socket's buffer size (its default, 208 KiB, not 8 MiB), extended attributes (kernel
+  memory a tmpfs's size does not count), a pipe's size, inotify, fanotify, flock and fcntl's record
+  locks (a per-uid quota, a whole file: one call starving or signalling the others). Int arguments
+  are compared on their low 32 bits, as the kernel reads them.
 - Limits: rlimits set before the program runs (address space, CPU, file size, processes, 64 open
-  files; a program can lower them, never raise them), and where this process may make cgroups, one
+  files, 64 queued signals, no POSIX message queue bytes; a program can lower them, never raise them),
+  and where this process may make cgroups, one
   per call capping the memory (tmpfs, sockets, inodes included) and processes of the whole jail.
   Without one, `memory_bound` says at start what a call can hold: its processes x RLIMIT_AS, and kernel
   memory no rlimit counts (socket and pipe buffers, a tmpfs's files: its size counts blocks).
@@ -35,9 +39,11 @@ What the jail holds (`bwrap`), and why each part: the boundary is the kernel's, 
   the jail's uid is root's to the kernel, without capabilities: /proc's root-only files are masked,
   and the kernel waives RLIMIT_NPROC for root, so only a cgroup caps processes there.
 - On the trainer's side: output read with a deadline, each stream's first `output_chars` bytes kept
-  and the rest discarded; at the deadline the jail's pid 1 is killed by its host pid (it may have
-  cleared the parent-death signal bwrap gave it), and its pid namespace takes every descendant with
-  it, a daemon or a new session included, with or without a cgroup; then the call returns.
+  and the rest discarded; at the deadline the jail's processes are killed by their host pids, pid 1
+  (bwrap's own init) first, and its pid namespace takes every descendant with it, a daemon or a new
+  session included, with or without a cgroup; then the call returns. A trainer killed mid-call takes
+  its jails with it (bwrap's init holds a parent-death signal no program in the jail can clear), and
+  the next start removes what it left (sweep_leftovers: work folders, cgroups).
 - CPU: where there are cgroups, this process's calls share one process's CPU weight (`trainer_group`).
 What it does not hold: kernel bugs (a jail shares the kernel; SandboxFusion's service puts programs
 on other machines), CPU time taken from the trainer within `seconds` where there is no cgroup (each
@@ -50,6 +56,7 @@ import itertools
 import json
 import math
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -74,7 +81,8 @@ import ctypes, os, resource, sys
 root, memory_mb, cpu_s, file_mb, processes, open_files = sys.argv[1], *map(int, sys.argv[2:7])
 for limit, value in ((resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_CORE, 0),
                      (resource.RLIMIT_FSIZE, file_mb << 20), (resource.RLIMIT_NPROC, processes),
-                     (resource.RLIMIT_NOFILE, open_files)):
+                     (resource.RLIMIT_NOFILE, open_files), (resource.RLIMIT_SIGPENDING, 64),
+                     (resource.RLIMIT_MSGQUEUE, 0)):
     resource.setrlimit(limit, (value, value))
 for flags in (0x40000000, 0x10000000 | 0x40000000):  # --python-sandbox process: no network where the kernel allows
     if ctypes.CDLL(None, use_errno=True).unshare(flags) == 0:  # CLONE_NEWNET (as a user, with CLONE_NEWUSER)
@@ -144,11 +152,24 @@ DENIED_SYSCALLS = (
     "memfd_create",
     "memfd_secret",  # files in memory: outside the disk cap
     "shmget",
-    "msgget",  # SysV shared memory and message queues: kernel memory outside every rlimit (3 GiB in one process)
+    "msgget",
+    "semget",  # SysV shared memory, message queues and semaphores: kernel memory outside every rlimit (3 GiB a process)
+    "mq_open",  # POSIX message queues: bytes of a per-host-uid quota (RLIMIT_MSGQUEUE), one call draining the others'
+    "setxattr",
+    "lsetxattr",
+    "fsetxattr",  # user xattrs on the jail's tmpfs: kernel memory its size cap does not count (2.6 GB in 6 s)
     "inotify_init",
     "inotify_init1",
+    "fanotify_init",
+    "fanotify_mark",  # file activity on the shared read-only binds; groups of a per-host-uid quota
     "flock",
 )  # per host uid (128 instances) or a whole file: one call starving others
+# fcntl's record locks (F_GETLK, F_SETLK, F_SETLKW and their OFD forms): a read-only file shared by every call is
+# flock's channel between calls again; F_SETPIPE_SZ: a pipe past its default 16 pages draws on a per-host-uid quota
+DENIED_FCNTL = (5, 6, 7, 36, 37, 38, 1031)
+# socket(AF_INET or AF_INET6, SOCK_STREAM): the jail has no network, and TCP over its own loopback autotunes its
+# buffers past SO_SNDBUF's refusal (~36 MiB a connection: 1.2 GB in 4.5 s from 4 processes, outside a v1 cgroup)
+DENIED_STREAMS = (2, 10)
 
 
 def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None) -> str:
@@ -309,8 +330,7 @@ def jail_command(*, code_fd: int, seccomp_fd: int, lim: dict) -> list[str]:
         "65534",
         "--cap-drop",
         "ALL",
-        "--die-with-parent",
-        "--as-pid-1",
+        "--die-with-parent",  # bwrap's own init is pid 1: its parent-death signal is one a program can't clear
         "--new-session",
         "--hostname",
         "sandbox",
@@ -364,11 +384,13 @@ def python_prefixes() -> list[str]:
 
 @functools.cache
 def closed_proc_entries() -> tuple[str, ...]:
-    """What of /proc only root may read (kernel log, page flags, slab and vmalloc layout, timers, tty drivers),
-    but /proc/sys and the processes' own folders: masked in the jail (empty), whose uid may be root's outside."""
+    """What of /proc only root may read (kernel log, page flags, slab and vmalloc layout, timers, tty drivers, the
+    root-only sysctls of /proc/sys), but the processes' own folders and /proc/sys/net (per network namespace: the
+    jail's own): masked in the jail (empty), whose uid may be root's outside."""
     found = []
     for folder, dirs, files in os.walk("/proc"):
-        dirs[:] = [d for d in dirs if folder != "/proc" or not (d.isdigit() or d in ("sys", "self", "thread-self"))]
+        dirs[:] = [d for d in dirs if folder != "/proc" or not (d.isdigit() or d in ("self", "thread-self"))]
+        dirs[:] = [d for d in dirs if os.path.join(folder, d) != "/proc/sys/net"]  # the jail's own network's
         for name in dirs + files:
             mode = os.lstat(os.path.join(folder, name)).st_mode
             if not (stat.S_ISLNK(mode) or mode & stat.S_IROTH):
@@ -415,6 +437,14 @@ def seccomp_filter() -> bytes:
     # AF_VSOCK (network namespaces don't hold it). socket's domain is an int: the kernel reads the low 32 bits of the
     # 64-bit argument, so the rule compares those alone, or (1 << 32) | 40 would pass it and open a vsock
     f.add_rule(pyseccomp.ERRNO(1), "socket", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0xFFFFFFFF, 40))
+    for domain in DENIED_STREAMS:  # the type's low 4 bits (SOCK_NONBLOCK and SOCK_CLOEXEC above them)
+        family, stream = (
+            pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0xFFFFFFFF, domain),
+            pyseccomp.Arg(1, pyseccomp.MASKED_EQ, 0xF, 1),
+        )
+        f.add_rule(pyseccomp.ERRNO(1), "socket", family, stream)
+    for command in DENIED_FCNTL:
+        f.add_rule(pyseccomp.ERRNO(1), "fcntl", pyseccomp.Arg(1, pyseccomp.MASKED_EQ, 0xFFFFFFFF, command))
     for option in (7, 8):  # SOL_SOCKET's SO_SNDBUF, SO_RCVBUF: a socket queues its default (208 KiB), not 8 MiB
         level, name = (pyseccomp.Arg(i, pyseccomp.MASKED_EQ, 0xFFFFFFFF, value) for i, value in ((1, 1), (2, option)))
         f.add_rule(pyseccomp.ERRNO(1), "setsockopt", level, name)
@@ -546,6 +576,31 @@ def trainer_group(path: str) -> str:
             f.write(" ".join("+" + c for c in ("memory", "pids", "cpu") if c in enabled))
     atexit.register(remove_cgroups, [path])
     return path
+
+
+def sweep_leftovers() -> list[str]:
+    """What trainers killed mid-call left behind (SIGKILL, the OOM killer, a second Ctrl-C's os._exit): their calls'
+    work folders (<tmp>/sandbox-<pid>-*) and cgroups (sandbox-<pid>/<call>), where no process <pid> runs any more.
+    Their jails died with them (bwrap's own init, the jail's pid 1, keeps the parent-death signal; a cgroup's
+    leftovers are killed here). Called at start (tools.select_tools). Returns what it removed."""
+    removed, tmp = [], tempfile.gettempdir()
+
+    def dead(name: str, pattern: str) -> bool:
+        m = re.fullmatch(pattern, name)
+        return bool(m) and not os.path.exists(f"/proc/{m.group(1)}")
+
+    for name in os.listdir(tmp):
+        if dead(name, r"sandbox-(\d+)-\w+"):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+            removed.append(os.path.join(tmp, name))
+    for parent, _ in cgroup_parents():
+        for name in os.listdir(parent):
+            if dead(name, r"sandbox-(\d+)"):
+                group = os.path.join(parent, name)
+                calls = [os.path.join(group, c) for c in os.listdir(group) if os.path.isdir(os.path.join(group, c))]
+                remove_cgroups(calls + [group])
+                removed.append(group)
+    return removed
 
 
 def remove_cgroups(paths: list[str]):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from common import InputError, all_reduce, print0
 from data import ADDITION_PROMPT, BUILTIN_TASKS, GSM8K_PROMPT, Sample, ask, plain_ids, seed_for
 from rollout import Sampling, adapter_named, read_output
-from sandbox import memory_bound, run_program, sandbox_problem
+from sandbox import memory_bound, run_program, sandbox_problem, sweep_leftovers
 
 # ----------------------------------------------------------------------------------------------
 # The tools
@@ -131,6 +131,7 @@ def select_tools(names: str, *, python_sandbox: str = "bwrap", seconds: float = 
     can hold at most, said in one line."""
     tools = {name: TOOLS[name] for name in names.split(",") if name}
     if "python" in tools:
+        sweep_leftovers()  # the work folders and cgroups of trainers killed mid-call (sandbox.py)
         problem = sandbox_problem(python_sandbox)
         if problem:
             raise InputError(problem)
