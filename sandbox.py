@@ -34,7 +34,7 @@ What the jail holds (`bwrap`), and why each part: the boundary is the kernel's, 
   per call capping the memory (tmpfs, sockets, inodes included) and processes of the whole jail.
   Without one, `memory_bound` says at start what a call can hold: its processes x RLIMIT_AS, and kernel
   memory no rlimit counts (socket and pipe buffers, a tmpfs's files: its size counts blocks).
-- The user outside: run as root, bwrap runs as user 65534 (`outside_user`) where that user can read
+- The user outside: run as root, bwrap runs as a host uid of each call's own (`outside_user`) where it can read
   this Python (a system, /opt or /usr/local Python; not one under root's 0700 home). Where it can't,
   the jail's uid is root's to the kernel, without capabilities: /proc's root-only files are masked,
   and the kernel waives RLIMIT_NPROC for root, so only a cgroup caps processes there.
@@ -192,7 +192,7 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
         cmd += [root, str(lim["memory_mb"]), str(cpu_s), str(lim["file_mb"]), str(lim["processes"]), str(OPEN_FILES)]
         groups = make_cgroups(lim)
         if sandbox == "bwrap":
-            cmd = outside_user() + cmd
+            cmd = outside_user(next(_jails)) + cmd
         if groups:  # the shell joins the cgroups (as this process's user), then becomes the command
             cmd = [
                 "/bin/sh",
@@ -399,27 +399,40 @@ def closed_proc_entries() -> tuple[str, ...]:
     return tuple(found)
 
 
+_jails = itertools.count()  # this process's bwrap calls: each its own host uid, as root (outside_user)
+HOST_UIDS = 1 << 20  # the host uids calls take, as root: 2^20 + (this process's pid % 2048) x 1024 + call % 1024
+
+
+def outside_user(call: int) -> list[str]:
+    """What bwrap's command starts with: as root, setpriv to a host uid of this call's own outside the jail too (the
+    jail's uid inside is 65534 either way), if such a user can run bwrap and read this Python. Then the jail's
+    processes are nobody's to the kernel, not root's: it enforces RLIMIT_NPROC (waived for root), root-only files in
+    /proc stay closed, a process that got out would be nobody, and the kernel's per-uid quotas (processes, pipe pages,
+    descriptors in flight, queued signals, inotify and fanotify groups) are each call's own: one call can't drain them
+    for the others. Else [] (this process's own user: as root, the jail's uid is root's outside). Not Popen's `user=`:
+    with it Python forks the whole trainer instead of vfork, ~0.7 s a call in a GRPO run."""
+    if not can_drop_root():
+        return []
+    uid = HOST_UIDS + (os.getpid() % 2048) * 1024 + call % 1024  # calls at once: --tool-workers, far below 1024
+    return [shutil.which("setpriv"), "--reuid", str(uid), "--regid", str(uid), "--clear-groups", "--"]
+
+
 @functools.cache
-def outside_user() -> list[str]:
-    """What bwrap's command starts with: as root, setpriv to user 65534 outside the jail too, if that user
-    can run bwrap and read this Python. Then the jail's processes are nobody's to the kernel, not root's: it enforces
-    RLIMIT_NPROC (waived for root), root-only files in /proc stay closed, and a process that got out would
-    be nobody. Else [] (this process's own user: as root, the jail's uid is root's outside). Not Popen's
-    `user=`: with it Python forks the whole trainer instead of vfork, ~0.7 s a call in a GRPO run."""
+def can_drop_root() -> bool:
+    """As root: whether another user can run bwrap and read this Python (others may search every folder on the way
+    and read it: a system, /opt or /usr/local Python; not one under root's 0700 home), and setpriv is there."""
 
     def usable(path: str, bit: int) -> bool:  # by others: every folder on the way searchable, then `bit` (o+r, o+x)
         parts = [path[:i] or "/" for i in range(len(path) + 1) if i == len(path) or path[i] == "/"]
         return all(os.stat(p).st_mode & 0o001 for p in parts[:-1]) and bool(os.stat(path).st_mode & bit)
 
     bwrap = os.path.realpath(shutil.which("bwrap") or "/")
-    if (
-        os.geteuid() != 0
-        or not shutil.which("setpriv")
-        or not usable(bwrap, 0o001)
-        or not all(usable(p, 0o005) for p in python_prefixes())
-    ):
-        return []
-    return [shutil.which("setpriv"), "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
+    return bool(
+        os.geteuid() == 0
+        and shutil.which("setpriv")
+        and usable(bwrap, 0o001)
+        and all(usable(p, 0o005) for p in python_prefixes())
+    )
 
 
 @functools.cache

@@ -1170,6 +1170,43 @@ def test_a_jail_dies_with_a_trainer_killed_mid_call():
     assert not [g for g in groups if os.path.exists(g)], "the dead trainer's cgroups are still there"
 
 
+def test_as_root_each_call_is_a_host_uid_of_its_own():
+    """As root, with a Python others can read (the system's), bwrap runs as a host uid of each call's own (the jail's
+    uid inside is 65534 either way): the kernel's per-uid quotas (processes, pipe pages, descriptors in flight, queued
+    signals, inotify groups) are each call's, so one call can't drain them for the others, and none is root's."""
+    if os.geteuid() != 0:
+        pytest.skip("as root only")
+    python = user_python()
+    assert python, "no Python other users can read: apt-get install python3"
+    folder = tempfile.mkdtemp(prefix="sandbox-uids-")
+    import pyseccomp
+
+    for path in (os.path.join(ROOT, "sandbox.py"), pyseccomp.__file__):
+        shutil.copy(path, folder)
+    os.chmod(folder, 0o755)
+    code = (
+        "import sys, threading, time; sys.path.insert(0, '.'); import sandbox\n"
+        "assert sandbox.can_drop_root()\n"
+        "calls = [threading.Thread(target=sandbox.run_program, args=('import time; time.sleep(3)',)) for _ in range(3)]\n"
+        "[c.start() for c in calls]; time.sleep(1.5); print('ready', flush=True); [c.join() for c in calls]"
+    )
+    proc = subprocess.Popen([python, "-c", code], cwd=folder, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        uids = set()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                environ = open(f"/proc/{pid}/environ", "rb").read()
+                if f"SANDBOX_OWNER={proc.pid}".encode() in environ.split(b"\0"):
+                    uids.add(int(re.search(r"^Uid:\s+(\d+)", open(f"/proc/{pid}/status").read(), re.M).group(1)))
+            except (OSError, AttributeError):
+                continue
+    finally:
+        proc.wait(timeout=30)
+        shutil.rmtree(folder)
+    assert len(uids) == 3 and min(uids) >= sandbox.HOST_UIDS, uids  # three calls, three host uids, none root's
+
+
 # ----------------------------------------------------------------------------------------------
 # Outside the programs: the cgroups go, and the weaker `process` sandbox still bounds output and time
 
