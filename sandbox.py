@@ -166,7 +166,9 @@ DENIED_SYSCALLS = (
 )  # per host uid (128 instances) or a whole file: one call starving others
 # fcntl's record locks (F_GETLK, F_SETLK, F_SETLKW and their OFD forms): a read-only file shared by every call is
 # flock's channel between calls again; F_SETPIPE_SZ: a pipe past its default 16 pages draws on a per-host-uid quota
-DENIED_FCNTL = (5, 6, 7, 36, 37, 38, 1031)
+DENIED_FCNTL = (5, 6, 7, 36, 37, 38, 1031, 1024, 1025, 1026)
+# ... and F_SETLEASE/F_GETLEASE (a lease on a shared file holds its writers 45 s) and F_NOTIFY (dnotify: inotify's
+# older twin, the file activity of the shared read-only binds)
 # socket(AF_INET or AF_INET6, SOCK_STREAM): the jail has no network, and TCP over its own loopback autotunes its
 # buffers past SO_SNDBUF's refusal (~36 MiB a connection: 1.2 GB in 4.5 s from 4 processes, outside a v1 cgroup)
 DENIED_STREAMS = (2, 10)
