@@ -1414,7 +1414,9 @@ def test_a_jail_dies_with_a_trainer_killed_mid_call():
 def test_as_root_each_call_is_a_host_uid_of_its_own():
     """As root, with a Python others can read (the system's), bwrap runs as a host uid of each call's own (the jail's
     uid inside is 65534 either way): the kernel's per-uid quotas (processes, pipe pages, descriptors in flight, queued
-    signals, inotify groups) are each call's, so one call can't drain them for the others, and none is root's."""
+    signals, inotify groups) are each call's, so one call can't drain them for the others, and none is root's. Also: a
+    call holding every process its RLIMIT_NPROC allows leaves another call's forks alone (this held with one shared uid
+    too: this kernel counts processes per user namespace; the test keeps the property, whatever the reason)."""
     if os.geteuid() != 0:
         pytest.skip("as root only")
     python = user_python()
@@ -1425,11 +1427,24 @@ def test_as_root_each_call_is_a_host_uid_of_its_own():
     for path in (os.path.join(ROOT, "sandbox.py"), pyseccomp.__file__):
         shutil.copy(path, folder)
     os.chmod(folder, 0o755)
+    hold = (  # forks up to RLIMIT_NPROC (the jail's processes), all held for 3 s
+        "import os, time\nkids = []\ntry:\n    while len(kids) < 100:\n        pid = os.fork()\n"
+        "        if pid == 0:\n            time.sleep(3)\n            os._exit(0)\n        kids.append(pid)\n"
+        "except OSError:\n    pass\nprint('held', len(kids))\n[os.waitpid(k, 0) for k in kids]"
+    )
+    fork = (
+        "import os, time\ntime.sleep(1)\nkids = []\ntry:\n    for _ in range(10):\n        pid = os.fork()\n"
+        "        if pid == 0:\n            os._exit(0)\n        kids.append(pid)\nexcept OSError as e:\n"
+        "    print('fork refused', e.errno)\nprint('forked', len(kids))\ntime.sleep(2)"
+    )
     code = (
         "import sys, threading, time; sys.path.insert(0, '.'); import sandbox\n"
-        "assert sandbox.can_drop_root()\n"
-        "calls = [threading.Thread(target=sandbox.run_program, args=('import time; time.sleep(3)',)) for _ in range(3)]\n"
-        "[c.start() for c in calls]; time.sleep(1.5); print('ready', flush=True); [c.join() for c in calls]"
+        "assert sandbox.can_drop_root()\nreplies = {}\n"
+        "def run(name, code):\n    replies[name] = sandbox.run_program(code, limits={'seconds': 8})\n"
+        f"calls = [threading.Thread(target=run, args=(n, c)) for n, c in (('hold', {hold!r}), ('fork', {fork!r}), "
+        "('sleep', 'import time; time.sleep(3)'))]\n"
+        "[c.start() for c in calls]; time.sleep(1.5); print('ready', flush=True); [c.join() for c in calls]\n"
+        "print(replies['hold'].strip(), '|', replies['fork'].strip(), flush=True)"
     )
     proc = subprocess.Popen([python, "-c", code], cwd=folder, stdout=subprocess.PIPE, text=True)
     try:
@@ -1442,10 +1457,13 @@ def test_as_root_each_call_is_a_host_uid_of_its_own():
                     uids.add(int(re.search(r"^Uid:\s+(\d+)", open(f"/proc/{pid}/status").read(), re.M).group(1)))
             except (OSError, AttributeError):
                 continue
+        held, forked = proc.stdout.readline().strip().split(" | ")
     finally:
         proc.wait(timeout=30)
         shutil.rmtree(folder)
     assert len(uids) == 3 and min(uids) >= sandbox.HOST_UIDS, uids  # three calls, three host uids, none root's
+    # one call at its process cap (RLIMIT_NPROC counts a host uid's processes) leaves another's forks alone
+    assert int(held.split()[-1]) >= LIMITS["processes"] - 3 and forked == "forked 10", (held, forked)
 
 
 # ----------------------------------------------------------------------------------------------
