@@ -43,7 +43,11 @@ def load(rev: str, folder: str):
         source = open(os.path.join(ROOT, "sandbox.py")).read()
     else:
         source = subprocess.run(
-            ["git", "show", f"{rev}:sandbox.py"], cwd=ROOT, capture_output=True, text=True, check=True
+            ["git", "-c", "safe.directory=*", "show", f"{rev}:sandbox.py"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
     with open(path, "w") as f:
         f.write(source)
