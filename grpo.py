@@ -63,7 +63,7 @@ from fsdp import (
     throughput,
 )
 from logprobs import old_and_ref_logprobs, token_logprobs
-from lora import GapCheck, check_lora, lora_rules
+from lora import LORA_LR_FACTOR, GapCheck, check_lora, default_lr, lora_rules
 from memory import MemoryLog, sleep, wake_up
 from producer import Producer
 from preflight import check_engine, check_flags, check_model, engine_count, friendly_errors, given_flags, parse_args
@@ -124,8 +124,8 @@ class Args:
     # --- optimization
     steps: int = 200
     """training steps (one rollout batch each)"""
-    lr: float = 1e-6
-    """peak learning rate (AdamW)"""
+    lr: float = 0.0
+    """peak learning rate (AdamW); 0: 1e-6 for full fine-tuning, 1e-5 with --lora-rank (10x: docs/lora.md)"""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     """decay after warm-up, reaching min_lr_ratio * lr after steps * epochs * num_minibatches optimizer steps"""
     warmup_steps: int = 0
@@ -349,6 +349,7 @@ class Args:
     """print a few sample completions (and append them to samples.jsonl) every this many steps (0: never)"""
 
 
+FULL_LR = 1e-6  # --lr 0's value for full fine-tuning (sized for 1.5B-7B models); with LoRA 10x (lora.default_lr)
 # PLUMBING: without a GPU, these replace the defaults of the flags not given (SmolLM2-135M shapes: ~20 s a step on 2 cores).
 CPU_SIZES = {
     "prompts_per_step": 4,
@@ -475,7 +476,7 @@ def check_args(args: Args, world_size: int):
             ),
             ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
             ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
-            ("--lr", a.lr, a.lr > 0, "> 0"),
+            ("--lr", a.lr, a.lr >= 0, "> 0 (0: the default, 1e-6; 1e-5 with --lora-rank)"),
             ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
             ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
             ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
@@ -562,16 +563,18 @@ def check_args(args: Args, world_size: int):
 
 def variant_defaults(args: Args) -> Args:
     """The defaults that depend on other flags, for the flags not given on the command line: each policy loss's clip
-    range and each correction's bounds (VARIANT_DEFAULTS), and tis with --async-rollout, as before --rollout-correction."""
+    range and each correction's bounds (VARIANT_DEFAULTS), tis with --async-rollout, as before --rollout-correction, and
+    --lr 0's (LoRA's is 10x full fine-tuning's)."""
     correction, staleness = args.rollout_correction, max(args.max_staleness, int(args.async_rollout))
     if correction == "auto":  # the objective follows the staleness
         correction = "decoupled" if staleness >= 2 else "tis" if staleness == 1 and args.tis_cap != 0 else "none"
     defaults = {"tis_cap": 2.0, **VARIANT_DEFAULTS.get(args.policy_loss, {}), **VARIANT_DEFAULTS.get(correction, {})}
     given = given_flags(sys.argv[1:])
     defaults = {k: v for k, v in defaults.items() if k not in given}
+    lr = default_lr(args.lr, full=FULL_LR, rank=args.lora_rank)  # LoRA learns at ~10x full fine-tuning's rate
     # one flag set, one meaning: --async-rollout is --max-staleness 1
     return replace(
-        args, rollout_correction=correction, max_staleness=staleness, async_rollout=staleness == 1, **defaults
+        args, rollout_correction=correction, max_staleness=staleness, async_rollout=staleness == 1, lr=lr, **defaults
     )
 
 
@@ -589,6 +592,7 @@ def variant_line(args: Args) -> str:
         else f"clip {args.clip_low:g} / {args.clip_high:g}"
     )
     line = f"algorithm: advantage {args.advantage} | policy loss {args.policy_loss} ({gate}, {args.loss_agg}) | rollout correction {correction}"
+    line += f" | lr {args.lr:g}" + f" (LoRA's default: {LORA_LR_FACTOR:g}x full fine-tuning's)" * (args.lora_rank > 0)
     if args.max_staleness:
         line += f" | staleness at most {args.max_staleness}" + " (fully async: producer.py)" * (args.max_staleness >= 2)
     if args.epochs * args.num_minibatches == 1:
@@ -1324,4 +1328,6 @@ def main(args: Args):
 
 if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard
     with friendly_errors("grpo.py"):
-        main(parse_args(Args, CPU_SIZES))  # no GPU: CPU_SIZES for the flags not given (preflight.parse_args)
+        main(
+            parse_args(Args, CPU_SIZES, shown={"lr": "1e-6; LoRA: 1e-5"})
+        )  # no GPU: CPU_SIZES for the flags not given (preflight.parse_args)

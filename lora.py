@@ -304,6 +304,17 @@ class GapCheck:
 # Bad input, before anything loads
 
 
+# LoRA's learning rate over full fine-tuning's: 'LoRA Without Regret' (Schulman et al., Thinking Machines, 2025) found
+# ~10x the full fine-tuning optimum; here rank 1-32 at 1e-4 learned as full fine-tuning at 1e-5 (docs/lora.md)
+LORA_LR_FACTOR = 10.0
+
+
+def default_lr(lr: float, *, full: float, rank: int) -> float:
+    """A learning-rate flag's value: as given (> 0), or for 0 (its default) `full` for full fine-tuning and
+    LORA_LR_FACTOR x `full` with an adapter (`rank` > 0): at full fine-tuning's rate a LoRA run learns next to nothing."""
+    return lr if lr > 0 else full * LORA_LR_FACTOR if rank > 0 else full
+
+
 def lora_rules(
     *, rank: int, alpha: float, targets, sync: str, gap_ratio: float, rollout_tp: int, given: set[str]
 ) -> list[tuple[str, object, bool, str]]:

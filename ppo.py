@@ -23,7 +23,7 @@ import math
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Literal
 
@@ -49,7 +49,7 @@ from fsdp import (
     throughput,
 )
 from logprobs import batch_forward, forward_tokens, old_and_ref_logprobs, token_logprobs
-from lora import GapCheck, apply_lora, check_lora, lora_rules
+from lora import LORA_LR_FACTOR, GapCheck, apply_lora, check_lora, default_lr, lora_rules
 from memory import MemoryLog, sleep, wake_up
 from preflight import check_engine, check_flags, check_model, engine_count, friendly_errors, given_flags, parse_args
 from preflight import package_rules, rollout_rules, sampling_rules
@@ -110,10 +110,10 @@ class Args:
     # --- optimization
     steps: int = 200
     """training steps (one rollout batch each)"""
-    lr: float = 1e-6
-    """actor's peak learning rate (AdamW)"""
-    critic_lr: float = 1e-5
-    """critic's peak learning rate (its own AdamW and schedule)"""
+    lr: float = 0.0
+    """actor's peak learning rate (AdamW); 0: 1e-6 for full fine-tuning, 1e-5 with --lora-rank (10x: docs/lora.md)"""
+    critic_lr: float = 0.0
+    """critic's peak learning rate (its own AdamW and schedule); 0: 1e-5, 1e-4 with --lora-rank"""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     """decay after warm-up, reaching min_lr_ratio * lr after steps * epochs * num_minibatches optimizer steps"""
     warmup_steps: int = 0
@@ -315,6 +315,7 @@ class Args:
     """print a few sample completions (and append them to samples.jsonl) every this many steps (0: never)"""
 
 
+FULL_LR, FULL_CRITIC_LR = 1e-6, 1e-5  # --lr 0's and --critic-lr 0's for full fine-tuning; with LoRA 10x
 # PLUMBING: without a GPU, these replace the defaults of the flags not given: 16 samples of up to 64 tokens a step, as grpo.py.
 CPU_SIZES = {
     "prompts_per_step": 8,
@@ -355,7 +356,7 @@ def check_args(args: Args, world_size: int):
     check_flags(
         [  # (flag, value, holds, what it must be)
             ("--group-size", a.group_size, a.group_size >= 1, ">= 1"),
-            ("--critic-lr", a.critic_lr, a.critic_lr > 0, "> 0"),
+            ("--critic-lr", a.critic_lr, a.critic_lr >= 0, "> 0 (0: the default, 1e-5; 1e-4 with --lora-rank)"),
             ("--gamma", a.gamma, 0 <= a.gamma <= 1, "in [0, 1]"),
             ("--lam", a.lam, 0 <= a.lam <= 1, "in [0, 1]"),
             ("--kl-coef", a.kl_coef, a.kl_coef >= 0, ">= 0"),
@@ -376,7 +377,7 @@ def check_args(args: Args, world_size: int):
             ),
             ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
             ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
-            ("--lr", a.lr, a.lr > 0, "> 0"),
+            ("--lr", a.lr, a.lr >= 0, "> 0 (0: the default, 1e-6; 1e-5 with --lora-rank)"),
             ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
             ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
             ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
@@ -694,6 +695,11 @@ def main(args: Args):
     dtype = compute_dtype(device)  # bf16; fp32 on a CPU without bf16 instructions (fsdp.py says why)
     check_args(args, world_size)
     reference = args.kl_coef > 0 or args.adaptive_kl  # a reference model only where the KL is on
+    args = replace(  # --lr 0 and --critic-lr 0, the defaults: LoRA learns at ~10x full fine-tuning's rate (lora.py)
+        args,
+        lr=default_lr(args.lr, full=FULL_LR, rank=args.lora_rank),
+        critic_lr=default_lr(args.critic_lr, full=FULL_CRITIC_LR, rank=args.lora_rank),
+    )
 
     # ---- bad input fails here, before anything loads or is written, each in one line ---------------
     if args.deterministic_rollout:  # the update too: step 2 samples the same only from the same weights
@@ -762,7 +768,10 @@ def main(args: Args):
         tools=tool_specs,
     )
     sampler = PromptSampler(len(train_prompts.ids), args.seed)
-    print0(f"data: {data_line} | {world_size} ranks, engine {engine_kind}")
+    lora_lr = f" (LoRA's default: {LORA_LR_FACTOR:g}x full fine-tuning's)" * (args.lora_rank > 0)
+    print0(
+        f"data: {data_line} | {world_size} ranks, engine {engine_kind} | lr {args.lr:g}, critic {args.critic_lr:g}{lora_lr}"
+    )
     seed_ranks(args.seed, rank)  # numpy's and Python's per rank, torch's the same on every rank
     clock = StepClock(total=args.steps)  # 'step 3/200 | eta 1:02', the start-up's seconds by part since launch
     clock.lap("setup_s")  # imports, process group, tokenizer, data
@@ -1136,4 +1145,6 @@ def main(args: Args):
 
 if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing spawn: keep this guard
     with friendly_errors("ppo.py"):
-        main(parse_args(Args, CPU_SIZES))  # no GPU: CPU_SIZES for the flags not given (preflight.parse_args)
+        main(
+            parse_args(Args, CPU_SIZES, shown={"lr": "1e-6; LoRA: 1e-5", "critic_lr": "1e-5; LoRA: 1e-4"})
+        )  # no GPU: CPU_SIZES for the flags not given (preflight.parse_args)

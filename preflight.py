@@ -302,11 +302,12 @@ RENAMED = {
 }
 
 
-def parse_args(cls, cpu_sizes: dict | None = None, argv: list[str] | None = None):
+def parse_args(cls, cpu_sizes: dict | None = None, argv: list[str] | None = None, shown: dict | None = None):
     """tyro.cli(cls) of a script's flat Args, where a flag's old name (RENAMED) is bad input, and the help groups the
     flags as the comment rules of `cls` do ('# --- sampling'), each of `cpu_sizes` beside its default, '(default: 16;
-    CPU: 4)': -h a line a flag, -H with each flag's docstring. On a machine without a GPU, `cpu_sizes` for the flags
-    the command line does not give (one line says so)."""
+    CPU: 4)', and `shown`'s words in place of a default that stands for others ('--lr 0': '1e-6; LoRA: 1e-5'): -h a
+    line a flag, -H with each flag's docstring. On a machine without a GPU, `cpu_sizes` for the flags the command line
+    does not give (one line says so)."""
     import tyro  # lazy: `import preflight` stays light
 
     argv = sys.argv[1:] if argv is None else argv
@@ -317,7 +318,8 @@ def parse_args(cls, cpu_sizes: dict | None = None, argv: list[str] | None = None
         about += " '(CPU: N)': the default on a machine without a GPU (the run's first line says so)." * bool(cpu_sizes)
         # tyro groups flags by nested dataclasses only: a nested copy of `cls` for the help, its flags unprefixed
         config = (tyro.conf.OmitArgPrefixes,)
-        tyro.cli(help_groups(cls, cpu_sizes or {}), args=asked[:1], description=about, compact_help=True, config=config)
+        groups = help_groups(cls, cpu_sizes or {}, shown or {})
+        tyro.cli(groups, args=asked[:1], description=about, compact_help=True, config=config)
     args = tyro.cli(cls, args=argv)
     import torch  # lazy, as tyro
 
@@ -346,7 +348,7 @@ def parse_args(cls, cpu_sizes: dict | None = None, argv: list[str] | None = None
     return dataclasses.replace(args, **changed)
 
 
-def help_groups(cls, cpu_sizes: dict):
+def help_groups(cls, cpu_sizes: dict, shown: dict | None = None):
     """A dataclass of dataclasses, one per comment rule of `cls` ('# --- sampling'), each with the fields below its
     rule, their docstrings as help: what tyro draws as a box per group."""
     import tyro
@@ -359,6 +361,8 @@ def help_groups(cls, cpu_sizes: dict):
             f, cpu = fields[a.target.id], cpu_sizes.get(a.target.id)
             doc = " ".join(b.value.value.split()) if isinstance(b, ast.Expr) else ""
             hint = None if cpu is None else (lambda default, cpu=cpu: f"(default: {default}; CPU: {cpu})")
+            words = (shown or {}).get(a.target.id)  # a default that stands for others: what it stands for
+            hint = (lambda default, words=words: f"(default: {words})") if words else hint
             default = () if f.default is dataclasses.MISSING else (f.default,)
             title = next((t for n, t in reversed(rules) if n < a.lineno), "flags")
             arg = tyro.conf.arg(help=doc, help_behavior_hint=hint)

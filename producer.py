@@ -291,7 +291,8 @@ class Producer:
 
     def close(self):
         """No more groups: the running ones abort and are left (the engine's pause, then continue: the servers serve
-        what comes next, a last evaluation)."""
+        what comes next, a last evaluation). A request that reached a server while it was paused runs after the
+        continue, as SGLang holds it; nothing waits for its answer."""
         if self.engine is None or self.closed:
             return
         with self.changed:

@@ -852,20 +852,28 @@ def test_variant_line_names_the_settings_in_force(monkeypatch):
     line = variant_line(variant_defaults(Args(policy_loss="gspo", rollout_correction="icepop")))
     assert line.startswith(
         "algorithm: advantage grpo | policy loss gspo (clip 0.0003 / 0.0004, seq-mean-token-mean) | "
-        "rollout correction icepop (bounds 0.5 5) | one update a batch: every ratio 1, nothing clips"
+        "rollout correction icepop (bounds 0.5 5) | lr 1e-06 | one update a batch: every ratio 1, nothing clips"
     )
     monkeypatch.setattr("sys.argv", ["grpo.py", "--rollout-correction", "tis", "--num-minibatches", "4"])
     line = variant_line(variant_defaults(Args(rollout_correction="tis", num_minibatches=4)))
     assert (
         line
         == "algorithm: advantage grpo | policy loss ppo-clip (clip 0.2 / 0.2, token-mean) | rollout correction tis (cap 2)"
+        " | lr 1e-06"
     )
     monkeypatch.setattr("sys.argv", ["grpo.py", "--policy-loss", "sapo"])
     assert variant_line(variant_defaults(Args(policy_loss="sapo"))).startswith(
-        "algorithm: advantage grpo | policy loss sapo (tau 1 / 1.05, token-mean) | rollout correction none | one update"
+        "algorithm: advantage grpo | policy loss sapo (tau 1 / 1.05, token-mean) | rollout correction none | lr 1e-06 | "
+        "one update"
     )
     monkeypatch.setattr("sys.argv", ["grpo.py", "--advantage", "rloo", "--epochs", "2"])
-    assert variant_line(variant_defaults(Args(advantage="rloo", epochs=2))).endswith("rollout correction none")
+    assert variant_line(variant_defaults(Args(advantage="rloo", epochs=2))).endswith(
+        "rollout correction none | lr 1e-06"
+    )
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--lora-rank", "8", "--epochs", "2"])  # no --lr: LoRA's default
+    assert variant_line(variant_defaults(Args(lora_rank=8, epochs=2))).endswith(
+        "| lr 1e-05 (LoRA's default: 10x full fine-tuning's)"
+    )
 
 
 def test_async_rollout_still_corrects_with_tis_by_default(monkeypatch):

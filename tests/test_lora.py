@@ -441,6 +441,45 @@ def test_bad_lora_input_is_one_line(tiny_model_dir):
     assert check_lora(tiny_model_dir, 4, ("q_proj",), "--critic-model", AutoModelForTokenClassification) == ["q_proj"]
 
 
+def test_lora_learning_rate_default_by_hand():
+    """--lr 0 (the default): full fine-tuning's rate, 10x with an adapter (at 1e-6 a LoRA run learned next to nothing:
+    issue 53); a rate given is kept, LoRA or not."""
+    from lora import default_lr
+
+    assert default_lr(0.0, full=1e-6, rank=0) == 1e-6
+    assert default_lr(0.0, full=1e-6, rank=8) == pytest.approx(1e-5)
+    assert default_lr(0.0, full=1e-5, rank=1) == pytest.approx(1e-4)  # ppo's critic
+    assert default_lr(3e-4, full=1e-6, rank=8) == default_lr(3e-4, full=1e-6, rank=0) == 3e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script, said",
+    [
+        ("grpo.py", "| lr 1e-05 (LoRA's default: 10x full fine-tuning's)"),
+        ("ppo.py", "| lr 1e-05, critic 0.0001 (LoRA's default: 10x full fine-tuning's)"),
+    ],
+)
+def test_a_lora_run_without_lr_trains_at_loras_default(script, said, tiny_model_dir, tmp_path):
+    """As a user types it, --lora-rank and no --lr: the start-up line says the rate and why, args.json records it, and
+    the run trains at it (train/lr, the scheduler's)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, script, "--model", tiny_model_dir, "--output-dir", str(tmp_path), "--run-name", "r"]
+    cmd += ["--lora-rank", "4", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8"]
+    cmd += ["--num-eval-prompts", "2", "--eval-every", "0", "--rollout-engine", "hf"]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert said in proc.stdout, proc.stdout[:3000]
+    recorded = json.load(open(tmp_path / "r" / "args.json"))
+    assert recorded["lr"] == pytest.approx(1e-5)
+    if script == "ppo.py":
+        assert recorded["critic_lr"] == pytest.approx(1e-4)
+    rows = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
+    assert [r["train/lr"] for r in rows if "train/lr" in r] == [pytest.approx(1e-5)]
+
+
 # ----------------------------------------------------------------------------------------------
 # grpo.py end to end (two short runs)
 

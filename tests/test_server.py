@@ -426,7 +426,13 @@ def test_sigterm_during_a_fully_async_run_saves_and_stops_in_seconds(stand_in, t
     assert any("stopped by SIGTERM after step" in x for x in lines) and not any("Traceback" in x for x in lines)
     done = len(metrics(tmp_path)[0])
     assert os.path.isdir(tmp_path / "r" / "checkpoints" / f"step_{done:06d}")
-    assert [e[0] for e in events(url)][-2:] == ["pause", "continue"]  # the producer closed: aborted, not drained
+    # the producer closed: the server paused (mode abort) and continued after the last sync's continue, the running
+    # requests aborted, not drained. A request that reached the server while it was paused runs after that continue
+    # (SGLang holds it too); the run does not wait for it.
+    names = [e[0] for e in events(url)]
+    after_last_sync = names[len(names) - names[::-1].index("flush") :]
+    assert [n for n in after_last_sync if n in ("pause", "continue")] == ["continue", "pause", "continue"], names[-12:]
+    assert ["pause", "abort"] in events(url)
 
 
 def test_the_users_server_that_is_not_there_is_bad_input(tiny_model_dir, tmp_path):
