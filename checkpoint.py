@@ -132,6 +132,32 @@ HOW_IT_RUNS = {
 }
 
 
+def model_fingerprint(model: str, piece: int = 1 << 20) -> str:
+    """Which weights --model holds: a CRC-32 over each weight file's size and its first and last `piece` bytes (a
+    fine-tune of the same shapes differs there; 2 MiB read a file). A hub id: its files in the Hugging Face cache,
+    fetched there if they are not yet (load_model would fetch them next). "" where no weight file is found (check_model
+    says why, in its own line)."""
+    folder = model
+    if not os.path.isdir(model):
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = snapshot_download(model, allow_patterns=["*.safetensors", "*.bin"])
+        except Exception:  # noqa: BLE001 (not a hub id, or the hub not reachable: check_model's line names it)
+            return ""
+    crc = 0
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")) or glob.glob(os.path.join(folder, "*.bin")))
+    for path in files:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(piece)
+            f.seek(max(size - piece, 0))
+            crc = zlib.crc32(
+                f.read(piece), zlib.crc32(head, zlib.crc32(f"{os.path.basename(path)}:{size}".encode(), crc))
+            )
+    return f"{crc:08x}" if files else ""
+
+
 def checkpoint_to_resume(run_dir: str, resume: bool, config: dict | None = None) -> str | None:
     """With `resume`: the newest checkpoint of run_dir that `damage` finds nothing wrong with. A
     damaged newer one is renamed step_N.damaged (kept, never resumed or rotated away) and named in a
@@ -155,6 +181,18 @@ def checkpoint_to_resume(run_dir: str, resume: bool, config: dict | None = None)
                     f"--resume: {path} was trained with {as_flags(then, changed)}, this command gives "
                     f"{as_flags(now, changed)}: resume with the flags it started with, or start a new run "
                     f"(--run-name)"
+                )
+            if state["step"] >= now.get("steps", float("inf")):
+                raise InputError(
+                    f"--resume: {path} is at step {state['step']} and --steps {now['steps']} ends there or before: "
+                    f"give the steps in all (--steps {state['step'] + 100} trains 100 more)"
+                )
+            base = state.get("model_fingerprint")  # saved since 2026-11-28: older checkpoints are not checked
+            if base and (mine := model_fingerprint(now["model"])) and mine != base:
+                raise InputError(  # LoRA's frozen base and the KL's reference are --model's, loaded again on resume
+                    f"--resume: {path} was trained from --model {then['model']}, and --model {now['model']} holds "
+                    f"other weights ({mine}, not {base}): resume with the model it started "
+                    f"from, or start a new run (--run-name)"
                 )
             if (saved := state.get("world_size", 1)) != dist.get_world_size():  # optimizer shards and RNG are per rank
                 raise InputError(

@@ -6,16 +6,24 @@
 Reports strict accuracy (the answer in the asked format is right: '#### N', \boxed{}), flexible accuracy
 (right in any form), format rate, as grpo.py judges them, and writes every completion next to the summary.
 A run's checkpoint is evaluated on the prompts that run held out (its args.json: data, --seed, --eval-dataset),
-asked as it asked them (--prompt-template, --system-prompt, fields, --answer-kind); a first line says which rows.
-Another model: ask the prompts as its training run did.
+asked as it asked them (--prompt-template, --system-prompt, fields, --answer-kind) and with its tools (--tools and
+their flags); a first line says which rows, another which tools. Another model: ask the prompts as its training run
+did. A Ctrl-C or SIGTERM ends it in a line, exit 130 or 143, writing nothing (a part would read as the whole).
 """
 
 import json
 import os
+import signal
+import sys
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from common import InputError, exit_on_interrupt  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
+from common import (
+    InputError,
+    exit_on_interrupt,
+    handle_signals,
+    requested,
+)  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
 
 exit_on_interrupt("evaluate.py")
 import torch
@@ -34,9 +42,19 @@ from preflight import check_engine, check_flags, check_model, friendly_errors, p
 from reward import judge, sampled_eval_stats
 from rollout import Sampling, SGLangOptions, generate, generate_groups, start_engine, stop_engine, stop_token_ids
 from runlog import code_commit
+from tools import select_tools, tool_call_stop_ids, tool_rules, tool_stats, tools_for
 
 
-RUN_FLAGS = ("prompt_template", "system_prompt", "prompt_field", "answer_field", "answer_kind")  # a run's, if not given
+# a run's, if not given (an older run's args.json without one: TOOL_DEFAULTS, grpo.py's defaults)
+RUN_FLAGS = ("prompt_template", "system_prompt", "prompt_field", "answer_field", "answer_kind", "tools", "max_turns")
+RUN_FLAGS += ("max_tool_reply_tokens", "python_sandbox", "tool_timeout_s")
+TOOL_DEFAULTS = {
+    "tools": "",
+    "max_turns": 4,
+    "max_tool_reply_tokens": 256,
+    "python_sandbox": "bwrap",
+    "tool_timeout_s": 10.0,
+}
 
 
 @dataclass
@@ -75,6 +93,20 @@ class Args:
     """how a prompt is asked ({prompt})"""
     system_prompt: str | None = None
     """a system message before each prompt"""
+    # --- tools (unset: as the run whose checkpoint --model is, else none)
+    tools: str | None = None
+    """comma-separated tools a sample may call mid-answer (calculator, python: grpo.py's --tools); default: the run's;
+    '' evaluates a run that trained with tools without them"""
+    max_turns: int | None = None
+    """with --tools: model turns per sample at most (default: the run's, else 4)"""
+    max_tool_reply_tokens: int | None = None
+    """with --tools: a tool's reply is cut to this many tokens (default: the run's, else 256)"""
+    python_sandbox: str | None = None
+    """with --tools python: 'bwrap', a SandboxFusion server's URL, or 'process' (default: the run's, else bwrap)"""
+    tool_timeout_s: float | None = None
+    """with --tools python: wall-clock limit of one program (default: the run's, else 10)"""
+    tool_workers: int = 16
+    """with --tools: tool calls that run at once"""
     # --- engine and output
     rollout_engine: Literal["auto", "sglang", "hf"] = "auto"
     """'sglang' on a GPU, 'hf' on CPU; 'auto' picks"""
@@ -111,12 +143,45 @@ def main(args: Args):
     kind = check_engine(args.rollout_engine)
     tokenizer, context = check_model(args.model, generates=True)  # before SGLang starts
     check_context(context, args.max_prompt_len, args.max_new_tokens)
-    stop_ids = stop_token_ids(tokenizer, args.model)
     run_dir, run = run_of(args.model)
-    if run is not None:  # a flag not given is the run's: prompts asked as it asked them
+    if run is not None:  # a flag not given is the run's: prompts asked as it asked them, with its tools
         args = replace(args, **{k: run.get(k) for k in RUN_FLAGS if getattr(args, k) is None})
+    args = replace(args, **{k: v for k, v in TOOL_DEFAULTS.items() if getattr(args, k) is None})
+    check_flags(
+        tool_rules(
+            tools=args.tools,
+            system_prompt=args.system_prompt,
+            max_turns=args.max_turns,
+            max_reply_tokens=args.max_tool_reply_tokens,
+            workers=args.tool_workers,
+            timeout_s=args.tool_timeout_s,
+        )
+    )
+    tools = select_tools(
+        args.tools, python_sandbox=args.python_sandbox, seconds=args.tool_timeout_s, workers=args.tool_workers
+    )
+    context, tool_specs, tool_use = tools_for(  # the tools' system prompt and worked calls, as the run asked
+        tokenizer,
+        tools,
+        template=args.prompt_template,
+        datasets=run["dataset"] if run else [args.dataset or "addition"],
+        workers=args.tool_workers,
+        max_turns=args.max_turns,
+        max_reply_tokens=args.max_tool_reply_tokens,
+    )
+    stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])
     examples, rows, trained = rows_to_score(args, run_dir, run)
-    prompts, kept, dropped = tokenize_prompts(tokenizer, examples[: args.num_eval_prompts], args.max_prompt_len, rows)
+    prompts, kept, dropped = tokenize_prompts(
+        tokenizer, examples[: args.num_eval_prompts], args.max_prompt_len, rows, context=context, tools=tool_specs
+    )
+    if tools or (run and run.get("tools")):
+        whose = "the run's --tools" if run and args.tools == run.get("tools") else "--tools"
+        print(
+            f"tools: {', '.join(tools)} ({whose}), up to {args.max_turns} turns a sample"
+            if tools
+            else f"tools: none (--tools ''; {run_dir} trained with --tools {run['tools']})",
+            flush=True,
+        )
     if trained:
         print(f"note: {run_dir} trained on these rows ({trained}): this is not held-out accuracy", flush=True)
     print(
@@ -131,9 +196,11 @@ def main(args: Args):
         deterministic=args.deterministic_rollout,
     )
     seed = args.seed if args.seed is not None else run["seed"] if run else 0  # the split's, and the samples'
+    handle_signals()  # Ctrl-C and SIGTERM end a generation at once (it returns no samples): stop_if_signalled
     engine = start_engine(kind, args.model, seed=seed, sglang=sglang)
     greedy = Sampling(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=0.0)
-    samples = generate(engine, prompts, [seed] * len(prompts), sampling=greedy, tokenizer=tokenizer)
+    samples = generate(engine, prompts, [seed] * len(prompts), sampling=greedy, tokenizer=tokenizer, tool_use=tool_use)
+    stop_if_signalled(engine, args.out)
     sampled = Sampling(
         max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.eval_temperature, top_p=args.eval_top_p
     )
@@ -146,10 +213,12 @@ def main(args: Args):
             seeds=[seed_for(seed, "eval", i) for i in range(len(prompts))],
             sampling=sampled,
             tokenizer=tokenizer,
+            tool_use=tool_use,
         )
         if K
         else []
     )
+    stop_if_signalled(engine, args.out)
     for s, e in zip(samples + sum(groups, []), kept + [e for e in kept for _ in range(K)]):
         s.answer, s.kind, s.source = e.answer, e.kind, e.source
     n, counts = len(samples), judge(samples)
@@ -167,6 +236,9 @@ def main(args: Args):
         "engine": kind,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
+    if tools:  # the greedy answers' turns and calls
+        summary |= {"tools": args.tools, "max_turns": args.max_turns}
+        summary |= {k.removeprefix("tools/"): float(v) for k, v in tool_stats(samples).items()}
     if K:  # what a paper reports beside the greedy numbers, with every setting that made them
         summary |= {k.removeprefix("eval/"): v for k, v in sampled_eval_stats(groups).items()}
         summary |= {"eval_samples": K, "eval_temperature": args.eval_temperature, "eval_top_p": args.eval_top_p}
@@ -186,6 +258,18 @@ def main(args: Args):
                 row = {"prompt": e.prompt, "answer": e.answer, "completion": s.text}
                 f.write(json.dumps(row | ({"samples": [g.text for g in group]} if K else {})) + "\n")
     stop_engine(engine, None)
+
+
+def stop_if_signalled(engine, out: str | None):
+    """After a generation: where Ctrl-C or SIGTERM cut it short, stop the engine and exit 130 or 143 in one line,
+    printing no summary and writing no --out file (a summary of the prompts that finished would read as a whole one;
+    a file already there is left as it was)."""
+    if signum := requested():
+        stop_engine(engine, None)
+        unwritten = f", {out} not written" if out else ""
+        name = signal.Signals(signum).name
+        print(f"evaluate.py: stopped by {name} before the evaluation finished: no summary{unwritten}", file=sys.stderr)
+        raise SystemExit(128 + signum)
 
 
 def run_of(model: str) -> tuple[str | None, dict | None]:
@@ -242,4 +326,4 @@ def same(a: str, b: str) -> bool:
 
 if __name__ == "__main__":  # SGLang spawns its scheduler: keep this guard
     with friendly_errors("evaluate.py", oom_hint="lower --sglang-mem-fraction or --num-eval-prompts"):
-        main(parse_args(Args))
+        main(parse_args(Args, shown={k: f"the run's, else {v!r}" for k, v in TOOL_DEFAULTS.items()}))

@@ -33,7 +33,7 @@ exit_on_interrupt("ppo.py")
 import torch
 import torch.distributed as dist
 
-from checkpoint import Checkpoints, checkpoint_to_resume
+from checkpoint import Checkpoints, checkpoint_to_resume, model_fingerprint
 from common import agreed_signal, all_reduce, all_reduce_dict, allow_interrupt, handle_signals, print0
 from data import PromptSampler, collate, label, seed_for, source_name, task_prompts, template_rule
 from fsdp import (
@@ -356,7 +356,7 @@ def check_args(args: Args, world_size: int):
     check_flags(
         [  # (flag, value, holds, what it must be)
             ("--group-size", a.group_size, a.group_size >= 1, ">= 1"),
-            ("--critic-lr", a.critic_lr, a.critic_lr >= 0, "> 0 (0: the default, 1e-5; 1e-4 with --lora-rank)"),
+            ("--critic-lr", a.critic_lr, a.critic_lr >= 0, ">= 0 (0: the default: 1e-5, 1e-4 with --lora-rank)"),
             ("--gamma", a.gamma, 0 <= a.gamma <= 1, "in [0, 1]"),
             ("--lam", a.lam, 0 <= a.lam <= 1, "in [0, 1]"),
             ("--kl-coef", a.kl_coef, a.kl_coef >= 0, ">= 0"),
@@ -377,7 +377,7 @@ def check_args(args: Args, world_size: int):
             ),
             ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
             ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, ">= 1"),
-            ("--lr", a.lr, a.lr >= 0, "> 0 (0: the default, 1e-6; 1e-5 with --lora-rank)"),
+            ("--lr", a.lr, a.lr >= 0, ">= 0 (0: the default: 1e-6, 1e-5 with --lora-rank)"),
             ("--weight-decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
             ("--adam-betas", a.adam_betas, all(0 <= b < 1 for b in a.adam_betas), "two numbers in [0, 1)"),
             ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0"),
@@ -712,6 +712,7 @@ def main(args: Args):
     resume_from = checkpoint_to_resume(run_dir, args.resume, asdict(args))  # resumed: the flags it started with
     engine_kind = "server" if args.rollout_mode == "server" else check_engine(args.rollout_engine)
     tokenizer, context_len = check_model(args.model, rollout_tp=args.rollout_tp, generates=True)
+    base_weights = model_fingerprint(args.model)  # in trainer.pt: --resume checks --model holds these weights
     adapter = args.lora_rank > 0 and args.lora_sync == "adapter"  # SGLang serves the adapter, the base kept
     lora_targets = check_lora(args.model, args.lora_rank, args.lora_targets, sglang=adapter and engine_kind != "hf")
     check_training_state(args.model, device, lora=args.lora_rank > 0, reference=reference)  # fits the GPUs
@@ -880,6 +881,7 @@ def main(args: Args):
             "critic_scheduler": critic_scheduler.state_dict(),
             "kl_coef": kl_coef,
             "args": asdict(args),
+            "model_fingerprint": base_weights,  # --resume checks --model holds the same weights
         },
         every=args.save_every,
         keep=args.keep_checkpoints,

@@ -16,6 +16,7 @@ thing it prints, shows it.
 import ast
 import dataclasses
 import gc
+import glob
 import inspect
 import json
 import math
@@ -423,6 +424,27 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 TINY_MODEL_HINT = f"for a CPU try-out build a tiny one: python {TINY_MODEL} ./tiny-model, then --model ./tiny-model"
 
 
+def not_a_model_folder(path: str) -> str | None:
+    """What a folder a user may take for a model is instead, and the folder to pass: a run's folder (its newest
+    checkpoint's model/), a LoRA adapter (its checkpoint's merged model/, else how to make one). None: neither."""
+    steps = sorted(glob.glob(os.path.join(path, "checkpoints", "step_*[0-9]", "model")))
+    if os.path.isfile(os.path.join(path, "args.json")):
+        if steps:
+            return f"is a run's folder: pass a checkpoint's model folder, its newest {steps[-1]}"
+        return "is a run's folder and has no checkpoint to evaluate or start from (it ran with --save-every -1?)"
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        merged = os.path.join(os.path.dirname(os.path.normpath(path)), "model")
+        if os.path.isfile(os.path.join(merged, "config.json")):
+            return f"is a LoRA adapter (PEFT's files): its checkpoint's model with the adapter merged in is {merged}"
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            base = json.load(f).get("base_model_name_or_path")
+        return (
+            f"is a LoRA adapter (PEFT's files) of {base or 'a base model'}: pass a model with it merged in "
+            f"(PEFT's merge_and_unload, then save_pretrained)"
+        )
+    return None
+
+
 def check_model(
     name: str,
     flag: str = "--model",
@@ -467,6 +489,8 @@ def check_model(
         ]
         if missing and os.path.isfile(os.path.join(path, "model", "config.json")):  # a checkpoint, not its model/
             raise InputError(f"{flag} {name!r} is a checkpoint: pass its model folder, {os.path.join(name, 'model')}")
+        if missing and (problem := not_a_model_folder(path)):
+            raise InputError(f"{flag} {name!r} {problem}")
         if missing:
             raise InputError(
                 f"{flag} {name!r} has no {' and no '.join(missing)}: a model folder needs them "

@@ -93,17 +93,23 @@ def python(code: str) -> str:
 TOOLS = {"calculator": calculator, "python": python}
 
 
+def tool_names(tools: str) -> list[str]:
+    """--tools' names: 'calculator,python' and 'calculator, python' alike."""
+    return [name.strip() for name in tools.split(",") if name.strip()]
+
+
 def tool_rules(
     *, tools: str, system_prompt: str | None, max_turns: int, max_reply_tokens: int, workers: int, timeout_s: float
 ) -> list[tuple[str, object, bool, str]]:
     """preflight.check_flags' rules for the tools' flags: --tools names some of TOOLS, --system-prompt,
     --max-turns, --max-tool-reply-tokens, --tool-workers, --tool-timeout-s."""
+    unknown = [t for t in tool_names(tools) if t not in TOOLS]
     return [
         (
             "--tools",
-            tools,
-            all(t in TOOLS for t in tools.split(",") if t),
-            f"a comma-separated list of {', '.join(TOOLS)}",
+            repr(tools),
+            not unknown,
+            f"a comma-separated list of {', '.join(TOOLS)} ({', '.join(map(repr, unknown))} is not one of them)",
         ),
         (
             "--system-prompt",
@@ -129,7 +135,7 @@ def select_tools(names: str, *, python_sandbox: str = "bwrap", seconds: float = 
     `python_sandbox` for at most `seconds`; a sandbox that can't run stops here (InputError: the cause,
     the fix), before anything loads, 'process' is said as a warning, and the memory `workers` calls at once
     can hold at most, said in one line."""
-    tools = {name: TOOLS[name] for name in names.split(",") if name}
+    tools = {name: TOOLS[name] for name in tool_names(names)}
     if "python" in tools:
         sweep_leftovers()  # the work folders and cgroups of trainers killed mid-call (sandbox.py)
         problem = sandbox_problem(python_sandbox)

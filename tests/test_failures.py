@@ -149,6 +149,77 @@ def test_every_checkpoint_damaged_refuses_naming_them(trained_tiny_model_dir, on
     assert proc.stderr.strip().endswith("moved aside): --resume again starts it from step 0")
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_evaluate_stopped_by_a_signal_writes_nothing_that_looks_whole(tiny_model_dir, tmp_path, signum):
+    """evaluate.py cut short by Ctrl-C (or SIGTERM) mid-generation exited 0 and wrote a summary of 256 'prompts' with
+    pass@k over the 28 that finished: now one line, exit 130 (143), the engine stopped, no summary printed, --out
+    neither written nor touched where a file was there."""
+    from test_smoke import ROOT
+
+    out = tmp_path / "eval.json"
+    out.write_text("an earlier evaluation")
+    cmd = [sys.executable, "evaluate.py", "--model", tiny_model_dir, "--num-eval-prompts", "64", "--eval-samples", "64"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(
+        [*map(str, cmd), "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    for line in proc.stdout:  # the generation has begun once the 'evaluating' line is out
+        lines.append(line)
+        if line.startswith("evaluating 64 prompts"):
+            break
+    time.sleep(3)
+    proc.send_signal(signum)
+    t0 = time.time()
+    rest = proc.communicate(timeout=60)[0]
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum and time.time() - t0 < 10, rest
+    assert rest.strip().splitlines()[-1] == (
+        f"evaluate.py: stopped by {name} before the evaluation finished: no summary, {out} not written"
+    )
+    assert '"strict_acc"' not in rest and "Traceback" not in rest
+    assert out.read_text() == "an earlier evaluation" and not os.path.exists(tmp_path / "eval.samples.jsonl")
+
+
+def test_resume_refuses_other_weights_and_steps_it_already_trained(trained_tiny_model_dir, one_grpo_step, tmp_path):
+    """--resume with a --model of the same shapes and other weights (LoRA's frozen base and the KL's reference come
+    from --model again) is refused in one line, and so is --steps at or below the checkpoint's step (it trained
+    nothing and said 'done'); nothing in the run folder changes. A copy of the same files elsewhere is the same model."""
+    from safetensors.torch import load_file, save_file
+    from test_first_hour import files_of
+
+    copy_run(one_grpo_step, tmp_path)
+    other, same = tmp_path / "other-model", tmp_path / "same-model"
+    shutil.copytree(trained_tiny_model_dir, other), shutil.copytree(trained_tiny_model_dir, same)
+    weights = load_file(other / "model.safetensors")
+    name = sorted(weights)[-1]
+    weights[name] = weights[name] + 0.01  # a fine-tune of the same shapes
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    before = files_of(tmp_path / "r")
+    before.pop("run.lock")  # each start claims the folder (its pid and time): the rest must stay as it was
+    proc = run_grpo(other, tmp_path, "--steps", "3", "--resume", *QUIET, expect_ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert f"was trained from --model {trained_tiny_model_dir}, and --model {other} holds other weights" in line
+    assert line.endswith("resume with the model it started from, or start a new run (--run-name)")
+    proc = run_grpo(trained_tiny_model_dir, tmp_path, "--steps", "1", "--resume", *QUIET, expect_ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.endswith(
+        "is at step 1 and --steps 1 ends there or before: give the steps in all (--steps 101 trains 100 more)"
+    )
+    assert {
+        k: v for k, v in files_of(tmp_path / "r").items() if k != "run.lock"
+    } == before  # args.json, metrics, checkpoints: as they were
+    run_grpo(same, tmp_path, "--steps", "2", "--resume", *QUIET)  # the same weights at another path: it resumes
+    assert len(rows(tmp_path)) >= 2
+
+
 # ----------------------------------------------------------------------------------------------
 # Non-finite numbers and broken rewards
 

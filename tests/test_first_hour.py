@@ -321,13 +321,18 @@ def test_uncached_bytecode_is_named_with_its_cost(monkeypatch, capsys, tmp_path,
 
 
 BAD_FLAGS = [  # (flag, value, what the run says)
-    ("--lr", "-1e-4", "--lr -0.0001 must be > 0"),
+    ("--lr", "-1e-4", "--lr -0.0001 must be >= 0"),
     ("--max-new-tokens", "0", "--max-new-tokens 0 must be >= 1"),
     ("--prompts-per-step", "0", "--prompts-per-step 0 must be >= 1"),
     ("--micro-batch-size", "0", "--micro-batch-size 0 must be >= 1"),
     ("--steps", "0", "--steps 0 must be >= 1 (to only evaluate a model: python evaluate.py)"),
     ("--eval-samples", "-1", "--eval-samples -1 must be >= 0 (0: greedy only) and at most 1024"),
     ("--eval-top-p", "0", "--eval-top-p 0.0 must be in (0, 1]"),
+    (
+        "--tools",
+        "calculator, pyton",
+        "--tools 'calculator, pyton' must be a comma-separated list of calculator, python ('pyton' is not one of them)",
+    ),
 ]
 
 
@@ -402,7 +407,7 @@ def test_several_bad_flags_are_listed_together(tmp_path):
     assert code == 2 and "Traceback" not in out
     assert out.strip().splitlines()[-3:] == [
         "grpo.py: bad arguments:",
-        "  --lr -1.0 must be > 0",
+        "  --lr -1.0 must be >= 0 (0: the default: 1e-6, 1e-5 with --lora-rank)",
         "  --micro-batch-size 0 must be >= 1",
     ]
 
@@ -423,6 +428,40 @@ def test_evaluate_bad_flags(tmp_path, flag, value, message):
     code, out, _ = run("evaluate.py", "--model", tmp_path / "no-model", flag, value, cwd=tmp_path)
     assert_clean_failure(code, out, message)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_run_folder_or_an_adapter_folder_as_model_names_the_folder_to_pass(one_grpo_step, tmp_path):
+    """evaluate.py (and grpo.py) on a run's folder or a checkpoint's adapter/ ended with 'copy the missing files in':
+    the line now says what the folder is and which to pass (a run's newest checkpoint's model/, the checkpoint's
+    merged model/ beside its adapter/, how to merge a lone adapter)."""
+    run_dir = os.path.join(one_grpo_step, "r")
+    newest = os.path.join(run_dir, "checkpoints", "step_000001", "model")
+    code, out, _ = run("evaluate.py", "--model", run_dir, cwd=tmp_path)
+    assert_clean_failure(
+        code,
+        out,
+        f"evaluate.py: --model {run_dir!r} is a run's folder: pass a checkpoint's model folder, its newest {newest}",
+    )
+    checkpoint = tmp_path / "checkpoints" / "step_000010"
+    (checkpoint / "adapter").mkdir(parents=True), (checkpoint / "model").mkdir()
+    (checkpoint / "adapter" / "adapter_config.json").write_text('{"base_model_name_or_path": "Qwen/Qwen3-8B"}')
+    (checkpoint / "model" / "config.json").write_text("{}")
+    code, out, _ = run("grpo.py", "--model", checkpoint / "adapter", "--output-dir", tmp_path / "runs", cwd=tmp_path)
+    assert_clean_failure(
+        code,
+        out,
+        f"is a LoRA adapter (PEFT's files): its checkpoint's model with the adapter "
+        f"merged in is {checkpoint / 'model'}",
+    )
+    shutil.rmtree(checkpoint / "model")
+    code, out, _ = run("evaluate.py", "--model", checkpoint / "adapter", cwd=tmp_path)
+    assert_clean_failure(
+        code,
+        out,
+        "is a LoRA adapter (PEFT's files) of Qwen/Qwen3-8B: pass a model with it merged "
+        "in (PEFT's merge_and_unload, then save_pretrained)",
+    )
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints"]
 
 
 def test_help_groups_the_flags_with_their_cpu_defaults(capsys, monkeypatch):

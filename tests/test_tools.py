@@ -378,3 +378,49 @@ def test_a_run_with_tools_trains_on_the_models_tokens(tool_model_dir, tmp_path, 
     )
     assert ("resumed from" in proc.stdout) == resume
     assert_trained_on_the_models_tokens(proc, tmp_path)
+
+
+def test_tool_names_with_spaces_are_the_same_tools():
+    """--tools 'calculator, python' (a space after the comma) names the two tools, as 'calculator,python' does; a name
+    that is not a tool is named in the line."""
+    from tools import tool_names, tool_rules
+
+    rules = dict(system_prompt=None, max_turns=4, max_reply_tokens=64, workers=1, timeout_s=1.0)
+    assert tool_names("calculator, python") == tool_names("calculator,python") == ["calculator", "python"]
+    assert tool_names(" calculator ,") == ["calculator"] and tool_names("") == []
+    assert all(holds for _, _, holds, _ in tool_rules(tools="calculator, python", **rules))
+    flag, value, holds, must = tool_rules(tools="calculator, pyton", **rules)[0]
+    assert (flag, value, holds) == ("--tools", "'calculator, pyton'", False) and "('pyton' is not one of them)" in must
+
+
+@pytest.mark.slow
+def test_evaluate_asks_a_tool_runs_checkpoint_with_its_tools(tool_model_dir, tmp_path):
+    """evaluate.py on a checkpoint of a run trained with --tools evaluated without them, silently (a run scoring 0.16
+    with its calculator scored 0.0): it now takes the run's tools and their flags (args.json), says so in a line, and
+    reports the greedy answers' turns and calls; --tools '' evaluates without them, and says that too."""
+    import json
+    import subprocess
+    import sys
+
+    from test_smoke import ROOT
+
+    tool_run(tool_model_dir, tmp_path, "--steps", "1", "--eval-every", "0")
+    model = tmp_path / "r" / "checkpoints" / "step_000001" / "model"
+
+    def evaluate(*flags):
+        cmd = [sys.executable, os.path.join("tests", "patched_run.py"), "tool_caller", "evaluate.py", "--model", model]
+        out = tmp_path / f"eval{len(flags)}.json"
+        cmd += ["--num-eval-prompts", "4", "--max-new-tokens", "160", "--out", out, *flags]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        proc = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        return proc.stdout, json.load(open(out))
+
+    stdout, summary = evaluate()
+    assert "tools: calculator (the run's --tools), up to 3 turns a sample" in stdout
+    assert summary["tools"] == "calculator" and summary["max_turns"] == 3
+    assert summary["calls_per_sample"] == 1.0 and summary["used_frac"] == 1.0 and summary["errors"] == 0
+    assert summary["turns_mean"] >= 1.5  # the call, its reply, then a second turn
+    stdout, summary = evaluate("--tools", "")
+    assert f"tools: none (--tools ''; {tmp_path / 'r'} trained with --tools calculator)" in stdout
+    assert "calls_per_sample" not in summary and summary["prompts"] == 4
