@@ -1,11 +1,11 @@
-"""Curves without wandb: up to six panels from run folders' metrics.jsonl (those it logs), several runs over each other.
+"""Curves without wandb: up to eight panels from run folders' metrics.jsonl (those it logs), several runs over each other.
 
     python plot.py runs/A                        # writes runs/A/curves.png
     python plot.py runs/A runs/B --out ab.png    # overlaid, one colour per run folder (default ./curves.png)
     write_curves(run_dir)                        # runlog.RunLog, rank 0: at each evaluation and at the end
 
-Reward, held-out accuracy, response length, KL (to the reference, the old policy, the sampler) and entropy by step;
-mean seconds and peak GPU memory of memory.py's phases (train_rm.py's runs: loss, pairwise accuracy, margin).
+Reward, held-out accuracy, response length, KL (to the reference, the old policy, the sampler) and entropy by step, a
+reward model's score and tool use where the run has them; mean seconds and peak GPU memory of memory.py's phases (train_rm.py's runs: loss, pairwise accuracy, margin).
 bench/report.py draws with the same helpers (read_metrics, subplots, plot_metric).
 PLUMBING: nothing here changes what is trained; matplotlib is imported only when a figure is drawn.
 """
@@ -103,13 +103,21 @@ def lines(ax, runs: dict, series: list[tuple[str, str, str]], title: str, log: b
         )
 
 
-def bars(ax, values: dict, title: str, xlabel: str, fmt: str, marks: dict | None = None, keys: str = ""):
-    """Horizontal bars, one row per phase, one colour per run: {run: {phase: value}}; `marks` alike, as ticks."""
+def bars(
+    ax, values: dict, title: str, xlabel: str, fmt: str, marks: dict | None = None, keys: str = "", least: float = 0.0
+):
+    """Horizontal bars, one row per phase, one colour per run: {run: {phase: value}}; `marks` alike, as ticks. Phases
+    under `least` x the largest value in every run are left out, and counted in the title (a CPU run's memory phases
+    take no time: seven empty rows)."""
     phases = list(dict.fromkeys(p for v in values.values() for p in v if not p.startswith("startup_")))  # once
+    top = max((v[p] for v in values.values() for p in phases if p in v), default=0.0)
+    small = [p for p in phases if all(v.get(p, 0) < least * top for v in values.values())]
+    phases = [p for p in phases if p not in small]
+    title += f"\n{len(small)} phases under {least:.0%} of the largest bar not drawn" * bool(small)
     ax.set_title(title), ax.set_xlabel(xlabel), ax.grid(axis="x", alpha=0.3), ax.margins(x=0.12)  # room for labels
     if not phases:
         return nothing(ax, keys)
-    height, top = 0.8 / len(values), max(v[p] for v in values.values() for p in phases if p in v)
+    height = 0.8 / len(values)
     for i, (name, v) in enumerate(values.items()):
         y = [j - 0.4 + height * (i + 0.5) for j in range(len(phases))]
         ax.bar_label(
@@ -126,7 +134,7 @@ def bars(ax, values: dict, title: str, xlabel: str, fmt: str, marks: dict | None
 def draw(run_dirs: list[str], out: str) -> list[str]:
     """Draw the runs' panels into `out`, those with something to draw; their titles."""
     runs = {os.path.basename(os.path.normpath(d)): read_metrics(os.path.join(d, "metrics.jsonl")) for d in run_dirs}
-    fig, ax = subplots(2, 3, figsize=(16, 8.5), layout="constrained")
+    fig, ax = subplots(2, 4, figsize=(21, 8.5), layout="constrained")
     lines(
         ax[0, 0],
         runs,
@@ -161,6 +169,27 @@ def draw(run_dirs: list[str], out: str) -> list[str]:
             ),
         ),
     )
+    lines(  # --reward-model: what it scores beside the rule (reward_model.rm_stats)
+        ax[0, 3],
+        runs,
+        [
+            ("rollout/rm_score", "reward model's score", "-"),
+            ("rollout/rule_reward", "rule reward", "--"),
+            ("rollout/rm_rule_corr", "their correlation", ":"),
+        ],
+        "reward model (sampled, mean)",
+    )
+    lines(  # --tools: how samples use them (tools.tool_stats), and the greedy evaluation's share
+        ax[1, 3],
+        runs,
+        [
+            ("tools/calls_per_sample", "calls a sample", "-"),
+            ("tools/turns_mean", "turns a sample", "--"),
+            ("tools/used_frac", "share that called one", ":"),
+            ("eval/tool_used_frac", "share that called one (held out)", "o-"),
+        ],
+        "tool use (sampled, mean)",
+    )
     lines(
         ax[1, 0],
         runs,
@@ -186,6 +215,7 @@ def draw(run_dirs: list[str], out: str) -> list[str]:
         "seconds per phase (mean, step 1 left out)",
         "seconds",
         "%.2f",
+        least=0.01,
     )
     bars(
         ax[1, 2],
@@ -198,7 +228,7 @@ def draw(run_dirs: list[str], out: str) -> list[str]:
     )
     # only the panels with something to draw (a CPU run has no GPU memory; train_rm.py's runs no KL, no phases), 3 a row
     shown = [a for a in ax.flat if a.has_data()] or [ax[0, 1]]
-    cols = {1: 1, 2: 2, 4: 2}.get(len(shown), 3)
+    cols = {1: 1, 2: 2, 4: 2, 7: 4, 8: 4}.get(len(shown), 3)
     grid = fig.add_gridspec(-(-len(shown) // cols), cols)
     for a in ax.flat:
         a.set_subplotspec(grid[shown.index(a)]) if a in shown else a.remove()

@@ -199,3 +199,41 @@ def test_step_clock_eta_from_the_median_of_recent_steps(monkeypatch, capsys):
         labels.append(clock.label(step))
     assert labels == ["step 1/10 | eta 0:09", "step 2/10 | eta 0:08", "step 3/10 | eta 0:07", "step 4/10 | eta 0:06"]
     assert runlog.hms(3725) == "1:02:05" and clock.label(10) == "step 10/10"
+
+
+def test_a_reward_model_and_tools_have_panels_and_idle_phases_no_bars(tmp_path):
+    """Issue 53, item 7: a run with --reward-model and --tools had no panel for the RM's score or for tool use, and a
+    CPU run's phase chart drew seven empty bars (its memory phases take no time): the two panels are drawn where a run
+    logs them, and phases under 1% of the largest bar are left out, counted in the title."""
+    folder = tmp_path / "rm-tools"
+    folder.mkdir()
+    rows = []
+    for step in range(1, 5):
+        rows.append(
+            {
+                "step": step,
+                "rollout/reward_mean": 0.2 * step,
+                "rollout/rm_score": 0.1 * step,
+                "rollout/rule_reward": 0.2 * step,
+                "rollout/rm_rule_corr": 0.5,
+                "tools/calls_per_sample": 1.0,
+                "tools/turns_mean": 2.0,
+                "tools/used_frac": 0.9,
+                "perf/step_s": 3.0,
+                "time/generate": 2.0,
+                "time/update": 0.5,
+                "time/free_grads": 0.0,
+                "time/sync_weights": 0.007,  # under 1% of 3 s: left out with free_grads
+            }
+        )
+    rows.append({"step": 4, "eval/strict_acc": 0.5, "eval/tool_used_frac": 1.0})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    titles = draw([str(folder)], str(folder / "curves.png"))
+    assert titles == [
+        "reward (sampled, mean)",
+        "held-out accuracy (greedy; a reward model's: pairwise)",
+        "reward model (sampled, mean)",
+        "seconds per phase (mean, step 1 left out)\n2 phases under 1% of the largest bar not drawn",
+        "tool use (sampled, mean)",
+    ]
+    assert png_size(folder / "curves.png") == (1600, 850)
