@@ -833,7 +833,7 @@ def update(policy, optimizer, scheduler, batch, args: Args, *, step: int, device
         k: torch.zeros((), dtype=torch.float64, device=device)  # metric sums, on the device
         for k in ("loss", "clip_frac", "kl", "entropy", "approx_kl", "tokens")
     }
-    grad_norms, lengths = [], batch.attention_mask.sum(-1)  # [B] real tokens
+    grad_norms, lengths, empty = [], batch.attention_mask.sum(-1), 0  # lengths: [B] real tokens
     max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
     for epoch in range(args.epochs):
         shuffle = torch.Generator().manual_seed(seed_for(args.seed, "update", step, epoch))
@@ -843,6 +843,13 @@ def update(policy, optimizer, scheduler, batch, args: Args, *, step: int, device
             # global counts, once per mini-batch: every rank normalizes by the whole mini-batch
             num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
             num_seqs = float(all_reduce((batch.loss_mask[mini].sum(-1) > 0).sum()))  # filtered rows don't count
+            # no loss token on any rank (every row masked by --overlong-filter, MIS or IcePop, or fewer rows than
+            # mini-batches): no optimizer step, since AdamW's momentum alone would move every weight by most of a
+            # step; the schedule moves on, as for a step skipped whole
+            if num_tokens == 0:
+                skip_schedule(scheduler, 1)
+                empty += 1
+                continue
             mbs = micro_batches(mini, lengths, args.micro_batch_size, max_tokens)  # as many on every rank
             for rows in progress(mbs, f"update {epoch + 1}/{args.epochs}", rank):
                 mb = batch.select(rows).to(device)  # [b, t] fields
@@ -876,9 +883,10 @@ def update(policy, optimizer, scheduler, batch, args: Args, *, step: int, device
         "train/kl": totals["kl"] / tokens,
         "train/entropy": totals["entropy"] / tokens,
         "train/approx_kl": totals["approx_kl"] / tokens,
-        "train/grad_norm": sum(grad_norms) / len(grad_norms),
+        "train/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
         "train/lr": scheduler.get_last_lr()[0],
         "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms),
+        "train/empty_minibatches": empty,  # no loss token on any rank: no optimizer step
     }
 
 

@@ -46,6 +46,7 @@ from fsdp import (
     matmul_params,
     micro_batches,
     shard_model,
+    skip_schedule,
     throughput,
 )
 from logprobs import batch_forward, forward_tokens, old_and_ref_logprobs, token_logprobs
@@ -615,14 +616,23 @@ def update(actor, critic, batch, args: Args, *, step: int, device, rank: int = 0
             "tis_capped",
         )
     }
-    grad_norms, critic_grad_norms, lengths = [], [], batch.attention_mask.sum(-1)  # [B] real tokens
+    grad_norms, critic_grad_norms, lengths, empty = [], [], batch.attention_mask.sum(-1), 0  # lengths: [B] tokens
     max_tokens = args.max_tokens_per_micro_batch  # > 0: packed micro-batches of at most this many tokens
     for epoch in range(args.epochs):
         shuffle = torch.Generator().manual_seed(seed_for(args.seed, "update", step, epoch))
         order = torch.randperm(len(batch), generator=shuffle)
-        for mini in order.chunk(args.num_minibatches):  # the rows of one optimizer step
+        for mini in order.tensor_split(args.num_minibatches):  # the rows of one optimizer step: as many as the
+            # LR schedule counts (4 rows: 2, 1, 1; chunk gave 2, 2: two steps of the three planned)
             # global count, once per mini-batch: every rank normalizes by the whole mini-batch (token-mean)
-            num_tokens = max(float(all_reduce(batch.loss_mask[mini].sum())), 1.0)
+            num_tokens = float(all_reduce(batch.loss_mask[mini].sum()))
+            # no loss token on any rank (every row masked, or no row): no optimizer step, since AdamW's momentum alone
+            # would move every weight by most of a step; the schedules move on, as for a step skipped whole
+            if num_tokens == 0:
+                skip_schedule(critic_scheduler, 1)
+                if update_actor:
+                    skip_schedule(scheduler, 1)
+                empty += 1
+                continue
             mbs = micro_batches(mini, lengths, args.micro_batch_size, max_tokens)  # as many on every rank
             for rows in progress(mbs, f"update {epoch + 1}/{args.epochs}", rank):
                 mb = batch.select(rows).to(device)  # [b, t] fields
@@ -663,9 +673,10 @@ def update(actor, critic, batch, args: Args, *, step: int, device, rank: int = 0
     metrics = {
         "critic/value_loss": totals["value_loss"] / n_opt,
         "critic/value_clip_frac": totals["value_clip_frac"] / tokens,
-        "critic/grad_norm": sum(critic_grad_norms) / len(critic_grad_norms),
+        "critic/grad_norm": sum(critic_grad_norms) / max(len(critic_grad_norms), 1),
         "critic/lr": critic_scheduler.get_last_lr()[0],
         "train/nonfinite_skips": sum(not math.isfinite(g) for g in grad_norms + critic_grad_norms),
+        "train/empty_minibatches": empty,  # no loss token on any rank: no optimizer step
     }
     if not update_actor:
         return metrics | {"train/critic_warmup": 1.0}
@@ -674,7 +685,7 @@ def update(actor, critic, batch, args: Args, *, step: int, device, rank: int = 0
         "train/clip_frac": totals["clip_frac"] / tokens,
         "train/entropy": totals["entropy"] / tokens,
         "train/approx_kl": totals["approx_kl"] / tokens,
-        "train/grad_norm": sum(grad_norms) / len(grad_norms),
+        "train/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
         "train/lr": scheduler.get_last_lr()[0],
     }
     if tis_cap:
