@@ -119,7 +119,8 @@ def dropout_off(model: torch.nn.Module):
     """Every dropout the model can apply, off: the old log-probs, the values and the update must see one function,
     in training mode too (policy.train() stays on). nn.Dropout modules (token-classification heads, used as critics,
     come with 0.1), and the rates modules copy from the config and apply functionally while training (Llama's, Qwen2's
-    and Mistral's attention: config.attention_dropout), wherever a module or config holds a rate."""
+    and Mistral's attention: config.attention_dropout; OPT's layerdrop, which skips whole layers at random), wherever a
+    module or config holds a rate."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -132,7 +133,7 @@ def dropout_off(model: torch.nn.Module):
 
 def zero_rates(obj):
     for name, value in list(vars(obj).items()):
-        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float) and value > 0:
+        if ("dropout" in name or name.endswith(("pdrop", "layerdrop"))) and isinstance(value, float) and value > 0:
             setattr(obj, name, 0.0)
 
 

@@ -169,7 +169,9 @@ class Args:
     """grpo: reward minus its group's mean, over the group's std (--scale-rewards); rloo: minus the mean of the other
     G-1 samples of its group (leave-one-out); reinforce++: minus the group's mean, then whitened over the whole batch"""
     scale_rewards: bool = True
-    """with --advantage grpo: divide group-centred rewards by the group's std (--no-scale-rewards: Dr.GRPO)"""
+    """with --advantage grpo: divide group-centred rewards by the group's std (--no-scale-rewards: Dr.GRPO). Its 1e-6
+    epsilon is no floor: rewards 0, 0, 0 and 1e-4 (a reward model's near-ties) get advantages -0.49 and +1.47, as
+    large as a right answer among wrong ones"""
     policy_loss: Literal["ppo-clip", "gspo", "cispo", "sapo"] = "ppo-clip"
     """ppo-clip: a ratio per token, clipped (GRPO, DAPO); gspo: one ratio per sequence (the geometric mean of its
     tokens'), clipped per sequence; cispo: the clipped ratio as a constant weight on -A log p: clipped tokens keep a

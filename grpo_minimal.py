@@ -35,6 +35,7 @@ from common import all_reduce, all_reduce_dict, print0
 from data import PromptSampler, collate, label, seed_for, task_prompts
 from fsdp import balance, clip_and_step, compute_dtype, init_distributed, load_model, micro_batches, shard_model
 from logprobs import batch_logprobs, token_logprobs
+from lora import trainable
 from memory import ALL_TAGS, MemoryLog, release, sleep, wake_up
 from reward import reward_fn, score_samples
 from rollout import Rollout, Sampling, SGLangOptions, held_out_eval, mismatch_stats, send_prompts
@@ -183,7 +184,7 @@ def main(args: Args):
     # the policy: fp32 masters, FSDP2 (each decoder layer, then the root), computing in `dtype`
     policy = load_model(args.model, device, torch.float32)
     shard_model(policy, param_dtype=dtype)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)  # no temporaries
+    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=0.0, fused=True)  # its shards
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)  # a constant learning rate
     mem = MemoryLog()  # seconds and GPU memory per phase
     tenants = dict(models=[policy], optimizers=[optimizer], offload=False, mem=mem)  # what shares the GPU with SGLang

@@ -367,8 +367,19 @@ def check_lora(
 
 
 def trainable(model) -> list[torch.nn.Parameter]:
-    """The parameters an optimizer steps: all in full fine-tuning, the adapter's (and a critic's head) with LoRA."""
-    return [p for p in model.parameters() if p.requires_grad]
+    """The parameters an optimizer steps: all in full fine-tuning, the adapter's (and a critic's head) with LoRA. Of an
+    FSDP2 model, its shards: a forward under no_grad leaves the root's gathered copies registered in their place (in
+    one process: the embedding, the head and the final norm), and an optimizer built on those would never train them,
+    silently; resharding first puts the shards back (an optimizer built before any forward, as the scripts do, gets
+    them anyway)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert not isinstance(model, FSDPModule) or all(isinstance(p, DTensor) for p in params), "unsharded parameters"
+    return params
 
 
 def is_lora(model) -> bool:

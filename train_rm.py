@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from data import PromptSampler, load_pairs, shard, source_name, split_pairs
 from fsdp import clip_and_step, compute_dtype, init_distributed, load_model, lr_lambda, shard_model
+from lora import trainable
 from preflight import check_flags, check_model, friendly_errors, package_rules, parse_args
 from reward_model import chat_template, conversation, has_reward_head, last_token_scores, pad, rm_tokens, score
 from runlog import RunLog, StepClock, claim_run_dir, legend, log_line, run_info
@@ -270,7 +271,7 @@ def main(args: Args):
             torch.nn.init.zeros_(p)
     shard_model(model, param_dtype=dtype)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True
+        trainable(model), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, fused=True
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(args.warmup_steps, args.lr_schedule, args.min_lr_ratio, args.steps)

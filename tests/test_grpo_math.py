@@ -45,6 +45,23 @@ def test_group_advantages_scaled_uses_unbiased_std():
     assert not adv.isnan().any()
 
 
+def test_group_std_scaling_blows_near_ties_up_to_full_size():
+    """The std's 1e-6 epsilon is no floor (issue 54, item 6; docs/variants.md says so): rewards 0, 0, 0, 1e-4 have mean
+    2.5e-5 and unbiased std sqrt((3 x 2.5e-5^2 + 7.5e-5^2) / 3) = 5e-5, so advantages -2.5e-5 / 5.1e-5 = -0.4902 and
+    7.5e-5 / 5.1e-5 = 1.4706: the size of one right answer among three wrong ones (1.5, -0.5). Unscaled: 1e-4's size."""
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1e-4]])
+    assert_close(
+        group_advantages(rewards, True), torch.tensor([[-0.4902, -0.4902, -0.4902, 1.4706]]), atol=1e-4, rtol=0
+    )
+    assert_close(
+        group_advantages(torch.tensor([[0.0, 0.0, 0.0, 1.0]]), True),
+        torch.tensor([[-0.5, -0.5, -0.5, 1.5]]),
+        atol=1e-5,
+        rtol=0,
+    )
+    assert_close(group_advantages(rewards, False), torch.tensor([[-2.5e-5, -2.5e-5, -2.5e-5, 7.5e-5]]))
+
+
 def test_group_advantages_unscaled_is_only_centred():
     """scale=False (Dr.GRPO): rewards minus the group mean, nothing else."""
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 2.0]])
@@ -929,6 +946,30 @@ def test_check_args_variant_flags():
 
 # ----------------------------------------------------------------------------------------------
 # The math audit (issue 38)
+
+
+def test_opts_layerdrop_is_off_too():
+    """OPT skips whole decoder layers at random in training mode (config.layerdrop, copied to its decoder): dropout_off
+    left it on (issue 54, item 6). A tiny OPT with layerdrop 0.5 gives one output in training mode, twice."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from fsdp import dropout_off
+
+    config = OPTConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=4, ffn_dim=32, num_attention_heads=2, word_embed_proj_dim=16
+    )
+    config.layerdrop, config.dropout = 0.5, 0.0
+    torch.manual_seed(0)
+    model = OPTForCausalLM(config).train()
+    ids = torch.tensor([[5, 17, 42, 9]])
+    with torch.no_grad():
+        outs = [model(ids).logits for _ in range(8)]
+    assert any(not torch.equal(outs[0], o) for o in outs[1:])  # the hazard: layers skipped at random
+    dropout_off(model)
+    with torch.no_grad():
+        outs = [model(ids).logits for _ in range(8)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:]) and model.model.decoder.layerdrop == 0.0
+    assert model.config.layerdrop == 0.0
 
 
 @pytest.mark.parametrize("kind", ["policy", "critic", "reward model"])

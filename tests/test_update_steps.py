@@ -98,3 +98,27 @@ def test_ppo_takes_every_planned_step_and_none_without_loss_tokens(tiny_model_di
     out = ppo.update(actor, value, tiny_batch(4, masked=True), args, step=3, device="cpu", update_actor=True)
     assert moved(before, policy) == 0.0 and moved(before_critic, critic) == 0.0 and out["train/empty_minibatches"] == 3
     assert steps(optimizer) == 6 and scheduler.last_epoch == critic_scheduler.last_epoch == 9
+
+
+def test_an_optimizer_built_after_a_no_grad_forward_still_trains_every_weight(gloo, tiny_model_dir):
+    """FSDP2 in one process: a forward under no_grad leaves the root's gathered embedding and final norm registered in
+    place of their shards, and an AdamW built on model.parameters() then held those copies, so the embedding and norm
+    never trained, silently. lora.trainable (the scripts' optimizers, grpo_minimal.py's, train_rm.py's) reshards
+    first: every parameter it gives is a shard, and one step moves the embedding."""
+    from torch.distributed.tensor import DTensor
+
+    from fsdp import shard_model
+    from lora import trainable
+
+    model = load(tiny_model_dir)
+    shard_model(model, param_dtype=torch.float32)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    assert not isinstance(model.model.embed_tokens.weight, DTensor)  # the trap: what model.parameters() holds now
+    params = trainable(model)
+    assert all(isinstance(p, DTensor) for p in params) and len(params) == len(list(model.parameters()))
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    before = model.model.embed_tokens.weight.full_tensor().clone()
+    model(torch.tensor([[1, 2, 3]])).logits.float().pow(2).mean().backward()
+    optimizer.step()
+    assert (model.model.embed_tokens.weight.full_tensor() - before).abs().max() > 1e-4
