@@ -683,10 +683,24 @@ def seed_for(*parts) -> int:
 
 def sample_seeds(*parts, prompts: int, group_size: int) -> list[int]:
     """The sampling seed of each sample of a step's whole draw (all ranks, before `shard`): the j-th sample of the
-    p-th prompt drawn gets seed_for(*parts, p, j). It travels with its request, so it is the same whichever rank or
-    engine generates it and wherever the request sits in a batch: with --deterministic-rollout the same seed samples
-    the same completions on any number of ranks (a prompt drawn twice in one step gets two positions, two seeds)."""
-    return [seed_for(*parts, p, j) for p in range(prompts) for j in range(group_size)]
+    p-th prompt drawn gets seed_for(*parts, p, j), made `distinct`. It travels with its request, so it is the same
+    whichever rank or engine generates it and wherever the request sits in a batch: with --deterministic-rollout the
+    same seed samples the same completions on any number of ranks (a prompt drawn twice in one step gets two
+    positions, two seeds)."""
+    return distinct([seed_for(*parts, p, j) for p in range(prompts) for j in range(group_size)])
+
+
+def distinct(seeds: list[int]) -> list[int]:
+    """The seeds as given, but one an earlier seed of the list took: that one moves to the next free value up (mod
+    2^31). 31-bit hashes collide: 16,384 seeds a step share one about every 16 steps, and two samples of one prompt
+    with one seed are one sample twice. The whole list on every rank, so the same on any number of ranks."""
+    taken, out = set(), []
+    for seed in seeds:
+        while seed in taken:
+            seed = (seed + 1) % 2**31
+        taken.add(seed)
+        out.append(seed)
+    return out
 
 
 class PromptSampler:

@@ -39,7 +39,7 @@ from data import (
     tokenize_prompts,
 )
 from preflight import check_engine, check_flags, check_model, friendly_errors, parse_args, sampling_rules
-from reward import judge, sampled_eval_stats
+from reward import eval_stats, sampled_eval_stats
 from rollout import Sampling, SGLangOptions, generate, generate_groups, start_engine, stop_engine, stop_token_ids
 from runlog import code_commit
 from tools import select_tools, tool_call_stop_ids, tool_rules, tool_stats, tools_for
@@ -221,16 +221,15 @@ def main(args: Args):
     stop_if_signalled(engine, args.out)
     for s, e in zip(samples + sum(groups, []), kept + [e for e in kept for _ in range(K)]):
         s.answer, s.kind, s.source = e.answer, e.kind, e.source
-    n, counts = len(samples), judge(samples)
+    n, sources = len(samples), list(dict.fromkeys(e.source for e in kept))  # several datasets: each one's numbers too
+    greedy_stats = {k.removeprefix("eval/"): v for k, v in eval_stats(samples, sources=sources).items()}
     summary = {
         "model": args.model,
         "rows": rows,
         "trained_on": bool(trained),
         "prompts": n,
         "dropped": dropped,
-        "strict_acc": counts["strict"] / n,
-        "flexible_acc": counts["flexible"] / n,
-        "format_rate": counts["format"] / n,
+        **{k: v for k, v in greedy_stats.items() if k != "tool_used_frac"},  # strict_acc, ..., <source>/strict_acc
         "truncated_frac": sum(s.truncated for s in samples) / n,
         "response_len_mean": sum(len(s.response_ids) for s in samples) / n,
         "engine": kind,
@@ -240,7 +239,7 @@ def main(args: Args):
         summary |= {"tools": args.tools, "max_turns": args.max_turns}
         summary |= {k.removeprefix("tools/"): float(v) for k, v in tool_stats(samples).items()}
     if K:  # what a paper reports beside the greedy numbers, with every setting that made them
-        summary |= {k.removeprefix("eval/"): v for k, v in sampled_eval_stats(groups).items()}
+        summary |= {k.removeprefix("eval/"): v for k, v in sampled_eval_stats(groups, sources).items()}
         summary |= {"eval_samples": K, "eval_temperature": args.eval_temperature, "eval_top_p": args.eval_top_p}
     summary |= {
         "max_new_tokens": args.max_new_tokens,

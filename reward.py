@@ -528,7 +528,32 @@ def vote_key(kind: str, completion: str) -> str | None:
     return extract_text(completion) if kind == "text" else extract_strict(completion)
 
 
-def majority(keys: list[str | None]) -> int | None:
+def vote_classes(kind: str, completions: list[str], timeout_s: int = 5) -> list[int | None]:
+    """What each sample votes for in maj@k, as the number of the first sample that gave the same answer (None: no
+    vote). Math answers are the same where math-verify says so (\\frac{1}{2}, 0.5 and 1/2 are one answer, as
+    correctness counts them): each new answer string is compared with one string of each answer seen before (math_equal
+    caches the verdicts); other kinds by their strict answer as vote_key reads it."""
+    keys = [vote_key(kind, c) for c in completions]
+    classes: dict[str, int] = {}  # each answer string seen: its class (the first sample of an equal answer)
+    founders: list[tuple[str, int]] = []  # each class's first string, (string, class)
+    for i, key in enumerate(keys):
+        if key is None or key in classes:
+            continue
+        classes[key] = next((c for k, c in founders if kind == "math" and same_math(key, k, timeout_s)), i)
+        if classes[key] == i:
+            founders.append((key, i))
+    return [None if key is None else classes[key] for key in keys]
+
+
+def same_math(a: str, b: str, timeout_s: int) -> bool:
+    """math-verify's verdict on two \\boxed{} contents; one it cannot read is no match."""
+    try:
+        return math_equal(f"\\boxed{{{a}}}", b, timeout_s)
+    except Exception:  # noqa: BLE001 (a parse timeout, an unreadable answer: two answers, not one)
+        return False
+
+
+def majority(keys: list) -> int | None:
     """The first sample whose answer has the most votes (a tie: the answer given first wins); None: no sample gives
     one (maj@k counts the prompt wrong)."""
     votes = collections.Counter(k for k in keys if k is not None)
@@ -547,7 +572,7 @@ def sampled_eval_stats(groups: list[list], sources: list[str] = ()) -> dict:
     for part in parts:  # per prompt: c right of K, the majority's verdict
         right = [[score(lambda c, a, s=s: correct(s.kind, c, a), s.text, s.answer)[0] for s in g] for g in part]
         maj = [
-            r[i] if (i := majority([vote_key(s.kind, s.text) for s in g])) is not None else 0.0
+            r[i] if g and (i := majority(vote_classes(g[0].kind, [s.text for s in g]))) is not None else 0.0
             for g, r in zip(part, right)
         ]
         rows.append([len(part), sum(maj)] + [sum(pass_at_k(K, int(sum(r)), k) for r in right) for k in ks])

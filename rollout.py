@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from data import Sample, label, sample_seeds, seed_for, shard
+from data import Sample, distinct, label, sample_seeds, seed_for, shard
 from common import EngineStartFailed, Interrupted, agreed_signal, all_reduce, interruptible
 from reward import eval_stats, rollout_stats, sampled_eval_stats
 
@@ -492,7 +492,7 @@ def generate_groups(
         samples = generate(
             engine,
             ids,
-            [seed_for(s, j) for s in seeds[lo : lo + per_call] for j in range(k)],
+            [x for s in seeds[lo : lo + per_call] for x in distinct([seed_for(s, j) for j in range(k)])],  # per prompt
             sampling=sampling,
             tokenizer=tokenizer,
             tp=tp,

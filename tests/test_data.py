@@ -606,3 +606,19 @@ def test_a_parquet_file_pyarrow_cannot_read_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "bad.parquet").write_text("garbage")
     with pytest.raises(InputError, match=r"bad.parquet' can't be read as parquet \(ValueError: Parquet magic bytes"):
         read_rows(str(tmp_path / "bad.parquet"))
+
+
+def test_sample_seeds_are_distinct_by_construction():
+    """31-bit hashes collide: at 1024 prompts x 16 samples, seed 0's steps 9, 11 and 49 of 60 each gave two samples one
+    seed (issue 54, item 3). `distinct` moves a taken seed to the next free value up, so every seed of a draw differs,
+    the others stay as they were (the golden runs' seeds did not move), and a rank's share is the whole draw's slice."""
+    from data import distinct, sample_seeds, seed_for, shard
+
+    M = 2**31 - 1
+    assert distinct([5, 7, 5, 6, M, M, 0]) == [5, 7, 6, 8, M, 0, 1]  # by hand: 5 -> 6; 6 -> 7 (taken) -> 8; M -> 0 ...
+    for step in (9, 11, 49):
+        raw = [seed_for(0, "sample", step, 0, p, j) for p in range(1024) for j in range(16)]
+        seeds = sample_seeds(0, "sample", step, 0, prompts=1024, group_size=16)
+        assert len(set(raw)) < len(raw) and len(set(seeds)) == len(seeds)  # a collision, then none
+        assert sum(a != b for a, b in zip(raw, seeds)) == len(raw) - len(set(raw))  # only the later of a pair moved
+    assert shard(seeds, 1, 4) == seeds[4096:8192]

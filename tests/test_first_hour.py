@@ -640,6 +640,24 @@ def test_evaluate_a_runs_checkpoint_says_which_rows_it_scored(tiny_model_dir, tm
     ) == (4, 0.7, 1.0, 2, 3) and summary["commit"]
 
 
+def test_evaluate_reports_each_source_of_a_run_on_several_datasets(tiny_model_dir, tmp_path):
+    """Issue 54, item 4: docs/evaluation.md says the numbers come overall and per source, and training logs them so,
+    but evaluate.py's summary had the overall ones only. A run on addition and multiplication: both sources' greedy
+    and sampled numbers, and the overall ones their prompt-weighted mean."""
+    model, _ = a_run(tmp_path, dataset=("addition", "multiplication"), num_eval_prompts=8)
+    shutil.copytree(tiny_model_dir, model)
+    flags = ("--max-new-tokens", 2, "--eval-samples", 2, "--out", tmp_path / "e.json")
+    code, out, _ = run("evaluate.py", "--model", model, *flags)
+    assert code == 0, out[-3000:]
+    summary = json.loads((tmp_path / "e.json").read_text())
+    for source in ("addition", "multiplication"):
+        assert {f"{source}/{k}" for k in ("strict_acc", "flexible_acc", "format_rate", "avg@2", "pass@2", "maj@2")} <= (
+            summary.keys()
+        )
+    rows = [json.loads(line) for line in (tmp_path / "e.samples.jsonl").read_text().splitlines()]
+    assert summary["prompts"] == len(rows) == 16  # 8 held out of each
+
+
 def test_debug_shows_the_traceback(tmp_path):
     env_run = subprocess.run(
         [sys.executable, "grpo.py", "--steps", "0"],

@@ -657,3 +657,24 @@ def test_sampled_eval_stats_per_prompt_and_source_by_hand():
     }
     three = sampled_eval_stats([group("a", "3", ["#### 3", "#### 2", "#### 2"])])  # K = 3: powers of 2 and K itself
     assert sorted(k for k in three if "pass" in k) == ["eval/pass@1", "eval/pass@2", "eval/pass@3"]
+
+
+def test_maj_at_k_votes_math_answers_by_equivalence():
+    """Issue 54, item 4: maj@k voted by the raw \\boxed{} string while correctness used math-verify, so \\frac{1}{2},
+    0.5, 1/2, 3, 3 against 1/2 gave avg@5 0.6 and maj@5 0 ('3' won 2 to 1). By equivalence 1/2 has 3 votes: maj@5 1.
+    A group of 3, 3, \\frac{1}{2}, 0.5 ties 2-2: the answer given first (3) wins, maj@4 0; a box math-verify cannot
+    read is its own answer."""
+    from types import SimpleNamespace as S
+
+    pytest.importorskip("math_verify")
+    from reward import majority, sampled_eval_stats, vote_classes
+
+    texts = ["so \\boxed{\\frac{1}{2}}", "\\boxed{0.5}", "\\boxed{1/2}", "\\boxed{3}", "\\boxed{3}"]
+    assert vote_classes("math", texts) == [0, 0, 0, 3, 3] and majority(vote_classes("math", texts)) == 0
+    out = sampled_eval_stats([[S(source="m", kind="math", answer="\\frac{1}{2}", text=t) for t in texts]])
+    assert out["eval/avg@5"] == pytest.approx(0.6) and out["eval/maj@5"] == 1.0
+    tie = ["\\boxed{3}", "\\boxed{3}", "\\boxed{\\frac{1}{2}}", "\\boxed{0.5}"]
+    out = sampled_eval_stats([[S(source="m", kind="math", answer="1/2", text=t) for t in tie]])
+    assert out["eval/avg@4"] == 0.5 and out["eval/maj@4"] == 0.0
+    assert vote_classes("math", ["\\boxed{\\foo bar}", "\\boxed{2}", "none", "\\boxed{\\foo bar}"]) == [0, 1, None, 0]
+    assert vote_classes("gsm8k", ["#### 5", "#### 5.0", "x", "#### 7"]) == [0, 0, None, 3]  # as before: by value
