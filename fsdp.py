@@ -16,6 +16,7 @@ PLUMBING: a reader of the algorithm can take these as given.
 """
 
 import datetime
+import inspect
 import logging
 import math
 import os
@@ -235,7 +236,9 @@ def varlen_attention(
     window = kwargs.get("sliding_window") or 0  # keys within the last `window` positions, this one included
     q, k, v = (x.transpose(1, 2).flatten(0, 1) for x in (query, key, value))  # [b*t, heads, d]: bf16 (FSDP2's)
     cu, n = cu_seq_lens_q, max_length_q
-    out = varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, window_size=(window - 1, 0))  # [b*t, h, d]
+    # grouped-query attention (fewer key/value heads): torch 2.13's kernel refuses it unless told
+    gqa = {"enable_gqa": True} if k.shape[1] != h and "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+    out = varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, window_size=(window - 1, 0), **gqa)  # [b*t, h, d]
     return out.view(b, t, h, d), None
 
 

@@ -79,6 +79,41 @@ def test_packed_gradients_equal_padded(policy):
         torch.testing.assert_close(packed[n], padded[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
+def test_varlen_attention_tells_torch_2_13s_kernel_of_grouped_heads(policy, tiny_model_dir, monkeypatch):
+    """torch 2.13's varlen_attn refuses grouped-query attention (fewer key/value heads than query heads) unless given
+    enable_gqa=True (issue 54, item 5): a stand-in with that signature and that refusal, on the tiny model (4 query
+    heads, 2 key/value heads), gets the flag and gives sdpa's log-probs; a kernel without the parameter (torch 2.11's)
+    is called as before (the test above)."""
+    import torch.nn.attention.varlen as kernel
+    import torch.nn.functional as F
+
+    given = []
+
+    def torch_2_13(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        if k.shape[1] != q.shape[1] and not enable_gqa:
+            raise RuntimeError("varlen_attn: number of heads in key/value must equal query's unless enable_gqa")
+        given.append(enable_gqa)
+        bounds = cu_q.tolist()
+        return torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=scale, enable_gqa=True
+                ).transpose(0, 1)
+                for a, b in zip(bounds[:-1], bounds[1:])
+            ]
+        )
+
+    monkeypatch.setattr(kernel, "varlen_attn", torch_2_13)
+    varlen = load_model(tiny_model_dir, torch.device("cpu"), torch.float32, attn_implementation="varlen")
+    assert varlen.config.num_key_value_heads < varlen.config.num_attention_heads
+    batch, real = tiny_batch(seed=6)
+    with torch.no_grad():
+        want, _ = token_logprobs(policy, batch.input_ids, batch.attention_mask, 0.7, packed=False)
+        got, _ = token_logprobs(varlen, batch.input_ids, batch.attention_mask, 0.7, packed=True)
+    assert given and all(given)
+    torch.testing.assert_close(got * real, want * real, rtol=0, atol=2e-5)
+
+
 def test_varlen_attention_gives_sdpa_numbers_sequence_by_sequence(policy, tiny_model_dir, monkeypatch):
     """--attn-implementation varlen (fsdp.varlen_attention) with torch's CUDA-only kernel replaced by a stand-in that
     runs sdpa over each [start, end) it is given: packed rows hand the kernel each sequence (forward_tokens' cu, no
