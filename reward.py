@@ -545,10 +545,10 @@ def vote_classes(kind: str, completions: list[str], timeout_s: int = 5) -> list[
     return [None if key is None else classes[key] for key in keys]
 
 
-def same_math(a: str, b: str, timeout_s: int) -> bool:
+def same_math(one: str, other: str, timeout_s: int) -> bool:
     """math-verify's verdict on two \\boxed{} contents; one it cannot read is no match."""
     try:
-        return math_equal(f"\\boxed{{{a}}}", b, timeout_s)
+        return math_equal(f"\\boxed{{{one}}}", other, timeout_s)
     except Exception:  # noqa: BLE001 (a parse timeout, an unreadable answer: two answers, not one)
         return False
 
