@@ -31,6 +31,7 @@ import torch
 from data import (
     BUILTIN_TASKS,
     check_context,
+    context_tokens,
     load_examples,
     load_task,
     seed_for,
@@ -141,8 +142,7 @@ def main(args: Args):
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise InputError(f"--out {args.out!r}: its folder does not exist; create it first")
     kind = check_engine(args.rollout_engine)
-    tokenizer, context = check_model(args.model, generates=True)  # before SGLang starts
-    check_context(context, args.max_prompt_len, args.max_new_tokens)
+    tokenizer, context_len = check_model(args.model, generates=True)  # before SGLang starts
     run_dir, run = run_of(args.model)
     if run is not None:  # a flag not given is the run's: prompts asked as it asked them, with its tools
         args = replace(args, **{k: run.get(k) for k in RUN_FLAGS if getattr(args, k) is None})
@@ -169,6 +169,8 @@ def main(args: Args):
         max_turns=args.max_turns,
         max_reply_tokens=args.max_tool_reply_tokens,
     )
+    tools_prompt = context_tokens(tokenizer, context, tool_specs) if tools else 0  # before every question
+    check_context(context_len, args.max_prompt_len, args.max_new_tokens, tools_prompt=tools_prompt)
     stop_ids = stop_token_ids(tokenizer, args.model) + (tool_call_stop_ids(tokenizer) if tools else [])
     examples, rows, trained = rows_to_score(args, run_dir, run)
     prompts, kept, dropped = tokenize_prompts(

@@ -424,3 +424,6 @@ def test_evaluate_asks_a_tool_runs_checkpoint_with_its_tools(tool_model_dir, tmp
     stdout, summary = evaluate("--tools", "")
     assert f"tools: none (--tools ''; {tmp_path / 'r'} trained with --tools calculator)" in stdout
     assert "calls_per_sample" not in summary and summary["prompts"] == 4
+    cmd = [sys.executable, "evaluate.py", "--model", model, "--max-new-tokens", "1700"]  # the tools' prompt counts
+    proc = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--max-prompt-len 256 + the tools' prompt " in proc.stderr, proc.stderr[-2000:]
