@@ -347,6 +347,11 @@ class ServerEngine:
             errors = [r.exception() for r in requests if r.done() and r.exception()]  # the server's own words first
             if errors or (work.done() and work.exception()):
                 self.abort()
+                # this side's collective let out of gloo before the process exits (a dead peer's closed socket ends it
+                # at once): a thread whose C++ call returns during the interpreter's finalization re-takes the GIL in
+                # pybind11's noexcept destructor, and CPython 3.11's pthread_exit there is std::terminate ('terminate
+                # called without an active exception', exit -6 instead of 1: seen once in CI as a server died)
+                wait([work], timeout=5)
                 raise ServerError(
                     f"{what} failed: {errors[0]}{self.hint(str(errors[0]))}"
                     if errors
