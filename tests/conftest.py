@@ -26,13 +26,13 @@ for path in (ROOT, os.path.join(ROOT, "tests")):  # `from grpo import ...`, `fro
         sys.path.insert(0, path)
 
 
-def pytest_report_header(config):
-    """Which CPU ran the suite and the kernel pins in force: a golden value off on one machine names its CPU."""
-    model = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?"
-    )
+def pytest_terminal_summary(terminalreporter):
+    """Which CPU ran the suite and the kernel pins in force, after the results (shown under -q too): a golden value
+    off on one machine names its CPU."""
+    with open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
     pins = ", ".join(f"{k}={os.environ.get(k)}" for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA"))
-    return f"cpu: {model}, {os.cpu_count()} cores; {pins}"
+    terminalreporter.write_line(f"cpu: {model}, {os.cpu_count()} cores; {pins}")
 
 
 def pytest_configure(config):
