@@ -79,13 +79,29 @@ def test_packed_gradients_equal_padded(policy):
         torch.testing.assert_close(packed[n], padded[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
+def causal_per_sequence(q, k, v, cu: torch.Tensor, scale) -> torch.Tensor:
+    """What the varlen kernel computes, by sdpa: each [cu[i], cu[i+1]) attends causally to itself; grouped key/value
+    heads shared as the kernel shares them. q [n, h, d], k and v [n, kv, d] -> [n, h, d]."""
+    import torch.nn.functional as F
+
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+    bounds = cu.tolist()
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=scale
+            ).transpose(0, 1)
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
+    )
+
+
 def test_varlen_attention_tells_torch_2_13s_kernel_of_grouped_heads(policy, tiny_model_dir, monkeypatch):
     """torch 2.13's varlen_attn refuses grouped-query attention (fewer key/value heads than query heads) unless given
     enable_gqa=True (issue 54, item 5): a stand-in with that signature and that refusal, on the tiny model (4 query
     heads, 2 key/value heads), gets the flag and gives sdpa's log-probs; a kernel without the parameter (torch 2.11's)
     is called as before (the test above)."""
     import torch.nn.attention.varlen as kernel
-    import torch.nn.functional as F
 
     given = []
 
@@ -93,15 +109,7 @@ def test_varlen_attention_tells_torch_2_13s_kernel_of_grouped_heads(policy, tiny
         if k.shape[1] != q.shape[1] and not enable_gqa:
             raise RuntimeError("varlen_attn: number of heads in key/value must equal query's unless enable_gqa")
         given.append(enable_gqa)
-        bounds = cu_q.tolist()
-        return torch.cat(
-            [
-                F.scaled_dot_product_attention(
-                    *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=scale, enable_gqa=True
-                ).transpose(0, 1)
-                for a, b in zip(bounds[:-1], bounds[1:])
-            ]
-        )
+        return causal_per_sequence(q, k, v, cu_q, scale)
 
     monkeypatch.setattr(kernel, "varlen_attn", torch_2_13)
     varlen = load_model(tiny_model_dir, torch.device("cpu"), torch.float32, attn_implementation="varlen")
@@ -120,7 +128,6 @@ def test_varlen_attention_gives_sdpa_numbers_sequence_by_sequence(policy, tiny_m
     [n, n] mask built), unpadded rows each row (found from the positions), padded rows go to sdpa; log-probs and
     gradients as sdpa's padded ones. The kernel itself is compared on a GPU (tests/test_gpu.py)."""
     import torch.nn.attention.varlen as kernel
-    import torch.nn.functional as F
 
     calls = []
 
@@ -128,16 +135,7 @@ def test_varlen_attention_gives_sdpa_numbers_sequence_by_sequence(policy, tiny_m
         calls.append((cu_q.tolist(), max_q))
         assert cu_q is cu_k and max_q == max_k and window_size == (-1, 0) and cu_q.dtype == torch.int32
         assert max_q >= int((cu_q[1:] - cu_q[:-1]).max())
-        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))  # grouped heads, as the kernel
-        bounds = cu_q.tolist()
-        return torch.cat(
-            [
-                F.scaled_dot_product_attention(
-                    *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=scale
-                ).transpose(0, 1)
-                for a, b in zip(bounds[:-1], bounds[1:])
-            ]
-        )
+        return causal_per_sequence(q, k, v, cu_q, scale)
 
     monkeypatch.setattr(kernel, "varlen_attn", stand_in)
     varlen = load_model(tiny_model_dir, torch.device("cpu"), torch.float32, attn_implementation="varlen")
