@@ -424,11 +424,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 TINY_MODEL_HINT = f"for a CPU try-out build a tiny one: python {TINY_MODEL} ./tiny-model, then --model ./tiny-model"
 
 
-def not_a_model_folder(path: str) -> str | None:
-    """What a folder a user may take for a model is instead, and the folder to pass: a run's folder (its newest
-    checkpoint's model/), a LoRA adapter (its checkpoint's merged model/, else how to make one). None: neither."""
-    steps = sorted(glob.glob(os.path.join(path, "checkpoints", "step_*[0-9]", "model")))
+def not_a_model_folder(name: str, path: str) -> str | None:
+    """What a folder a user may take for a model (`name` as given, `path` expanded) is instead, and the folder to
+    pass: a checkpoint (its model/), a run's folder (its newest checkpoint's model/), a LoRA adapter (its checkpoint's
+    merged model/, else how to make one). None: none of them."""
+    if os.path.isfile(os.path.join(path, "model", "config.json")):
+        return f"is a checkpoint: pass its model folder, {os.path.join(name, 'model')}"
     if os.path.isfile(os.path.join(path, "args.json")):
+        steps = sorted(glob.glob(os.path.join(path, "checkpoints", "step_*[0-9]", "model")))
         if steps:
             return f"is a run's folder: pass a checkpoint's model folder, its newest {steps[-1]}"
         return "is a run's folder and has no checkpoint to evaluate or start from (it ran with --save-every -1?)"
@@ -487,9 +490,7 @@ def check_model(
             )
             if not ok
         ]
-        if missing and os.path.isfile(os.path.join(path, "model", "config.json")):  # a checkpoint, not its model/
-            raise InputError(f"{flag} {name!r} is a checkpoint: pass its model folder, {os.path.join(name, 'model')}")
-        if missing and (problem := not_a_model_folder(path)):
+        if missing and (problem := not_a_model_folder(name, path)):  # a checkpoint, a run, an adapter
             raise InputError(f"{flag} {name!r} {problem}")
         if missing:
             raise InputError(
