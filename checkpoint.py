@@ -22,6 +22,7 @@ leaves the previous checkpoints untouched and the half-written one is never pick
 """
 
 import errno
+import functools
 import glob
 import json
 import os
@@ -132,21 +133,24 @@ HOW_IT_RUNS = {
 }
 
 
+@functools.cache  # once a process: checkpoint_to_resume and the script's set-up both ask
 def model_fingerprint(model: str, piece: int = 1 << 20) -> str:
     """Which weights --model holds: a CRC-32 over each weight file's size and its first and last `piece` bytes (a
-    fine-tune of the same shapes differs there; 2 MiB read a file). A hub id: its files in the Hugging Face cache,
-    fetched there if they are not yet (load_model would fetch them next). "" where no weight file is found (check_model
-    says why, in its own line)."""
-    folder = model
-    if not os.path.isdir(model):
-        from huggingface_hub import snapshot_download
+    fine-tune of the same shapes differs there; 2 MiB read a file), its safetensors where it has any, else its .bin
+    files (as transformers loads them). A hub id: those files in the Hugging Face cache, fetched there if they are not
+    yet (load_model would fetch them next). "" where no weight file is found (check_model says why, in its own line)."""
+    folder, files = model, []
+    for pattern in ("*.safetensors", "*.bin"):
+        if not os.path.isdir(model):
+            from huggingface_hub import snapshot_download
 
-        try:
-            folder = snapshot_download(model, allow_patterns=["*.safetensors", "*.bin"])
-        except Exception:  # noqa: BLE001 (not a hub id, or the hub not reachable: check_model's line names it)
-            return ""
+            try:
+                folder = snapshot_download(model, allow_patterns=[pattern])
+            except Exception:  # noqa: BLE001 (not a hub id, or the hub not reachable: check_model's line names it)
+                return ""
+        if files := sorted(glob.glob(os.path.join(folder, pattern))):
+            break
     crc = 0
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")) or glob.glob(os.path.join(folder, "*.bin")))
     for path in files:
         size = os.path.getsize(path)
         with open(path, "rb") as f:

@@ -186,6 +186,40 @@ def test_evaluate_stopped_by_a_signal_writes_nothing_that_looks_whole(tiny_model
     assert out.read_text() == "an earlier evaluation" and not os.path.exists(tmp_path / "eval.samples.jsonl")
 
 
+def test_a_hub_models_fingerprint_fetches_the_files_transformers_loads(tmp_path, monkeypatch):
+    """checkpoint.model_fingerprint on a hub id asks the Hugging Face cache for its safetensors, and for its .bin files
+    only where it has none (not both formats, as transformers loads one); the same files as a local folder, the same
+    fingerprint; no weight file or no hub: "" (check_model names the problem)."""
+    import huggingface_hub
+
+    import checkpoint
+
+    asked = []
+    snapshots = {"org/safe": tmp_path / "safe", "org/old": tmp_path / "old"}
+    for folder, name in ((snapshots["org/safe"], "model.safetensors"), (snapshots["org/old"], "pytorch_model.bin")):
+        folder.mkdir()
+        (folder / name).write_bytes(bytes(range(256)) * 5000)
+
+    def snapshot_download(repo, allow_patterns):
+        asked.append((repo, allow_patterns))
+        if repo not in snapshots:
+            raise OSError("not reachable")
+        return str(snapshots[repo])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    checkpoint.model_fingerprint.cache_clear()
+    assert checkpoint.model_fingerprint("org/safe") == checkpoint.model_fingerprint(str(snapshots["org/safe"])) != ""
+    assert checkpoint.model_fingerprint("org/old") not in ("", checkpoint.model_fingerprint("org/safe"))
+    assert checkpoint.model_fingerprint("org/none") == ""
+    assert asked == [
+        ("org/safe", ["*.safetensors"]),
+        ("org/old", ["*.safetensors"]),
+        ("org/old", ["*.bin"]),
+        ("org/none", ["*.safetensors"]),
+    ]
+    checkpoint.model_fingerprint.cache_clear()
+
+
 def test_resume_refuses_other_weights_and_steps_it_already_trained(trained_tiny_model_dir, one_grpo_step, tmp_path):
     """--resume with a --model of the same shapes and other weights (LoRA's frozen base and the KL's reference come
     from --model again) is refused in one line, and so is --steps at or below the checkpoint's step (it trained
