@@ -18,12 +18,8 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from common import (
-    InputError,
-    exit_on_interrupt,
-    handle_signals,
-    requested,
-)  # first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
+# first (stdlib only): a Ctrl-C while torch loads (~1.5 s) is one line
+from common import InputError, exit_on_interrupt, handle_signals, requested
 
 exit_on_interrupt("evaluate.py")
 import torch

@@ -5,7 +5,8 @@
     write_curves(run_dir)                        # runlog.RunLog, rank 0: at each evaluation and at the end
 
 Reward, held-out accuracy, response length, KL (to the reference, the old policy, the sampler) and entropy by step, a
-reward model's score and tool use where the run has them; mean seconds and peak GPU memory of memory.py's phases (train_rm.py's runs: loss, pairwise accuracy, margin).
+reward model's score and tool use where the run has them; mean seconds and peak GPU memory of memory.py's phases
+(train_rm.py's runs: loss, pairwise accuracy, margin).
 bench/report.py draws with the same helpers (read_metrics, subplots, plot_metric).
 PLUMBING: nothing here changes what is trained; matplotlib is imported only when a figure is drawn.
 """
