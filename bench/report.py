@@ -246,6 +246,8 @@ SERVER_RUNS = (
     "server_sync",
     "server_async",
     "injob_async",
+    "injob_full_k2",
+    "injob_full_k4",
     "server2_sync",
     "injob_async_tp2",
     "colocate_x4",
@@ -280,6 +282,12 @@ def server(a: Args):
             ],
             "logprob_abs_diff_max": max(r["rollout/logprob_abs_diff"] for r in train),
             "staleness_mean": statistics.mean(r.get("rollout/staleness", 0.0) for r in train),
+            "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in train),
+            "partial_frac_mean": statistics.mean(r.get("rollout/partial_frac", 0.0) for r in train),
+            "dropped_groups": train[-1].get("rollout/dropped_groups", 0.0),  # so far, at the last step
+            "response_len_mean": statistics.mean(r.get("rollout/response_len_mean", 0.0) for r in train),
+            "response_len_max": max(r.get("rollout/response_len_max", 0.0) for r in train),
+            "step_seconds": [round(r["perf/step_s"], 2) for r in train],
             "seconds_per_step": statistics.mean(r["perf/step_s"] for r in timed),
             "median_seconds_per_step": statistics.median(r["perf/step_s"] for r in timed),
             "seconds_per_phase": {
@@ -320,12 +328,18 @@ def server(a: Args):
     if "server_sync" in runs and "server_async" in runs:
         out["async_speedup"] = runs["server_sync"]["seconds_per_step"] / runs["server_async"]["seconds_per_step"]
     for base, placements in (
-        ("colocate_x2", ("server_sync", "server_async", "injob_async")),
+        ("colocate_x2", ("server_sync", "server_async", "injob_async", "injob_full_k2", "injob_full_k4")),
+        ("injob_async", ("injob_full_k2", "injob_full_k4")),  # fully async over one step off
         ("colocate_x4", ("injob_async_2p2",)),
     ):
         if base in runs:  # the same GPUs, colocated: the baseline a placement on them must beat (median steps)
             out[f"speedup_over_{base}"] = {
                 n: round(runs[base]["median_seconds_per_step"] / runs[n]["median_seconds_per_step"], 3)
+                for n in placements
+                if n in runs
+            }
+            out[f"speedup_over_{base}_by_mean"] = {
+                n: round(runs[base]["seconds_per_step"] / runs[n]["seconds_per_step"], 3)
                 for n in placements
                 if n in runs
             }

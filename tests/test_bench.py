@@ -158,6 +158,43 @@ def test_server_report_compares_after_the_same_updates(tmp_path):
     }
 
 
+def test_server_report_compares_fully_async_with_one_step_off_and_colocated(tmp_path):
+    """run_fully_async.sh's shapes: k = 2, 4 over one step off and over colocated x2 (median steps after the first),
+    with each fully async run's staleness bound."""
+    fake_server_run(tmp_path / "runs" / "colocate_x2", {}, 10.0, 0.04)
+    fake_server_run(tmp_path / "runs" / "injob_async", {}, 8.0, 0.04, staleness=1.0)
+    fake_server_run(tmp_path / "runs" / "injob_full_k2", {}, 5.0, 0.04, staleness=2.0)
+    with open(tmp_path / "runs" / "injob_full_k2" / "metrics.jsonl", "a") as f:  # a step with the producer's metrics
+        f.write(
+            json.dumps(
+                {
+                    "step": 4,
+                    "train/loss": 0.0,
+                    "perf/step_s": 6.0,
+                    "rollout/logprob_abs_diff": 0.01,
+                    "rollout/staleness_max": 2.0,
+                    "rollout/partial_frac": 0.4,
+                    "rollout/dropped_groups": 3.0,
+                }
+            )
+            + "\n"
+        )
+    out = tmp_path / "server.json"
+    subprocess.run(
+        [sys.executable, "bench/report.py", "server", str(tmp_path / "runs"), "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    r = json.loads(out.read_text())
+    assert r["speedup_over_injob_async"] == {"injob_full_k2": 1.6}  # the median of 5, 5, 6: 5
+    assert r["speedup_over_colocate_x2"] == {"injob_async": 1.25, "injob_full_k2": 2.0}
+    assert r["speedup_over_injob_async_by_mean"] == {"injob_full_k2": round(8.0 / (16.0 / 3), 3)}
+    k2 = r["runs"]["injob_full_k2"]
+    assert (k2["staleness_max"], k2["dropped_groups"], k2["partial_frac_mean"]) == (2.0, 3.0, 0.1)
+    assert k2["step_seconds"] == [99.0, 5.0, 5.0, 6.0]
+
+
 def test_arith_report_draws_its_curves_with_plot_py(tmp_path):
     """The arith summary and both PNGs (curve, --compare), drawn with plot.py's helpers."""
     run = tmp_path / "runs" / "grpo_arith"
