@@ -119,14 +119,15 @@ def token_logprobs(
 @torch.no_grad()
 def batch_forward(fn, batch, micro_batch_size: int, device, progress=iter, max_tokens: int = 0) -> torch.Tensor:
     """fn(micro-batch) -> [b, t-1] over a whole Batch, micro-batch by micro-batch (micro_batches), without
-    gradient. [B, T-1] on the CPU, zero past each micro-batch's longest sequence."""
-    out = torch.zeros_like(batch.response_mask)
+    gradient. [B, T-1] on the CPU, zero past each micro-batch's longest sequence. The results gather on `device` and
+    come to the CPU once: a copy back each micro-batch would make the CPU wait for the GPU before it queues the next."""
+    out = torch.zeros_like(batch.response_mask, device=device)  # [B, T-1]
     lengths = batch.attention_mask.sum(-1)  # [B]
     for rows in progress(micro_batches(torch.arange(len(batch)), lengths, micro_batch_size, max_tokens)):
         mb = batch.select(rows).to(device)  # no rows: a stand-in, run for FSDP's collectives only
-        y = fn(mb).cpu()  # [b, t-1]
-        out[rows, : y.shape[1]] = y[: len(rows)]
-    return out
+        y = fn(mb)  # [b, t-1]
+        out[rows.to(device), : y.shape[1]] = y[: len(rows)]
+    return out.cpu()
 
 
 def batch_logprobs(

@@ -61,7 +61,7 @@ from rollout import stop_engine, stop_token_ids
 from runlog import CLIP, SAMPLES_LINE, TIMES_LINE, TRUNC, RunLog, StepClock, claim_run_dir, default_run_name, eval_due
 from runlog import legend, log_line, progress, run_info
 from server import ServerOptions, start_rollout
-from start import adamw, check_training_state, load_policy, seed_ranks
+from start import adamw, check_training_state, load_policy, micro_batching, seed_ranks
 from stop import NonFinite, stop_run
 from tools import TOOLS_LINE, select_tools, tool_call_stop_ids, tool_rules, tool_stats, tools_for
 
@@ -128,10 +128,13 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
     micro_batch_size: int = 8
-    """sequences per forward/backward per rank (gradient accumulation over micro-batches)"""
+    """sequences per forward/backward per rank, padded to the longest (gradient accumulation over micro-batches). On a
+    GPU, given neither this nor --max-tokens-per-micro-batch, micro-batches are packed to a token budget worked out
+    at start from the model's shapes and the GPU's memory (start.micro_batching; the start-up line says it)"""
     max_tokens_per_micro_batch: int = 0
     """> 0: micro-batches by tokens instead, at most this many per rank (one longer sequence alone), the sequences
-    packed into one row without padding (fsdp.forward_tokens; see --attn-implementation); 0: --micro-batch-size"""
+    packed into one row without padding (fsdp.forward_tokens; see --attn-implementation); 0: --micro-batch-size, or
+    on a GPU the token budget above"""
     num_minibatches: int = 1
     """optimizer steps per epoch over the rollout batch"""
     epochs: int = 1
@@ -235,7 +238,8 @@ class Args:
     """move parameters and optimizer state to CPU while SGLang generates"""
     attn_implementation: str = "sdpa"
     """transformers attention for training; packed, sdpa computes all n^2 token pairs of a micro-batch, varlen (GPU:
-    torch's FlashAttention-2, fsdp.varlen_attention) and flex_attention (GPU) only each sequence's own (docs/packing.md)"""
+    torch's FlashAttention-2, fsdp.varlen_attention) and flex_attention (GPU) only each sequence's own (docs/packing.md).
+    Not given: varlen for packed micro-batches where the GPU and torch run it (preflight.varlen_runs)"""
     rollout_engine: Literal["auto", "sglang", "hf"] = "auto"
     """'sglang' (GPU), 'hf' (plain transformers, CPU tests), 'auto': sglang when CUDA is available"""
     rollout_tp: int = 1
@@ -389,8 +393,11 @@ def check_args(args: Args, world_size: int):
             (  # fsdp.varlen_attention hands a packed row's sequences to the kernel; padded rows would go to sdpa
                 "--attn-implementation",
                 a.attn_implementation,
-                a.attn_implementation != "varlen" or a.max_tokens_per_micro_batch > 0,
-                "given with --max-tokens-per-micro-batch N (e.g. 8192) for varlen: it attends within packed rows",
+                a.attn_implementation != "varlen"
+                or a.max_tokens_per_micro_batch > 0
+                or not {"micro_batch_size", "max_tokens_per_micro_batch"} & given,
+                "given with --max-tokens-per-micro-batch N (e.g. 8192) for varlen, or with neither micro-batch flag "
+                "(a GPU packs by a token budget): it attends within packed rows",
             ),
             ("--epochs", a.epochs, a.epochs >= 1, ">= 1"),
             (
@@ -784,6 +791,24 @@ def main(args: Args):
     print0(
         f"data: {data_line} | {world_size} ranks, engine {engine_kind} | lr {args.lr:g}, critic {args.critic_lr:g}{lora_lr}"
     )
+    # ---- micro-batches and attention: on a GPU, for the flags not given, packed rows of a token budget ----------
+    mbs, max_tokens, attn, line = micro_batching(
+        args.model,
+        device,
+        given=given_flags(sys.argv[1:]),
+        micro_batch_size=args.micro_batch_size,
+        max_tokens=args.max_tokens_per_micro_batch,
+        attn_implementation=args.attn_implementation,
+        lora=args.lora_rank > 0,
+        reference=reference,
+        gradient_checkpointing=args.gradient_checkpointing,
+        colocated=engine_kind != "server",
+        longest=max(map(len, train_prompts.ids)) + args.max_new_tokens,  # tool replies count in the response budget
+        critic=critic_path,
+    )
+    args = replace(args, micro_batch_size=mbs, max_tokens_per_micro_batch=max_tokens, attn_implementation=attn)
+    if line:
+        print0(line)
     seed_ranks(args.seed, rank)  # numpy's and Python's per rank, torch's the same on every rank
     clock = StepClock(total=args.steps)  # 'step 3/200 | eta 1:02', the start-up's seconds by part since launch
     clock.lap("setup_s")  # imports, process group, tokenizer, data

@@ -611,12 +611,37 @@ def parameter_count(name: str) -> int | None:
 TRAINED_BYTES, FROZEN_BYTES = 16, 2  # on the GPUs a parameter: fp32 weight and gradient + AdamW's 2 moments; bf16
 
 
+def state_bytes(params: int, *, lora: bool, reference: bool) -> int:
+    """The training state of a model of `params` parameters over all GPUs: TRAINED_BYTES a parameter for full
+    fine-tuning, FROZEN_BYTES for a LoRA base (its adapter's few aside), and FROZEN_BYTES more for a reference model
+    (--beta > 0; LoRA's reference is its own base)."""
+    return params * ((FROZEN_BYTES if lora else TRAINED_BYTES) + FROZEN_BYTES * (reference and not lora))
+
+
+def varlen_runs(device, config) -> bool:
+    """Whether --attn-implementation varlen (fsdp.varlen_attention: torch's FlashAttention-2 kernel) can train
+    `config`'s model on `device`: a GPU of compute capability 8.0 or more (Ampere, Hopper), a torch that ships
+    torch.nn.attention.varlen, and attention without logit soft-capping (Gemma 2)."""
+    import importlib.util
+
+    import torch
+
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    if getattr(config, "attn_logit_softcapping", None):
+        return False
+    try:
+        return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def state_problem(params: int, *, lora: bool, reference: bool, world_size: int, gpu_bytes: int) -> str | None:
     """What --model's training state needs of each GPU where it can't fit before a single activation (None where it
     can): full fine-tuning TRAINED_BYTES a parameter, a LoRA base FROZEN_BYTES (its adapter's few aside), the
     reference model (--beta > 0 without LoRA) FROZEN_BYTES more, FSDP2 sharding it all over the ranks. --offload
     moves it off the GPU only while the engine generates: the update needs it whole."""
-    total = params * ((FROZEN_BYTES if lora else TRAINED_BYTES) + FROZEN_BYTES * (reference and not lora))
+    total = state_bytes(params, lora=lora, reference=reference)
     need = total / world_size
     if need <= 0.95 * gpu_bytes:  # CUDA's context and the engine's leftovers take the rest, activations come on top
         return None

@@ -3,6 +3,7 @@ here: each script's own is written out in it).
 
     seed_ranks(args.seed, rank)                                    # Python's and numpy's per rank, torch's shared
     check_training_state(args.model, device, lora=False, reference=True)   # a 7B full fine-tuning on one GPU: stop
+    mbs, max_tokens, attn, line = micro_batching(args.model, device, given=..., ...)   # packed by a token budget
     policy, ref = load_policy(args.model, device, dtype, lora_rank=0, ..., reference=True)   # FSDP2-sharded
     optimizer, scheduler = adamw(policy, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), ..., total_steps=200)
 """
@@ -15,10 +16,11 @@ import torch.distributed as dist
 
 from common import InputError, print0
 from data import seed_for
-from fsdp import load_model, lr_lambda, shard_model
-from logprobs import compile_head
+from fsdp import VARLEN, load_model, lr_lambda, shard_model
+from logprobs import LOGIT_CHUNK, compile_head
 from lora import apply_lora, lora_line, trainable
-from preflight import parameter_count, state_problem
+from memory import GiB, activation_bytes, token_budget
+from preflight import parameter_count, state_bytes, state_problem, varlen_runs
 
 
 def seed_ranks(seed: int, rank: int):
@@ -39,6 +41,101 @@ def check_training_state(model: str, device: torch.device, *, lora: bool, refere
     world_size = dist.get_world_size()
     if problem := state_problem(params, lora=lora, reference=reference, world_size=world_size, gpu_bytes=gpu_bytes):
         raise InputError(problem)
+
+
+MAX_TOKENS_PER_MICRO_BATCH = 65536  # a token budget's ceiling: past ~16k tokens a micro-batch gains little more
+
+
+def micro_batching(
+    model: str,
+    device: torch.device,
+    *,
+    given: set[str],
+    micro_batch_size: int,
+    max_tokens: int,
+    attn_implementation: str,
+    lora: bool,
+    reference: bool,
+    gradient_checkpointing: bool,
+    colocated: bool,
+    longest: int,
+    critic: str | None = None,
+) -> tuple[int, int, str, str | None]:
+    """The micro-batches and training attention of a run on `device`, for those of --micro-batch-size,
+    --max-tokens-per-micro-batch and --attn-implementation (`given`: the flags on the command line) a user left out.
+    On a GPU, neither micro-batch flag given: packed rows of up to a token budget (memory.token_budget: the GPU's
+    memory less the training state, the engine asleep when `colocated`, the log-prob head's chunk, over the model's
+    activations a token), through varlen attention where the GPU and torch offer it (preflight.varlen_runs), else
+    padded rows, as many of the `longest` sequence as the budget holds, through sdpa. A packed micro-batch without
+    --attn-implementation: varlen there too (sdpa computes every token pair of a packed row). The CPU keeps its
+    defaults (the scripts' CPU_SIZES: 16 padded rows, its fastest, bench/results/cpu_micro_batches.json). `critic`:
+    PPO's value model, trained beside the policy. Returns (micro_batch_size, max_tokens, attn_implementation,
+    the start-up line saying what was chosen and why, or None where nothing was)."""
+    if device.type != "cuda" or "attn_implementation" in given and max_tokens > 0:
+        return micro_batch_size, max_tokens, attn_implementation, None
+    from transformers import AutoConfig  # lazy, as in preflight
+
+    config = AutoConfig.from_pretrained(model)
+    config = getattr(config, "text_config", None) or config  # a vision-language model's language half
+    varlen = "attn_implementation" not in given and varlen_runs(device, config)
+    if {"micro_batch_size", "max_tokens_per_micro_batch"} & given:  # the user's micro-batches, the fastest attention
+        if max_tokens > 0 and varlen:
+            return micro_batch_size, max_tokens, VARLEN, "attention: varlen for the packed rows (each sequence's own)"
+        return micro_batch_size, max_tokens, attn_implementation, None
+    layers, hidden, vocab = config.num_hidden_layers, config.hidden_size, config.vocab_size
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    params = parameter_count(model) or config_parameters(config)
+    state = state_bytes(params, lora=lora, reference=reference)
+    if critic:  # PPO's value model, trained beside the policy (a LoRA one: its base frozen)
+        state += state_bytes(parameter_count(critic) or params, lora=lora, reference=False)
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    per_token = activation_bytes(
+        layers=layers, hidden=hidden, intermediate=intermediate, checkpointing=gradient_checkpointing
+    )
+    gpu = torch.cuda.get_device_properties(device).total_memory
+    budget = token_budget(
+        gpu_bytes=gpu,
+        state_bytes=state / world_size,
+        token_bytes=per_token,
+        vocab=vocab,
+        chunk=LOGIT_CHUNK,
+        engine_bytes=4 * GiB if colocated else 0,
+    )
+    budget = min(budget, MAX_TOKENS_PER_MICRO_BATCH)
+    why = (
+        f"{per_token / 2**20:.1f} MiB of activations a token ({layers} layers x {hidden}"
+        + ", checkpointed" * gradient_checkpointing
+        + f"), {state / world_size / GiB:.0f} GiB of training state on this GPU's {gpu / GiB:.0f} GiB"
+        + ", the engine asleep" * colocated
+    )
+    short = ""
+    if budget < longest:  # the longest sequence alone may not fit: said, and given its micro-batch anyway
+        short = f"; a sequence of up to {longest} tokens may not fit" + ": --gradient-checkpointing" * (
+            not gradient_checkpointing
+        )
+        budget = -(-longest // 1024) * 1024
+    choose = "--max-tokens-per-micro-batch N or --micro-batch-size N to choose"
+    if varlen or attn_implementation not in ("sdpa", "eager"):  # an attention that keeps to each packed sequence
+        attn = VARLEN if varlen else attn_implementation
+        line = f"micro-batches: packed rows of up to {budget} tokens, {attn} attention ({why}; {choose}){short}"
+        return micro_batch_size, budget, attn, line
+    rows = max(1, budget // longest)
+    line = (
+        f"micro-batches: {rows} rows padded to the longest, {attn_implementation} attention ({why}; no varlen kernel "
+        f"here: it needs a GPU of compute capability 8.0+ and torch.nn.attention.varlen; {choose}){short}"
+    )
+    return rows, 0, attn_implementation, line
+
+
+def config_parameters(config) -> int:
+    """A decoder's parameters from its config, for a model whose safetensors headers can't be read here: embeddings
+    (and an untied head), and each layer's attention (q, o: hidden^2; k, v: hidden x the key/value heads' width) and
+    MLP (3 x hidden x intermediate)."""
+    h, i = config.hidden_size, getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    embed = config.vocab_size * h * (1 if getattr(config, "tie_word_embeddings", True) else 2)
+    return embed + config.num_hidden_layers * (2 * h * h + 2 * h * (h // heads) * kv + 3 * h * i)
 
 
 def load_policy(

@@ -183,6 +183,9 @@ def test_grpo_three_full_steps(tmp_path, extra):
     # a step whose 16 groups each earned one reward (SmolLM2 scores 0 on most samples) has no gradient: seen on an H200
     assert any(m["train/grad_norm"] > 0 for m in train_steps), train_steps
     assert (tmp_path / "t" / "checkpoints" / "step_000003" / "model" / "config.json").exists()
+    # no micro-batch flag given: packed rows of a token budget through varlen (start.micro_batching; H100, H200)
+    args = json.loads((tmp_path / "t" / "args.json").read_text())
+    assert args["max_tokens_per_micro_batch"] >= 1024 and args["attn_implementation"] == "varlen", args
 
 
 def test_grpo_with_the_calculator_three_steps(tmp_path):

@@ -236,3 +236,116 @@ def test_memory_log_on_cpu_records_seconds_only():
     log.reset()
     assert log.metrics() == {}
     log.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizing a micro-batch: memory.token_budget and start.micro_batching (issue 55)
+
+H100_BYTES = 85_017_755_648  # torch's total_memory of an 80 GB H100 (79.18 GiB)
+QWEN_1P5B = dict(  # Qwen2.5-1.5B's config.json, the fields the budget reads
+    model_type="qwen2",
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
+
+
+def test_token_budget_by_hand_at_qwen_1p5b_on_an_h100():
+    """1.5B shapes, full fine-tuning, one H100, no engine: bench/packing_bench.py's setting, where 16384 packed tokens
+    through varlen peaked at 75.5 GiB of 79.2 (bench/results/packing_varlen_1p5b_h100.json) and flex_attention's
+    12288 ran out: the budget comes out just under the one that fit."""
+    from memory import activation_bytes, token_budget
+
+    per_token = activation_bytes(layers=28, hidden=1536, intermediate=8960, checkpointing=False)
+    assert per_token == 28 * 2 * (10 * 1536 + 4 * 8960) + 4 * 1536 == 2_873_344  # 2.74 MiB
+    checkpointed = activation_bytes(layers=28, hidden=1536, intermediate=8960, checkpointing=True)
+    assert checkpointed == 2 * 1536 * 28 + 2 * (10 * 1536 + 4 * 8960) + 4 * 1536 == 194_560
+    state = 1_543_569_408 * 16  # fp32 weights and gradients, AdamW's two moments
+    head = 14 * 2048 * 151936  # one chunk of fp32 logits and their kin
+    # 0.9 x 85.02e9 - 2 GiB - 24.70e9 - 4.36e9 = 45.32e9 bytes: 15770 tokens, down to a multiple of 1024
+    assert (H100_BYTES * 0.9 - 2 * 2**30 - state - head) // per_token == 15770
+    kw = dict(gpu_bytes=H100_BYTES, state_bytes=state, token_bytes=per_token, vocab=151936, chunk=2048)
+    assert token_budget(**kw, engine_bytes=0) == 15360
+    assert token_budget(**kw, engine_bytes=4 * 2**30) == 13312  # a colocated engine asleep: 14276 tokens
+    assert token_budget(**{**kw, "token_bytes": checkpointed}, engine_bytes=0) == 232448  # 232915 checkpointed
+    assert token_budget(**{**kw, "state_bytes": 80e9}, engine_bytes=0) == 0  # the state alone overflows: none
+
+
+@pytest.fixture
+def qwen_1p5b_config(tmp_path):
+    """A folder holding only Qwen2.5-1.5B's config.json: no weights to read, so its parameters come from the config."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_1P5B))
+    return str(tmp_path)
+
+
+@pytest.fixture
+def an_h100(monkeypatch):
+    """torch.cuda's answers of a machine with one H100, on this CPU (nothing is allocated on it)."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": H100_BYTES})())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    return torch.device("cuda", 0)
+
+
+def micro_batching(model, device, given=(), **kw):
+    import start
+
+    defaults = dict(
+        micro_batch_size=8,
+        max_tokens=0,
+        attn_implementation="sdpa",
+        lora=False,
+        reference=False,
+        gradient_checkpointing=False,
+        colocated=False,
+        longest=1124,
+    )
+    return start.micro_batching(model, device, given=set(given), **{**defaults, **kw})
+
+
+def test_micro_batching_packs_a_gpu_run_to_its_token_budget_through_varlen(qwen_1p5b_config, an_h100, monkeypatch):
+    """What the README's command gets on a GPU, the flags not given: packed rows of the token budget, varlen; the
+    line says what and why. A GPU or torch without the kernel: padded rows, as many of the longest as the budget
+    holds. Flags given win; the CPU keeps its own defaults."""
+    import preflight
+    import start
+    from start import config_parameters
+
+    from transformers import AutoConfig
+
+    assert config_parameters(AutoConfig.from_pretrained(qwen_1p5b_config)) == 1_543_569_408  # 1,543,714,304 with biases
+    monkeypatch.setattr(start, "varlen_runs", lambda device, config: True)
+    mbs, tokens, attn, line = micro_batching(qwen_1p5b_config, an_h100)
+    assert (mbs, tokens, attn) == (8, 15360, "varlen")
+    assert line == (
+        "micro-batches: packed rows of up to 15360 tokens, varlen attention (2.7 MiB of activations a token (28 "
+        "layers x 1536), 23 GiB of training state on this GPU's 79 GiB; --max-tokens-per-micro-batch N or "
+        "--micro-batch-size N to choose)"
+    )
+    assert micro_batching(qwen_1p5b_config, an_h100, colocated=True)[1] == 13312  # the engine asleep keeps 4 GiB
+    assert micro_batching(qwen_1p5b_config, an_h100, lora=True)[1] == 22528  # a bf16 base, 2 bytes a parameter: 23291
+    # the user's micro-batches stand; packed ones get the fastest attention
+    assert micro_batching(qwen_1p5b_config, an_h100, {"micro_batch_size"}, micro_batch_size=32) == (32, 0, "sdpa", None)
+    mbs, tokens, attn, line = micro_batching(qwen_1p5b_config, an_h100, {"max_tokens_per_micro_batch"}, max_tokens=8192)
+    assert (mbs, tokens, attn) == (8, 8192, "varlen") and line.startswith("attention: varlen")
+    assert micro_batching(  # and so does the attention given with them
+        qwen_1p5b_config, an_h100, {"max_tokens_per_micro_batch", "attn_implementation"}, max_tokens=8192
+    ) == (8, 8192, "sdpa", None)
+    # sdpa asked for, or no varlen kernel here: padded rows of the longest sequence, 15360 // 1124 of them
+    for given, varlen in (({"attn_implementation"}, True), ((), False)):
+        monkeypatch.setattr(start, "varlen_runs", lambda device, config, varlen=varlen: varlen)
+        mbs, tokens, attn, line = micro_batching(qwen_1p5b_config, an_h100, given)
+        assert (mbs, tokens, attn) == (13, 0, "sdpa") and line.startswith(
+            "micro-batches: 13 rows padded to the longest"
+        )
+    # a budget short of the longest sequence: said, and the longest gets its micro-batch
+    monkeypatch.setattr(start, "varlen_runs", lambda device, config: True)
+    mbs, tokens, attn, line = micro_batching(qwen_1p5b_config, an_h100, longest=20000)
+    assert tokens == 20480 and line.endswith("a sequence of up to 20000 tokens may not fit: --gradient-checkpointing")
+    assert micro_batching(qwen_1p5b_config, torch.device("cpu")) == (8, 0, "sdpa", None)  # CPU_SIZES' rows stand
+    assert not preflight.varlen_runs(torch.device("cpu"), None)
