@@ -33,14 +33,15 @@ from plot import draw, plot_metric, read_metrics, subplots  # noqa: E402  (the r
 @dataclass
 class Args:
     kind: tyro.conf.Positional[
-        Literal["arith", "memory", "scaling", "tools", "server", "rm", "variants", "deterministic", "lora"]
+        Literal["arith", "memory", "scaling", "tools", "server", "rm", "variants", "deterministic", "lora", "defaults"]
     ]
     """arith: accuracy summary + curve; memory: per-phase memory and time; scaling: tokens/s by GPU count;
     tools: accuracy and tool use with and without tools; server: colocate vs server vs async (run_server.sh);
     rm: run_rm.sh's pairs, reward model and GRPO against it;
     variants: the policy losses, advantages and corrections of one task side by side (run_variants.sh);
     deterministic: --deterministic-rollout twice and a normal run, same seed (run_deterministic.sh);
-    lora: full fine-tuning vs LoRA ranks on addition, a 7B shape on one GPU, sync seconds merge vs adapter (run_lora.sh)"""
+    lora: full fine-tuning vs LoRA ranks on addition, a 7B shape on one GPU, sync seconds merge vs adapter (run_lora.sh);
+    defaults: the default step against the best flags at each shape (run_fast_defaults.sh)"""
     run_dir: tyro.conf.Positional[str]
     """the run folder grpo.py / ppo.py wrote (scaling, tools: the folder holding run_scaling.sh's or run_tools.sh's runs)"""
     out: str
@@ -933,6 +934,90 @@ def deterministic(a: Args):
             json.dump(summary, f, indent=1)
 
 
+def defaults(a: Args):
+    """run_fast_defaults.sh's runs, `<shape>__<variant>` (`default`: the command as typed): each run's median step,
+    log-prob and update seconds (step 1, warm-up and compiles, left out), update MFU, the update's peak GPU memory, the
+    seconds to step 1 and the micro-batches it ran; each shape's default over its fastest run (>= 1: 1 where the
+    default is the fastest); with --summary the keys default_vs_best (the worst shape's) and default_update_mfu_1p5b."""
+    runs = {}
+    for name in sorted(os.listdir(a.run_dir)):
+        path = os.path.join(a.run_dir, name)
+        if "__" not in name or not os.path.isfile(os.path.join(path, "metrics.jsonl")):
+            continue
+        train, _, info, args = load(path)
+        if len(train) < 2:
+            continue  # step 1 alone holds the warm-up: nothing to time
+        timed = train[1:]
+
+        def median(key, rows=timed):
+            return round(statistics.median(r.get(key, 0.0) for r in rows), 3)
+
+        runs[name] = {
+            "steps": len(train),
+            "median_step_s": median("perf/step_s"),
+            "median_logprob_s": median("time/logprob"),
+            "median_update_s": median("time/update"),
+            "update_mfu": median("perf/update_mfu"),
+            "update_peak_gib": round(max(r.get("memory/update_device_peak_gib", 0.0) for r in train), 2),
+            "startup_to_first_step_s": round(train[0].get("time/startup_to_first_step_s", 0.0), 1),
+            "micro_batch_size": args.get("micro_batch_size"),
+            "max_tokens_per_micro_batch": args.get("max_tokens_per_micro_batch"),
+            "attn_implementation": args.get("attn_implementation"),
+            "compile": args.get("compile"),
+            "gpu": info["gpu"],
+            "date": info["date"],
+            "command": info["command"],
+        }
+    shapes = {}
+    for name, r in runs.items():
+        shapes.setdefault(name.split("__")[0], {})[name.split("__")[1]] = r
+    ratios = {}
+    for shape, variants in shapes.items():
+        if "default" in variants:
+            fastest = min(variants, key=lambda v: variants[v]["median_step_s"])
+            ratios[shape] = {
+                "default_vs_best": round(variants["default"]["median_step_s"] / variants[fastest]["median_step_s"], 3),
+                "fastest": fastest,
+            }
+    if not runs:
+        raise SystemExit(
+            f"{a.run_dir}: no <shape>__<variant> run with 2 steps or more (run bench/run_fast_defaults.sh)"
+        )
+    first = next(iter(runs.values()))
+    out = {"gpu": first["gpu"], "date": first["date"], "command": a.command, "note": a.note, "by_shape": ratios}
+    out["runs"] = runs
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(json.dumps(ratios, indent=2))
+    if a.summary and ratios:
+        with open(a.summary) as f:
+            summary = json.load(f)
+        worst = max(ratios, key=lambda s: ratios[s]["default_vs_best"])
+        source = os.path.basename(a.out)
+        summary["default_vs_best"] = {
+            "value": ratios[worst]["default_vs_best"],
+            "gpu": first["gpu"],
+            "date": first["date"],
+            "what": f"median GRPO step (steps 2-N) of the command as typed over the fastest flags found, the worst of "
+            f"the shapes ({worst}); by shape: "
+            + ", ".join(f"{s} {r['default_vs_best']} (fastest: {r['fastest']})" for s, r in ratios.items()),
+            "target": "<= 1.1 at every shape",
+            "sources": [source],
+        }
+        if "q1p5__default" in runs:
+            summary["default_update_mfu_1p5b"] = {
+                "value": runs["q1p5__default"]["update_mfu"],
+                "gpu": first["gpu"],
+                "date": first["date"],
+                "what": "median update MFU (steps 2-N) of the command as typed at Qwen2.5-1.5B shapes, 256 samples x "
+                "1024 tokens, one GPU",
+                "target": ">= 0.45",
+                "sources": [source],
+            }
+        with open(a.summary, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
 def main(a: Args):
     if a.kind == "deterministic":
         return deterministic(a)
@@ -948,6 +1033,8 @@ def main(a: Args):
         return tools(a)
     if a.kind == "server":
         return server(a)
+    if a.kind == "defaults":
+        return defaults(a)
     train, evals, info, args = load(a.run_dir)
     out = {
         "gpu": info["gpu"],

@@ -468,3 +468,46 @@ def test_lora_report_of_run_lora_parts(tmp_path):
     assert s["lora_7b_one_gpu_peak_gib"]["full_fine_tuning"] == {"full_offload": "oom"}
     assert s["lora_sync_s"]["value"] == {"7b": {"merge": 1.2, "adapter": 0.05}}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def fake_defaults_run(folder, step_s, mfu, args):
+    """A run_fast_defaults.sh run folder: three steps (the first slow: warm-up), its micro-batch flags in args.json."""
+    os.makedirs(folder)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for step, s in enumerate([99.0, *step_s], 1):
+            row = {"step": step, "train/loss": 0.0, "perf/step_s": s, "time/logprob": s / 4, "time/update": s / 2}
+            row.update({"perf/update_mfu": mfu, "memory/update_device_peak_gib": 40.0 + step})
+            f.write(json.dumps({**row, "time/startup_to_first_step_s": 50.0} if step == 1 else row) + "\n")
+    json.dump({"gpu": "H200", "date": "d", "command": "c"}, open(os.path.join(folder, "run_info.json"), "w"))
+    json.dump(args, open(os.path.join(folder, "args.json"), "w"))
+
+
+def test_defaults_report_is_the_default_over_the_fastest_run_of_each_shape(tmp_path):
+    """Issue 55's numbers: each shape's default over its fastest run (medians of steps 2-N), the worst shape's ratio
+    and the 1.5B default's update MFU into the summary."""
+    runs, packed = tmp_path / "fd", {"micro_batch_size": 8, "max_tokens_per_micro_batch": 15360}
+    fake_defaults_run(runs / "add__default", [2.0, 2.2], 0.1, {**packed, "attn_implementation": "varlen"})
+    fake_defaults_run(runs / "add__mbs128", [2.4, 2.4], 0.1, {"micro_batch_size": 128, "max_tokens_per_micro_batch": 0})
+    fake_defaults_run(runs / "q1p5__default", [11.0, 13.0], 0.4, packed)
+    fake_defaults_run(runs / "q1p5__t16k_compile", [10.0, 10.0], 0.47, {**packed, "compile": True})
+    (runs / "q7__default").mkdir()  # a run that never logged a step: left out
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"other": {"value": 1}}))
+    out = tmp_path / "defaults.json"
+    subprocess.run(
+        [sys.executable, "bench/report.py", "defaults", str(runs), "--out", str(out), "--summary", str(summary)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    r = json.loads(out.read_text())
+    assert r["by_shape"] == {
+        "add": {"default_vs_best": 1.0, "fastest": "default"},  # 2.1 against mbs128's 2.4
+        "q1p5": {"default_vs_best": 1.2, "fastest": "t16k_compile"},  # 12 against 10
+    }
+    default = r["runs"]["q1p5__default"]
+    assert (default["median_update_s"], default["update_peak_gib"], default["startup_to_first_step_s"]) == (6.0, 43, 50)
+    assert r["runs"]["add__default"]["attn_implementation"] == "varlen" and "q7__default" not in r["runs"]
+    s = json.loads(summary.read_text())
+    assert s["default_vs_best"]["value"] == 1.2 and "q1p5 1.2 (fastest: t16k_compile)" in s["default_vs_best"]["what"]
+    assert s["default_update_mfu_1p5b"]["value"] == 0.4 and s["other"] == {"value": 1}
