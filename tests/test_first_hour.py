@@ -1190,8 +1190,11 @@ def test_an_attention_that_cant_train_on_this_machine_is_refused_before_anything
 
 
 def test_varlen_without_packing_is_refused(monkeypatch):
-    """--attn-implementation varlen gives the kernel a packed row's sequences; without --max-tokens-per-micro-batch the
-    rows are padded and would go to sdpa, silently: one line instead (both scripts, on a GPU: the CPU refuses varlen)."""
+    """--attn-implementation varlen gives the kernel a packed row's sequences; with --micro-batch-size alone the rows
+    are padded and would go to sdpa, silently: one line instead (both scripts, on a GPU: the CPU refuses varlen). With
+    neither micro-batch flag a GPU packs them by a token budget (start.micro_batching): taken."""
+    import sys
+
     import torch
 
     import grpo
@@ -1200,10 +1203,13 @@ def test_varlen_without_packing_is_refused(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for script in (grpo, ppo):
+        monkeypatch.setattr(sys, "argv", ["x.py", "--attn-implementation", "varlen", "--micro-batch-size", "8"])
         with pytest.raises(InputError, match="varlen must be given with --max-tokens-per-micro-batch N") as e:
             script.check_args(script.Args(model="m", attn_implementation="varlen"), world_size=1)
         assert "--attn-implementation" in str(e.value) and str(e.value).count("must be") == 1
         script.check_args(script.Args(model="m", attn_implementation="varlen", max_tokens_per_micro_batch=8192), 1)
+        monkeypatch.setattr(sys, "argv", ["x.py", "--attn-implementation", "varlen"])
+        script.check_args(script.Args(model="m", attn_implementation="varlen"), world_size=1)
 
 
 @pytest.mark.parametrize(
