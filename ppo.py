@@ -804,6 +804,8 @@ def main(args: Args):
         gradient_checkpointing=args.gradient_checkpointing,
         colocated=engine_kind != "server",
         longest=max(map(len, train_prompts.ids)) + args.max_new_tokens,  # tool replies count in the response budget
+        reward_model=args.reward_model,
+        engine_keeps_weights=adapter,  # --lora-sync adapter: the engine keeps the base while it sleeps
         critic=critic_path,
     )
     args = replace(args, micro_batch_size=mbs, max_tokens_per_micro_batch=max_tokens, attn_implementation=attn)

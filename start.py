@@ -20,7 +20,7 @@ from fsdp import VARLEN, load_model, lr_lambda, shard_model
 from logprobs import LOGIT_CHUNK, compile_head
 from lora import apply_lora, lora_line, trainable
 from memory import GiB, activation_bytes, token_budget
-from preflight import parameter_count, state_bytes, state_problem, varlen_runs
+from preflight import FROZEN_BYTES, parameter_count, state_bytes, state_problem, varlen_runs
 
 
 def seed_ranks(seed: int, rank: int):
@@ -60,6 +60,8 @@ def micro_batching(
     colocated: bool,
     longest: int,
     critic: str | None = None,
+    reward_model: str | None = None,
+    engine_keeps_weights: bool = False,
 ) -> tuple[int, int, str, str | None]:
     """The micro-batches and training attention of a run on `device`, for those of --micro-batch-size,
     --max-tokens-per-micro-batch and --attn-implementation (`given`: the flags on the command line) a user left out.
@@ -69,7 +71,9 @@ def micro_batching(
     padded rows, as many of the `longest` sequence as the budget holds, through sdpa. A packed micro-batch without
     --attn-implementation: varlen there too (sdpa computes every token pair of a packed row). The CPU keeps its
     defaults (the scripts' CPU_SIZES: 16 padded rows, its fastest, bench/results/cpu_micro_batches.json). `critic`:
-    PPO's value model, trained beside the policy. Returns (micro_batch_size, max_tokens, attn_implementation,
+    PPO's value model, trained beside the policy; `reward_model`: a scorer held in bf16 on every GPU;
+    `engine_keeps_weights`: a colocated engine that keeps the base's bf16 weights while it sleeps (--lora-sync
+    adapter). Returns (micro_batch_size, max_tokens, attn_implementation,
     the start-up line saying what was chosen and why, or None where nothing was)."""
     if device.type != "cuda" or "attn_implementation" in given and max_tokens > 0:
         return micro_batch_size, max_tokens, attn_implementation, None
@@ -88,6 +92,11 @@ def micro_batching(
     state = state_bytes(params, lora=lora, reference=reference)
     if critic:  # PPO's value model, trained beside the policy (a LoRA one: its base frozen)
         state += state_bytes(parameter_count(critic) or params, lora=lora, reference=False)
+    held = 0  # on every GPU whole, not sharded: a reward model, an engine's kept weights
+    if reward_model:
+        held += FROZEN_BYTES * (parameter_count(reward_model) or params)
+    if colocated and engine_keeps_weights:
+        held += FROZEN_BYTES * params
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     per_token = activation_bytes(
         layers=layers, hidden=hidden, intermediate=intermediate, checkpointing=gradient_checkpointing
@@ -95,7 +104,7 @@ def micro_batching(
     gpu = torch.cuda.get_device_properties(device).total_memory
     budget = token_budget(
         gpu_bytes=gpu,
-        state_bytes=state / world_size,
+        state_bytes=state / world_size + held,
         token_bytes=per_token,
         vocab=vocab,
         chunk=LOGIT_CHUNK,
@@ -105,7 +114,9 @@ def micro_batching(
     why = (
         f"{per_token / 2**20:.1f} MiB of activations a token ({layers} layers x {hidden}"
         + ", checkpointed" * gradient_checkpointing
-        + f"), {state / world_size / GiB:.0f} GiB of training state on this GPU's {gpu / GiB:.0f} GiB"
+        + f"), {state / world_size / GiB:.0f} GiB of training state"
+        + f", {held / GiB:.0f} GiB of weights held beside it" * (held > 0)
+        + f" on this GPU's {gpu / GiB:.0f} GiB"
         + ", the engine asleep" * colocated
     )
     short = ""

@@ -329,6 +329,11 @@ def test_micro_batching_packs_a_gpu_run_to_its_token_budget_through_varlen(qwen_
     )
     assert micro_batching(qwen_1p5b_config, an_h100, colocated=True)[1] == 13312  # the engine asleep keeps 4 GiB
     assert micro_batching(qwen_1p5b_config, an_h100, lora=True)[1] == 22528  # a bf16 base, 2 bytes a parameter: 23291
+    # --lora-sync adapter: the engine asleep keeps the base's bf16 weights too (3.09e9 bytes): 20722 tokens
+    lora_adapter = micro_batching(qwen_1p5b_config, an_h100, lora=True, colocated=True, engine_keeps_weights=True)
+    assert lora_adapter[1] == 20480 and "3 GiB of training state, 3 GiB of weights held beside it" in lora_adapter[3]
+    # a reward model of the same size, held whole in bf16 on the GPU: 45.32e9 - 3.09e9 bytes, 14696 tokens
+    assert micro_batching(qwen_1p5b_config, an_h100, reward_model=qwen_1p5b_config)[1] == 14336
     # the user's micro-batches stand; packed ones get the fastest attention
     assert micro_batching(qwen_1p5b_config, an_h100, {"micro_batch_size"}, micro_batch_size=32) == (32, 0, "sdpa", None)
     mbs, tokens, attn, line = micro_batching(qwen_1p5b_config, an_h100, {"max_tokens_per_micro_batch"}, max_tokens=8192)
