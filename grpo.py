@@ -1145,10 +1145,12 @@ def main(args: Args):
             with mem.phase("generate"):
                 ahead.result()
         if producer is not None:  # a weight update interrupts, never drains: running requests abort, kept so far
-            producer.pause()
+            with mem.phase("pause"):
+                producer.pause()
         wake_up(rollout.engine, policy=policy, **sync, **phases)
         if producer is not None:  # the servers hold the weights of step - 1 updates: the aborted requests go on
-            producer.resume(version=step - 1)
+            with mem.phase("continue"):
+                producer.resume(version=step - 1)
         if eval_due(step - 1, every=args.eval_every, before_train=args.eval_before_train):  # after step - 1 updates
             with mem.phase("eval"):
                 evaluation = held_out_eval(  # greedy, and --eval-samples K sampled: pass@k, maj@k

@@ -241,6 +241,7 @@ def tools(a: Args):
         fig.savefig(a.png, dpi=110)
 
 
+SERVER_PHASES = ("generate", "sync_weights", "logprob", "update", "pause", "continue")  # pause, continue: k >= 2
 SERVER_RUNS = (
     "colocate",
     "colocate_x2",
@@ -293,11 +294,11 @@ def server(a: Args):
             "median_seconds_per_step": statistics.median(r["perf/step_s"] for r in timed),
             "seconds_per_phase": {
                 k[len("time/") :]: statistics.mean(r.get(k, 0.0) for r in timed)
-                for k in ("time/generate", "time/sync_weights", "time/logprob", "time/update")
+                for k in (f"time/{phase}" for phase in SERVER_PHASES)
             },
             "median_seconds_per_phase": {
                 k[len("time/") :]: statistics.median(r.get(k, 0.0) for r in timed)
-                for k in ("time/generate", "time/sync_weights", "time/logprob", "time/update")
+                for k in (f"time/{phase}" for phase in SERVER_PHASES)
             },
             "startup_to_first_step_s": train[0].get("time/startup_to_first_step_s"),
             "gpu": info["gpu"],
@@ -367,7 +368,7 @@ def server(a: Args):
             )
         names = list(runs)
         bottom = [0.0] * len(names)
-        for phase in ("generate", "sync_weights", "logprob", "update"):
+        for phase in SERVER_PHASES:
             height = [runs[n]["seconds_per_phase"][phase] for n in names]
             time_ax.bar(names, height, bottom=bottom, label=phase)
             bottom = [b + h for b, h in zip(bottom, height)]

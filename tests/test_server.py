@@ -517,6 +517,7 @@ def test_grpo_fully_async_bounds_staleness_and_resumes_interrupted_samples(
         assert abs(sum(shares) - 1) < 1e-9 and 1 <= r["rollout/versions"] <= 3
     assert all(r["rollout/staleness_max"] <= 2 for r in train) and max(r["rollout/staleness"] for r in train) > 0
     assert any(r["rollout/partial_frac"] > 0 for r in train)  # a weight update cut samples, which were resumed
+    assert all(r["time/pause"] > 0 and r["time/continue"] > 0 for r in train)  # each step's pause and continue, timed
     config = json.loads((tmp_path / "r" / "args.json").read_text())
     assert (config["rollout_correction"], config["correction_bounds"], config["async_rollout"]) == (
         "decoupled",
