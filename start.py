@@ -97,7 +97,7 @@ def micro_batching(
         held += FROZEN_BYTES * (parameter_count(reward_model) or params)
     if colocated and engine_keeps_weights:
         held += FROZEN_BYTES * params
-    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
     per_token = activation_bytes(
         layers=layers, hidden=hidden, intermediate=intermediate, checkpointing=gradient_checkpointing
     )

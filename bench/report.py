@@ -335,16 +335,10 @@ def server(a: Args):
         ("colocate_x4", ("injob_async_2p2",)),
     ):
         if base in runs:  # the same GPUs, colocated: the baseline a placement on them must beat (median steps)
-            out[f"speedup_over_{base}"] = {
-                n: round(runs[base]["median_seconds_per_step"] / runs[n]["median_seconds_per_step"], 3)
-                for n in placements
-                if n in runs
-            }
-            out[f"speedup_over_{base}_by_mean"] = {
-                n: round(runs[base]["seconds_per_step"] / runs[n]["seconds_per_step"], 3)
-                for n in placements
-                if n in runs
-            }
+            for key, by in (("median_seconds_per_step", ""), ("seconds_per_step", "_by_mean")):
+                out[f"speedup_over_{base}{by}"] = {
+                    n: round(runs[base][key] / runs[n][key], 3) for n in placements if n in runs
+                }
     out["runs"] = runs
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)
