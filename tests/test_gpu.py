@@ -186,6 +186,7 @@ def test_grpo_three_full_steps(tmp_path, extra):
     # no micro-batch flag given: packed rows of a token budget through varlen (start.micro_batching; H100, H200)
     args = json.loads((tmp_path / "t" / "args.json").read_text())
     assert args["max_tokens_per_micro_batch"] >= 1024 and args["attn_implementation"] == "varlen", args
+    assert args["compile"] == (not extra), args  # compiled, but not with checkpointing (start.compile_choice)
 
 
 def test_grpo_with_the_calculator_three_steps(tmp_path):

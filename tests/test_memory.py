@@ -354,3 +354,29 @@ def test_micro_batching_packs_a_gpu_run_to_its_token_budget_through_varlen(qwen_
     assert tokens == 20480 and line.endswith("a sequence of up to 20000 tokens may not fit: --gradient-checkpointing")
     assert micro_batching(qwen_1p5b_config, torch.device("cpu")) == (8, 0, "sdpa", None)  # CPU_SIZES' rows stand
     assert not preflight.varlen_runs(torch.device("cpu"), None)
+
+
+def test_compile_is_on_by_default_where_it_measured_faster(an_h100):
+    """--compile, given neither --compile nor --no-compile: on for a GPU run's full fine-tuning through varlen attention
+    (measured faster at three shapes on an H200, bench/results/fast_defaults_h200.json), off where it was not measured,
+    each said; the flag given wins; the CPU keeps its own (off)."""
+    from start import compile_choice
+
+    def choose(device=an_h100, given=(), **kw):
+        options = dict(
+            compile=False, attn_implementation="varlen", lora=False, gradient_checkpointing=False, deterministic=False
+        )
+        return compile_choice(device, given=set(given), **{**options, **kw})
+
+    on, line = choose()
+    assert on and line.startswith("compile: on (") and line.endswith("--no-compile to skip it)")
+    assert choose(given={"no_compile"}) == (False, None)  # --no-compile
+    assert choose(given={"compile"}, compile=True) == (True, None)  # --compile
+    assert choose(torch.device("cpu")) == (False, None)
+    assert choose(lora=True) == (False, "compile: off (not measured faster with LoRA; --compile to try it)")
+    off, line = choose(attn_implementation="sdpa", gradient_checkpointing=True, deterministic=True)
+    assert not off and line == (
+        "compile: off (not measured faster with --gradient-checkpointing, --deterministic-rollout, sdpa attention; "
+        "--compile to try it)"
+    )
+    assert choose(given={"compile"}, compile=True, lora=True) == (True, None)  # asked for: compiled, LoRA or not
