@@ -3,6 +3,7 @@ signal flags. It imports nothing of the project, so every module can use it with
 
     print0(f"step {step} | reward {r:.3f}")      # rank 0 only
     total = all_reduce(local_sum)                 # over ranks, float64 on the CPU; the identity in a notebook
+    x = to_device(x, device)                      # CPU -> GPU queued: the CPU does not wait for the GPU
     raise InputError("--lr -1 must be > 0")      # bad input: one line, exit 2 (preflight.friendly_errors)
     handle_signals()                              # SIGINT/SIGTERM are remembered; a second Ctrl-C exits at once
     with interruptible():                         # a wait on the engine (generation) is cut short by a signal
@@ -56,6 +57,17 @@ def all_reduce_dict(sums: dict) -> dict:
     import torch
 
     return dict(zip(sums, all_reduce(torch.stack(list(sums.values())))))
+
+
+def to_device(x, device):
+    """Tensor `x` on `device`. From the CPU to a GPU the copy is queued behind the GPU's work and the CPU goes on: the
+    bytes go through pinned memory (PyTorch's cached pinned buffers, kept until the copy is done), since a copy from
+    ordinary memory may wait for the GPU to finish all it was given first."""
+    import torch
+
+    if torch.device(device).type == "cuda" and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import TINY_MODEL, InputError
+from common import TINY_MODEL, InputError, to_device
 from reward import last_boxed, math_verify, normalize_number
 
 # The default prompt templates ({prompt}, or {question}, is the row's question), by answer kind: int (the
@@ -829,7 +829,8 @@ class Batch:
         return self.apply(cut)
 
     def to(self, device) -> "Batch":
-        return self.apply(lambda x: x.to(device))
+        """A copy on `device`; to a GPU the copies are queued, the CPU not waiting for the GPU (common.to_device)."""
+        return self.apply(lambda x: to_device(x, device))
 
     def apply(self, fn) -> "Batch":
         """A copy with fn applied to every tensor field, the script's own included."""

@@ -862,9 +862,15 @@ def update(policy, optimizer, scheduler, batch, args: Args, *, step: int, device
                 continue
             mbs = micro_batches(mini, lengths, args.micro_batch_size, max_tokens)  # as many on every rank
             for rows in progress(mbs, f"update {epoch + 1}/{args.epochs}", rank):
-                mb = batch.select(rows).to(device)  # [b, t] fields
+                part = batch.select(rows)  # [b, t] fields, on the CPU
+                mb = part.to(device)  # queued, no wait for the GPU; part's mask plans a packed row on the CPU
                 logp, entropy = token_logprobs(
-                    policy, mb.input_ids, mb.attention_mask, args.temperature, with_entropy=True, packed=max_tokens > 0
+                    policy,
+                    mb.input_ids,
+                    part.attention_mask,
+                    args.temperature,
+                    with_entropy=True,
+                    packed=max_tokens > 0,
                 )  # [b, t-1] each
                 loss, stats = grpo_loss(
                     logp,

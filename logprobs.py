@@ -12,6 +12,7 @@ Log-probs are of the distribution the sampler drew from, softmax(logits / temper
 
 import torch
 
+from common import to_device
 from fsdp import VARLEN, micro_batches
 from lora import adapter_off
 
@@ -40,12 +41,19 @@ def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     (masking_utils.find_packed_sequence_indices) and keeps attention within each: sdpa and eager by a
     block-diagonal causal mask [1, 1, n, n] (n^2 memory; all n^2 pairs computed), flex_attention by a
     block mask that skips the other sequences' blocks, flash_attention_2 by per-sequence lengths.
+
+    attention_mask may stay on the CPU (the micro-batch loops keep it there): the packed row is planned from it there
+    and its indices go to the GPU without waiting, where a GPU mask makes the CPU wait for the GPU to catch up
+    (nonzero's size and the longest sequence are data the CPU must read) before it queues the forward.
     """
     unpack, positions = (lambda x: x), None
+    device = input_ids.device
     if packed:
         real = attention_mask.bool()  # [b, t]
-        rows, cols = real.nonzero(as_tuple=True)  # [n] each, row by row (a CPU-GPU sync point: n is data-dependent)
-        positions = (real.cumsum(-1) - 1)[rows, cols][None]  # [1, n]: 0, 1, ... in each sequence
+        rows, cols = real.nonzero(as_tuple=True)  # [n] each, row by row (n: data-dependent, read where the mask is)
+        lengths = real.sum(-1)  # [b]: the row's sequences, in order
+        positions = to_device((real.cumsum(-1) - 1)[rows, cols][None], device)  # [1, n]: 0, 1, ... in each sequence
+        rows, cols = to_device(rows, device), to_device(cols, device)
         input_ids, attention_mask = input_ids[rows, cols][None], None  # [1, n]
         # packed position j predicts token j+1 of its own sequence, unless j ends it: that value is zeroed onto the
         # column past the sequence's end (boolean indexing would stop the CPU until the GPU caught up)
@@ -55,11 +63,12 @@ def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             out = x.new_zeros(shape)  # [b, t]
             return out.index_put((rows[:-1], cols[:-1]), x[0] * own)[:, :-1]
 
+    elif attention_mask is not None:
+        attention_mask = to_device(attention_mask, device)
     sequences = {}  # varlen_attention's sequences in the packed row (else it finds them: one sync a layer)
     if packed and getattr(model.config, "_attn_implementation", None) == VARLEN:
-        lengths = real.sum(-1)  # [b]: the row's sequences, in order
         cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()  # [b+1]: where each starts, and the end
-        sequences = dict(cu_seq_lens_q=cu, max_length_q=int(lengths.max()))
+        sequences = dict(cu_seq_lens_q=to_device(cu, device), max_length_q=int(lengths.max()))
     if head is not None:  # on this module object, for this call only
         model.get_output_embeddings().forward = lambda hidden: head(hidden, input_ids)
     try:
@@ -118,15 +127,16 @@ def token_logprobs(
 
 @torch.no_grad()
 def batch_forward(fn, batch, micro_batch_size: int, device, progress=iter, max_tokens: int = 0) -> torch.Tensor:
-    """fn(micro-batch) -> [b, t-1] over a whole Batch, micro-batch by micro-batch (micro_batches), without
-    gradient. [B, T-1] on the CPU, zero past each micro-batch's longest sequence. The results gather on `device` and
-    come to the CPU once: a copy back each micro-batch would make the CPU wait for the GPU before it queues the next."""
+    """fn(input_ids on `device`, attention_mask on the CPU) -> [b, t-1] over a whole Batch, micro-batch by
+    micro-batch (micro_batches), without gradient. [B, T-1] on the CPU, zero past each micro-batch's longest
+    sequence. Nothing in the loop waits for the GPU (forward_tokens plans a packed row from the CPU's mask); the
+    results gather on `device` and come to the CPU once, at the end."""
     out = torch.zeros_like(batch.response_mask, device=device)  # [B, T-1]
     lengths = batch.attention_mask.sum(-1)  # [B]
     for rows in progress(micro_batches(torch.arange(len(batch)), lengths, micro_batch_size, max_tokens)):
-        mb = batch.select(rows).to(device)  # no rows: a stand-in, run for FSDP's collectives only
-        y = fn(mb)  # [b, t-1]
-        out[rows.to(device), : y.shape[1]] = y[: len(rows)]
+        mb = batch.select(rows)  # no rows: a stand-in, run for FSDP's collectives only
+        y = fn(to_device(mb.input_ids, device), mb.attention_mask)  # [b, t-1]
+        out[to_device(rows, device), : y.shape[1]] = y[: len(rows)]
     return out.cpu()
 
 
@@ -136,7 +146,7 @@ def batch_logprobs(
     """token_logprobs over a whole Batch, without gradient; max_tokens > 0: packed micro-batches of at most
     that many tokens. [B, T-1] on the CPU."""
     return batch_forward(
-        lambda mb: token_logprobs(model, mb.input_ids, mb.attention_mask, temperature, packed=max_tokens > 0)[0],
+        lambda ids, mask: token_logprobs(model, ids, mask, temperature, packed=max_tokens > 0)[0],
         batch,
         micro_batch_size,
         device,

@@ -643,8 +643,9 @@ def update(actor, critic, batch, args: Args, *, step: int, device, rank: int = 0
                 continue
             mbs = micro_batches(mini, lengths, args.micro_batch_size, max_tokens)  # as many on every rank
             for rows in progress(mbs, f"update {epoch + 1}/{args.epochs}", rank):
-                mb = batch.select(rows).to(device)  # [b, t] fields
-                values = token_values(critic, mb.input_ids, mb.attention_mask, max_tokens > 0)  # [b, t-1]
+                part = batch.select(rows)  # [b, t] fields, on the CPU
+                mb = part.to(device)  # the forwards take part's mask: a packed row planned on the CPU, no wait
+                values = token_values(critic, mb.input_ids, part.attention_mask, max_tokens > 0)  # [b, t-1]
                 loss, stats = critic_loss(values, mb, value_clip=args.value_clip, num_tokens=num_tokens)
                 loss.backward()
                 for k, v in stats.items():
@@ -654,7 +655,7 @@ def update(actor, critic, batch, args: Args, *, step: int, device, rank: int = 0
                 logp, entropy = token_logprobs(
                     policy,
                     mb.input_ids,
-                    mb.attention_mask,
+                    part.attention_mask,
                     args.temperature,
                     with_entropy=True,
                     entropy_grad=args.entropy_coef > 0,
@@ -1067,7 +1068,7 @@ def main(args: Args):
                 progress=lambda x: progress(x, "log-probs", rank),
             )
             batch.values = batch_forward(
-                lambda mb: token_values(critic, mb.input_ids, mb.attention_mask, max_tokens > 0),
+                lambda ids, mask: token_values(critic, ids, mask, max_tokens > 0),
                 batch,
                 args.micro_batch_size,
                 device,

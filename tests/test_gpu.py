@@ -365,6 +365,36 @@ def test_varlen_attention_on_the_gpu_kernel():
     assert off["varlen"] < 2 * off["packed sdpa"] + 1e-2
 
 
+def test_a_packed_micro_batch_never_waits_for_the_gpu():
+    """The micro-batch loops' packed forward and backward, as grpo.py's update runs them (the batch's fields copied to
+    the GPU, the mask kept on the CPU: logprobs.forward_tokens plans the packed row there): under CUDA's sync debug
+    mode "error", any call that makes the CPU wait for the GPU (.item(), nonzero on the GPU, a blocking copy) raises.
+    The same micro-batch with its mask on the GPU does wait (nonzero's size): the check catches what it should."""
+    from fsdp import load_model
+    from logprobs import token_logprobs
+    from test_packing import tiny_batch
+
+    batch, real = tiny_batch(seed=8)
+    model = load_model(MODEL, torch.device("cpu"), torch.bfloat16, attn_implementation="varlen").cuda()
+    device = torch.device("cuda")
+    for watched in (False, True):  # the first pass loads kernels and may wait; the loop's later micro-batches must not
+        torch.cuda.synchronize()
+        mb = batch.to(device)
+        torch.cuda.set_sync_debug_mode("error" if watched else "default")
+        try:
+            logp, _ = token_logprobs(model, mb.input_ids, batch.attention_mask, 1.0, packed=True)
+            (logp * mb.response_mask).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            token_logprobs(model, mb.input_ids, mb.attention_mask, 1.0, packed=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_sglang_serves_the_exported_adapter(tmp_path):
     """The README's `sglang.launch_server ... --enable-lora --lora-paths policy=<checkpoint>/adapter` loads what
     lora.save_adapter writes: requests naming it score a text as transformers does the merged model/, requests
