@@ -284,10 +284,12 @@ class StepClock:
         return start
 
     def times(self, step: int, seconds: float, phases: dict) -> dict:
-        """A step's perf/step_s (`seconds`), its phases' time/ and memory/ metrics (MemoryLog.metrics), and on the
-        first step of this launch the start-up's: time/startup_to_first_step_s, and time/startup_<part> of each part
-        of `startup` (seconds: set-up, engine, models)."""
-        out = {"perf/step_s": seconds, **phases}
+        """A step's perf/step_s (`seconds`), its phases' time/ and memory/ metrics (MemoryLog.metrics), time/other: the
+        step's seconds outside every named phase (the batch's assembly, the statistics, the checks between phases),
+        and on the first step of this launch the start-up's: time/startup_to_first_step_s, and time/startup_<part> of
+        each part of `startup` (seconds: set-up, engine, models)."""
+        timed = sum(v for k, v in phases.items() if k.startswith("time/"))
+        out = {"perf/step_s": seconds, **phases, "time/other": max(seconds - timed, 0.0)}
         if step == self.start + 1:
             out["time/startup_to_first_step_s"] = time.time() - self.launched
             out.update({f"time/startup_{k}": v for k, v in self.startup.items()})

@@ -952,6 +952,7 @@ def defaults(a: Args):
             "median_step_s": median("perf/step_s"),
             "median_logprob_s": median("time/logprob"),
             "median_update_s": median("time/update"),
+            "median_other_s": median("time/other"),  # outside every named phase (0: a run from before it was logged)
             "update_mfu": median("perf/update_mfu"),
             "update_peak_gib": round(max(r.get("memory/update_device_peak_gib", 0.0) for r in train), 2),
             "startup_to_first_step_s": round(train[0].get("time/startup_to_first_step_s", 0.0), 1),

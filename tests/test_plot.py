@@ -199,6 +199,9 @@ def test_step_clock_eta_from_the_median_of_recent_steps(monkeypatch, capsys):
         labels.append(clock.label(step))
     assert labels == ["step 1/10 | eta 0:09", "step 2/10 | eta 0:08", "step 3/10 | eta 0:07", "step 4/10 | eta 0:06"]
     assert runlog.hms(3725) == "1:02:05" and clock.label(10) == "step 10/10"
+    # a step's seconds outside its named phases are time/other: 2.5 - (1.5 + 0.75); memory/ values are not seconds
+    phases = {"time/generate": 1.5, "time/update": 0.75, "memory/update_peak_gib": 40.0}
+    assert clock.times(5, 2.5, phases) == {"perf/step_s": 2.5, **phases, "time/other": 0.25}
 
 
 def test_a_reward_model_and_tools_have_panels_and_idle_phases_no_bars(tmp_path):
