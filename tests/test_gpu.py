@@ -7,6 +7,7 @@ done from a plain `__main__`, not from inside pytest.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -187,6 +188,46 @@ def test_grpo_three_full_steps(tmp_path, extra):
     args = json.loads((tmp_path / "t" / "args.json").read_text())
     assert args["max_tokens_per_micro_batch"] >= 1024 and args["attn_implementation"] == "varlen", args
     assert args["compile"] == (not extra), args  # compiled, but not with checkpointing (start.compile_choice)
+
+
+def test_ppo_three_steps_as_typed(tmp_path):
+    """ppo.py with no micro-batch, attention or compile flag, as a user types it: the actor and the critic packed to
+    the token budget through varlen and compiled (start.micro_batching, start.compile_choice); every step's rollout
+    from the synced weights, the critic trained."""
+    run(
+        [
+            sys.executable,
+            "ppo.py",
+            "--model",
+            MODEL,
+            "--steps",
+            "3",
+            "--prompts-per-step",
+            "32",
+            "--max-new-tokens",
+            "64",
+            "--eval-every",
+            "0",
+            "--save-every",
+            "-1",
+            "--sglang-mem-fraction",
+            "0.5",
+            "--lr",
+            "1e-5",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "p",
+        ]
+    )
+    rows = [json.loads(line) for line in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in rows if "critic/value_loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3], rows
+    for m in steps:
+        assert m["rollout/logprob_abs_diff"] < LOGPROB_TOLERANCE and math.isfinite(m["critic/value_loss"]), m
+    args = json.loads((tmp_path / "p" / "args.json").read_text())
+    assert args["max_tokens_per_micro_batch"] >= 1024 and args["attn_implementation"] == "varlen", args
+    assert args["compile"], args
 
 
 def test_grpo_with_the_calculator_three_steps(tmp_path):
