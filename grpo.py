@@ -266,7 +266,8 @@ class Args:
     """recompute activations in backward (less memory, ~30% more compute)"""
     compile: bool = False
     """torch.compile each decoder layer and the log-prob head: fused kernels, the update 1.3-1.6x faster (H200); the first
-    step compiles. Not given, on a GPU: on for a full fine-tuning through varlen attention (start.compile_choice)"""
+    step compiles. Not given, on a GPU: on for a full fine-tuning through varlen attention, where measured faster
+    (start.compile_choice)"""
     offload: bool = False
     """move parameters and optimizer state to CPU while SGLang generates"""
     attn_implementation: str = "sdpa"
@@ -1004,6 +1005,7 @@ def main(args: Args):
         attn_implementation=args.attn_implementation,
         lora=args.lora_rank > 0,
         gradient_checkpointing=args.gradient_checkpointing,
+        offload=args.offload,
         deterministic=args.deterministic_rollout,
     )
     args = replace(args, compile=compile)

@@ -147,13 +147,14 @@ def compile_choice(
     attn_implementation: str,
     lora: bool,
     gradient_checkpointing: bool,
+    offload: bool,
     deterministic: bool,
 ) -> tuple[bool, str | None]:
     """--compile for a run on `device` that gave neither --compile nor --no-compile (`given`: the flags on the command
     line): on a GPU, on where it measured faster, a full fine-tuning's packed micro-batches through varlen attention
     (one H200, bench/results/fast_defaults_h200.json: the update 1.32x faster at SmolLM2 on addition, 1.57x with the
     calculator, 1.45x at Qwen2.5-1.5B shapes; its first step ~8-15 s longer, compiling); off with LoRA, gradient
-    checkpointing or --deterministic-rollout (not measured), or another attention. The CPU keeps its default (off).
+    checkpointing, --offload or --deterministic-rollout (not measured), or another attention. The CPU keeps its default (off).
     Returns (compile, the start-up line saying what was chosen and why, or None where nothing was)."""
     if device.type != "cuda" or {"compile", "no_compile"} & given:
         return compile, None
@@ -162,6 +163,7 @@ def compile_choice(
         for name, on in (
             ("LoRA", lora),
             ("--gradient-checkpointing", gradient_checkpointing),
+            ("--offload", offload),
             ("--deterministic-rollout", deterministic),
             (f"{attn_implementation} attention", attn_implementation != VARLEN),
         )

@@ -364,7 +364,12 @@ def test_compile_is_on_by_default_where_it_measured_faster(an_h100):
 
     def choose(device=an_h100, given=(), **kw):
         options = dict(
-            compile=False, attn_implementation="varlen", lora=False, gradient_checkpointing=False, deterministic=False
+            compile=False,
+            attn_implementation="varlen",
+            lora=False,
+            gradient_checkpointing=False,
+            offload=False,
+            deterministic=False,
         )
         return compile_choice(device, given=set(given), **{**options, **kw})
 
@@ -374,9 +379,9 @@ def test_compile_is_on_by_default_where_it_measured_faster(an_h100):
     assert choose(given={"compile"}, compile=True) == (True, None)  # --compile
     assert choose(torch.device("cpu")) == (False, None)
     assert choose(lora=True) == (False, "compile: off (not measured faster with LoRA; --compile to try it)")
-    off, line = choose(attn_implementation="sdpa", gradient_checkpointing=True, deterministic=True)
+    off, line = choose(attn_implementation="sdpa", gradient_checkpointing=True, offload=True, deterministic=True)
     assert not off and line == (
-        "compile: off (not measured faster with --gradient-checkpointing, --deterministic-rollout, sdpa attention; "
-        "--compile to try it)"
+        "compile: off (not measured faster with --gradient-checkpointing, --offload, --deterministic-rollout, sdpa "
+        "attention; --compile to try it)"
     )
     assert choose(given={"compile"}, compile=True, lora=True) == (True, None)  # asked for: compiled, LoRA or not
