@@ -1,5 +1,6 @@
-"""Shared basics, in the manner of nanochat's common.py: printing on rank 0, sums over ranks, copies to the GPU, the error types and the
-signal flags. It imports nothing of the project, so every module can use it without loading the rest.
+"""Shared basics, in the manner of nanochat's common.py: printing on rank 0, sums over ranks, copies to the GPU, the
+error types and the signal flags. It imports nothing of the project, so every module can use it without loading the
+rest.
 
     print0(f"step {step} | reward {r:.3f}")      # rank 0 only
     total = all_reduce(local_sum)                 # over ranks, float64 on the CPU; the identity in a notebook
