@@ -154,8 +154,8 @@ def compile_choice(
     line): on a GPU, on where it measured faster, a full fine-tuning's packed micro-batches through varlen attention
     (one H200, bench/results/fast_defaults_h200.json: the update 1.32x faster at SmolLM2 on addition, 1.57x with the
     calculator, 1.45x at Qwen2.5-1.5B shapes; its first step ~8-15 s longer, compiling); off with LoRA, gradient
-    checkpointing, --offload or --deterministic-rollout (not measured), or another attention. The CPU keeps its default (off).
-    Returns (compile, the start-up line saying what was chosen and why, or None where nothing was)."""
+    checkpointing, --offload or --deterministic-rollout (not measured), or another attention. The CPU keeps its
+    default (off). Returns (compile, the start-up line saying what was chosen and why, or None where nothing was)."""
     if device.type != "cuda" or {"compile", "no_compile"} & given:
         return compile, None
     unmeasured = [
