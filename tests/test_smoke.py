@@ -408,6 +408,33 @@ def test_ppo_three_steps_plain_python(trained_tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_ppo_compiled_and_packed(trained_tiny_model_dir, tmp_path):
+    """The path a GPU run takes by default (start.micro_batching, start.compile_choice), on the CPU: the actor and the
+    critic compiled (fsdp.shard_model, logprobs.compile_head), packed micro-batches planned from the CPU's mask
+    (logprobs.forward_tokens). Both train; the engine's log-probs match the compiled actor's."""
+    run_grpo(
+        trained_tiny_model_dir,
+        tmp_path,
+        "--compile",
+        "--max-tokens-per-micro-batch",
+        "256",
+        "--steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "-1",
+        script="ppo.py",
+    )
+    train, _ = metrics(tmp_path)
+    args = json.loads((tmp_path / "r" / "args.json").read_text())
+    assert args["compile"] and args["max_tokens_per_micro_batch"] == 256
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(r["rollout/logprob_abs_diff"] < 0.05 for r in train), train
+    assert all(r["critic/grad_norm"] > 0 and r["train/grad_norm"] > 0 for r in train), train
+
+
+@pytest.mark.slow
 def test_ppo_torchrun_two_ranks(trained_tiny_model_dir, tmp_path):
     """Two gloo ranks, offload, with --lora-rank (issue 42): the actor's adapter, the critic's own and its head
     trained, the reference the actor's adapter off, the engine's weights merged."""
