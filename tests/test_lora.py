@@ -17,7 +17,7 @@ import torch
 from checkpoint import load_checkpoint, save_checkpoint
 from data import collate
 from fsdp import load_model, shard_model
-from logprobs import batch_logprobs, token_logprobs
+from logprobs import batch_logprobs, compile_head, token_logprobs
 from lora import (
     GapCheck,
     adapter_config,
@@ -40,9 +40,10 @@ pytestmark = pytest.mark.usefixtures("gloo")
 CPU = torch.device("cpu")
 
 
-def lora_policy(model_dir, rank=4, alpha=32.0, targets=("all-linear",), seed=0, random_b=True):
+def lora_policy(model_dir, rank=4, alpha=32.0, targets=("all-linear",), seed=0, random_b=True, compile=False):
     """grpo.py's LoRA policy (base in bf16, adapter fp32, FSDP2), computing in fp32. random_b: B is not zero, so that
-    A gets a gradient and the adapter changes the model from the start (apply_lora starts B at zero)."""
+    A gets a gradient and the adapter changes the model from the start (apply_lora starts B at zero). compile: its
+    layers and log-prob head through torch.compile (--compile)."""
     torch.manual_seed(seed)
     model = load_model(model_dir, CPU, torch.bfloat16)
     apply_lora(model, rank, alpha, targets)
@@ -50,7 +51,10 @@ def lora_policy(model_dir, rank=4, alpha=32.0, targets=("all-linear",), seed=0, 
         with torch.no_grad():
             for _, m in lora_modules(model):
                 m.lora_B.normal_(0, 0.02)
-    return shard_model(model, param_dtype=torch.float32)
+    model = shard_model(model, param_dtype=torch.float32, compile=compile)
+    if compile:
+        compile_head(model)
+    return model
 
 
 def fixed_batch(seed=0, rows=3, length=14):
@@ -516,3 +520,25 @@ def test_grpo_lora_adapter_way_resumes_exactly(trained_tiny_model_dir, tmp_path)
     keep = ("rollout/", "train/")
     a, b = ({k: v for k, v in r.items() if k.startswith(keep)} for r in (rows[-1], metrics(tmp_path)[0][-1]))
     assert a == pytest.approx(b, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_compiled_lora_layers_keep_the_numbers(tiny_model_dir):
+    """--compile with --lora-rank (a GPU run compiles a LoRA policy by default only once that measures faster: issue
+    55): the adapted layers and the log-prob head through torch.compile give the plain policy's packed log-probs and
+    adapter gradients, the frozen base none."""
+    ids, mask = fixed_batch(3)
+    runs = {}
+    for compiled in (False, True):
+        model = lora_policy(tiny_model_dir, compile=compiled)
+        logp, _ = token_logprobs(model, ids, mask, 1.0, packed=True)  # [B, T-1]
+        (logp * mask[:, 1:]).sum().backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+        runs[compiled] = logp.detach(), grads
+    (want, want_grads), (got, got_grads) = runs[False], runs[True]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+    assert got_grads.keys() == want_grads.keys() and all("lora_" in n for n in want_grads)
+    for name in want_grads:
+        torch.testing.assert_close(
+            got_grads[name], want_grads[name], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}"
+        )
