@@ -12,7 +12,8 @@ mkdir -p "$OUT"
   CUDA_VISIBLE_DEVICES=0 python3 -m cProfile -o "$OUT/add_profile.out" grpo.py --model "$SMOLLM2" --lr 1e-5 --no-compile \
     --steps 4 --eval-every 0 --save-every -1 --log-samples-every 0 --output-dir "$OUT/profile" --run-name add \
     > "$OUT/profile.log" 2>&1
-  python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(100)" \
+  python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]).sort_stats('cumulative')
+s.print_callees(r'grpo.py:\d+\(main\)'); s.print_callees(r'memory.py:\d+\(phase\)'); s.print_stats(80)" \
     "$OUT/add_profile.out" > "$OUT/add_profile.txt" 2>&1
 ) &
 (
