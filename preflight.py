@@ -636,6 +636,21 @@ def varlen_runs(device, config) -> bool:
         return False
 
 
+def compiler_problem(device_type: str) -> str | None:
+    """Why torch.compile could not build its kernels on a `device_type` ('cuda', 'cpu') machine, or None: on a GPU,
+    Triton builds each kernel's launcher with a C compiler ($CC, else gcc or clang on the PATH, as Triton looks); on a
+    CPU, Inductor compiles C++ ($CXX, g++ or clang++)."""
+    import shutil
+
+    if device_type == "cuda":
+        if os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang"):
+            return None
+        return "no C compiler for Triton's kernels ($CC, gcc or clang): install gcc (apt-get install gcc) or set CC"
+    if os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++"):
+        return None
+    return "no C++ compiler for Inductor's kernels ($CXX, g++ or clang++): install g++ (apt-get install g++) or set CXX"
+
+
 def state_problem(params: int, *, lora: bool, reference: bool, world_size: int, gpu_bytes: int) -> str | None:
     """What --model's training state needs of each GPU where it can't fit before a single activation (None where it
     can): full fine-tuning TRAINED_BYTES a parameter, a LoRA base FROZEN_BYTES (its adapter's few aside), the

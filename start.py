@@ -21,7 +21,7 @@ from fsdp import VARLEN, load_model, lr_lambda, shard_model
 from logprobs import LOGIT_CHUNK, compile_head
 from lora import apply_lora, lora_line, trainable
 from memory import GiB, activation_bytes, token_budget
-from preflight import FROZEN_BYTES, parameter_count, state_bytes, state_problem, varlen_runs
+from preflight import FROZEN_BYTES, compiler_problem, parameter_count, state_bytes, state_problem, varlen_runs
 
 
 def seed_ranks(seed: int, rank: int):
@@ -155,8 +155,14 @@ def compile_choice(
     (one H200, bench/results/fast_defaults_h200.json: the update 1.32x faster at SmolLM2 on addition, 1.57x with the
     calculator, 1.45x at Qwen2.5-1.5B shapes; its first step ~8-15 s longer, compiling); off with LoRA, gradient
     checkpointing, --offload or --deterministic-rollout (not measured), or another attention. The CPU keeps its
-    default (off). Returns (compile, the start-up line saying what was chosen and why, or None where nothing was)."""
-    if device.type != "cuda" or {"compile", "no_compile"} & given:
+    default (off). Without the compiler torch.compile builds its kernels with (preflight.compiler_problem): off, said;
+    --compile given, one line naming the fix. Returns (compile, the start-up line saying what was chosen and why, or
+    None where nothing was)."""
+    if {"compile", "no_compile"} & given:
+        if compile and (problem := compiler_problem(device.type)):
+            raise InputError(f"--compile: {problem}; or leave --compile out")
+        return compile, None
+    if device.type != "cuda":
         return compile, None
     unmeasured = [
         name
@@ -171,6 +177,8 @@ def compile_choice(
     ]
     if unmeasured:
         return False, f"compile: off (not measured faster with {', '.join(unmeasured)}; --compile to try it)"
+    if problem := compiler_problem(device.type):
+        return False, f"compile: off ({problem}, to have it)"
     return True, (
         "compile: on (decoder layers and log-prob head through torch.compile: the update 1.3-1.6x faster, measured; "
         "the first step compiles, ~15 s more; --no-compile to skip it)"

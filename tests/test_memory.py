@@ -385,3 +385,32 @@ def test_compile_is_on_by_default_where_it_measured_faster(an_h100):
         "attention; --compile to try it)"
     )
     assert choose(given={"compile"}, compile=True, lora=True) == (True, None)  # asked for: compiled, LoRA or not
+
+
+def test_compile_without_a_compiler_is_off_or_one_line(an_h100, monkeypatch):
+    """torch.compile builds Triton's launchers with a C compiler ($CC, gcc or clang; Inductor's C++ on a CPU): a
+    machine without one keeps the default off, said with the fix; --compile given stops at start in one line, before
+    anything loads, where it would otherwise fail in step 1's first forward."""
+    import shutil
+
+    import start
+    from common import InputError
+    from preflight import compiler_problem
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    options = dict(attn_implementation="varlen", lora=False, gradient_checkpointing=False, offload=False)
+    on, line = start.compile_choice(an_h100, given=set(), compile=False, deterministic=False, **options)
+    assert not on and line == (
+        "compile: off (no C compiler for Triton's kernels ($CC, gcc or clang): install gcc (apt-get install gcc) or "
+        "set CC, to have it)"
+    )
+    with pytest.raises(InputError, match=r"^--compile: no C\+\+ compiler for Inductor's kernels .*g\+\+.*or leave"):
+        start.compile_choice(torch.device("cpu"), given={"compile"}, compile=True, deterministic=False, **options)
+    assert start.compile_choice(an_h100, given={"no_compile"}, compile=False, deterministic=False, **options) == (
+        False,
+        None,
+    )
+    monkeypatch.setenv("CC", "/opt/cc")  # Triton takes $CC first
+    assert compiler_problem("cuda") is None and compiler_problem("cpu") is not None
