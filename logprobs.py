@@ -51,7 +51,6 @@ def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if packed:
         real = attention_mask.bool()  # [b, t]
         rows, cols = real.nonzero(as_tuple=True)  # [n] each, row by row (n: data-dependent, read where the mask is)
-        lengths = real.sum(-1)  # [b]: the row's sequences, in order
         positions = to_device((real.cumsum(-1) - 1)[rows, cols][None], device)  # [1, n]: 0, 1, ... in each sequence
         rows, cols = to_device(rows, device), to_device(cols, device)
         input_ids, attention_mask = input_ids[rows, cols][None], None  # [1, n]
@@ -67,6 +66,7 @@ def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         attention_mask = to_device(attention_mask, device)
     sequences = {}  # varlen_attention's sequences in the packed row (else it finds them: one sync a layer)
     if packed and getattr(model.config, "_attn_implementation", None) == VARLEN:
+        lengths = real.sum(-1)  # [b]: the row's sequences, in order
         cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()  # [b+1]: where each starts, and the end
         sequences = dict(cu_seq_lens_q=to_device(cu, device), max_length_q=int(lengths.max()))
     if head is not None:  # on this module object, for this call only

@@ -795,10 +795,11 @@ def main(args: Args):
         f"data: {data_line} | {world_size} ranks, engine {engine_kind} | lr {args.lr:g}, critic {args.critic_lr:g}{lora_lr}"
     )
     # ---- micro-batches and attention: on a GPU, for the flags not given, packed rows of a token budget ----------
+    given = given_flags(sys.argv[1:])  # the flags on the command line: the defaults below are for the others
     mbs, max_tokens, attn, line = micro_batching(
         args.model,
         device,
-        given=given_flags(sys.argv[1:]),
+        given=given,
         micro_batch_size=args.micro_batch_size,
         max_tokens=args.max_tokens_per_micro_batch,
         attn_implementation=args.attn_implementation,
@@ -816,7 +817,7 @@ def main(args: Args):
         print0(line)
     compile, line = compile_choice(  # on a GPU, not given: on where it measured faster
         device,
-        given=given_flags(sys.argv[1:]),
+        given=given,
         compile=args.compile,
         attn_implementation=args.attn_implementation,
         lora=args.lora_rank > 0,

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -640,8 +641,6 @@ def compiler_problem(device_type: str) -> str | None:
     """Why torch.compile could not build its kernels on a `device_type` ('cuda', 'cpu') machine, or None: on a GPU,
     Triton builds each kernel's launcher with a C compiler ($CC, else gcc or clang on the PATH, as Triton looks); on a
     CPU, Inductor compiles C++ ($CXX, g++ or clang++)."""
-    import shutil
-
     if device_type == "cuda":
         if os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang"):
             return None
