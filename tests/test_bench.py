@@ -9,6 +9,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def report(*args):
+    """`python bench/report.py ARGS...` from the repository root, as the GPU runs' README commands call it."""
+    subprocess.run([sys.executable, "bench/report.py", *map(str, args)], cwd=ROOT, check=True, capture_output=True)
+
+
 def fake_run(folder, world_size, tokens_per_s):
     os.makedirs(folder)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
@@ -37,12 +42,7 @@ def test_scaling_efficiency_is_tokens_per_gpu_relative_to_one_gpu(tmp_path):
     fake_run(tmp_path / "runs" / "scale_1gpu", 1, [999.0, 1000.0, 1000.0])  # step 1 (warm-up) is left out
     fake_run(tmp_path / "runs" / "scale_4gpu", 4, [1.0, 3000.0, 3400.0])  # 3200 tok/s on 4 GPUs
     out = tmp_path / "scaling.json"
-    subprocess.run(
-        [sys.executable, "bench/report.py", "scaling", str(tmp_path / "runs"), "--out", str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    report("scaling", tmp_path / "runs", "--out", out)
     runs = json.loads(out.read_text())["runs"]
     assert [r["gpus"] for r in runs] == [1, 4]
     assert runs[0]["rollout_scaling_efficiency"] == 1.0
@@ -93,12 +93,7 @@ def test_tools_report_pairs_the_runs_with_and_without_tools(tmp_path):
     fake_tool_run(tmp_path / "runs" / "tools_calculator", "calculator", {0: 0.25, 2: 0.75}, 1.0, [1.0, 600.0], 0.03)
     fake_tool_run(tmp_path / "runs" / "tools_none", "", {0: 0.0, 2: 0.125}, 0.0, [1.0, 1000.0], 0.02)
     out = tmp_path / "tools.json"
-    subprocess.run(
-        [sys.executable, "bench/report.py", "tools", str(tmp_path / "runs"), "--out", str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    report("tools", tmp_path / "runs", "--out", out)
     r = json.loads(out.read_text())
     assert (r["with_tools_final_strict_acc"], r["without_tools_final_strict_acc"]) == (0.75, 0.125)
     assert r["multiturn_logprob_gap_max"] == 0.03
@@ -142,12 +137,7 @@ def test_server_report_compares_after_the_same_updates(tmp_path):
     fake_server_run(tmp_path / "runs" / "server_sync", {0: (0.0, 0.1), 2: (0.625, 0.7)}, 4.0, 0.05)  # stopped before 3
     fake_server_run(tmp_path / "runs" / "server_async", {0: (0.0, 0.1), 3: (0.5, 0.5)}, 2.5, 0.3, staleness=1.0)
     out = tmp_path / "server.json"
-    subprocess.run(
-        [sys.executable, "bench/report.py", "server", str(tmp_path / "runs"), "--out", str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    report("server", tmp_path / "runs", "--out", out)
     r = json.loads(out.read_text())
     assert (r["acc_gap_after_updates"], r["server_acc_gap"], r["server_flexible_acc_gap"]) == (2, -0.125, -0.1)
     assert r["server_logprob_gap_max"] == 0.05 and r["async_speedup"] == 4.0 / 2.5  # step 1 (warm-up) left out
@@ -180,12 +170,7 @@ def test_server_report_compares_fully_async_with_one_step_off_and_colocated(tmp_
             + "\n"
         )
     out = tmp_path / "server.json"
-    subprocess.run(
-        [sys.executable, "bench/report.py", "server", str(tmp_path / "runs"), "--out", str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    report("server", tmp_path / "runs", "--out", out)
     r = json.loads(out.read_text())
     assert r["speedup_over_injob_async"] == {"injob_full_k2": 1.6}  # the median of 5, 5, 6: 5
     assert r["speedup_over_colocate_x2"] == {"injob_async": 1.25, "injob_full_k2": 2.0}
@@ -210,25 +195,7 @@ def test_arith_report_draws_its_curves_with_plot_py(tmp_path):
         open(run / "args.json", "w"),
     )
     out, png, compare_png = tmp_path / "arith.json", tmp_path / "arith.png", tmp_path / "compare.png"
-    subprocess.run(
-        [
-            sys.executable,
-            "bench/report.py",
-            "arith",
-            str(run),
-            "--out",
-            str(out),
-            "--png",
-            str(png),
-            "--compare",
-            str(run / "metrics.jsonl"),
-            "--compare-png",
-            str(compare_png),
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    report("arith", run, "--out", out, "--png", png, "--compare", run / "metrics.jsonl", "--compare-png", compare_png)
     r = json.loads(out.read_text())
     assert (r["baseline_strict_acc"], r["final_strict_acc"]) == (0.0, 0.5)
     assert r["eval_curve"] == [[0, 0.0, 0.8], [3, 0.5, 0.8]]
@@ -285,25 +252,7 @@ def test_variants_report_one_row_per_run_and_the_summary_key(tmp_path):
     summary = tmp_path / "summary.json"
     summary.write_text(json.dumps({"other": {"value": 1}}))
     out, png = tmp_path / "variants.json", tmp_path / "variants.png"
-    subprocess.run(
-        [
-            sys.executable,
-            "bench/report.py",
-            "variants",
-            str(tmp_path / "runs"),
-            "--task",
-            "addition",
-            "--out",
-            str(out),
-            "--png",
-            str(png),
-            "--summary",
-            str(summary),
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    report("variants", tmp_path / "runs", "--task", "addition", "--out", out, "--png", png, "--summary", summary)
     r = json.loads(out.read_text())
     assert r["variants"] == {"add_grpo": 0.5} and list(r["runs"]) == ["add_grpo", "add_cispo"]  # finished runs only
     assert r["unfinished"] == {"add_cispo": "3 of 4 steps"} and r["runs"]["add_grpo"]["final_flexible_acc"] == 0.6
@@ -439,19 +388,7 @@ def test_lora_report_of_run_lora_parts(tmp_path):
     (root / "sync" / "lora_sync_7b.json").write_text(json.dumps({**sync, "gap": {"merge": 0.01}}))
     summary, out, png = tmp_path / "summary.json", tmp_path / "lora.json", tmp_path / "lora.png"
     summary.write_text(json.dumps({"other": {"value": 1}}))
-    cmd = [
-        sys.executable,
-        "bench/report.py",
-        "lora",
-        str(root),
-        "--out",
-        str(out),
-        "--png",
-        str(png),
-        "--summary",
-        str(summary),
-    ]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    report("lora", root, "--out", out, "--png", png, "--summary", summary)
     r = json.loads(out.read_text())
     full, r8 = r["acc"]["runs"]["full"], r["acc"]["runs"]["r8"]
     assert (full["final_strict_acc"], full["median_step_s"], full["training_process_peak_gib"]) == (0.75, 3.0, 3.0)
@@ -495,12 +432,7 @@ def test_defaults_report_is_the_default_over_the_fastest_run_of_each_shape(tmp_p
     summary = tmp_path / "summary.json"
     summary.write_text(json.dumps({"other": {"value": 1}}))
     out = tmp_path / "defaults.json"
-    subprocess.run(
-        [sys.executable, "bench/report.py", "defaults", str(runs), "--out", str(out), "--summary", str(summary)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    report("defaults", runs, "--out", out, "--summary", summary)
     r = json.loads(out.read_text())
     assert r["by_shape"] == {
         "add": {"default_vs_best": 1.0, "fastest": "default"},  # 2.1 against mbs128's 2.4
