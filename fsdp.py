@@ -218,12 +218,13 @@ def varlen_attention(
     -> [b, t, h, d], each sequence attending causally to its own tokens only, by the FlashAttention-2 kernel that
     torch itself ships (torch.nn.attention.varlen: CUDA, no flash-attn package). A packed row costs the sum of its
     sequences' squared lengths, not the square of the row's as sdpa's block-diagonal mask does. The sequences:
-    forward_tokens' cu_seq_lens_q [s+1] in a packed row, else where position_ids restart at 0 (each row of an
-    unpadded batch). A padded batch (sdpa's [b, 1, t, t] mask) and a KV cache go to sdpa."""
+    forward_tokens' cu_seq_lens_q [s+1] in a packed row (its attention_mask, of no size, unread), else where
+    position_ids restart at 0 (each row of an unpadded batch). A padded batch (sdpa's [b, 1, t, t] mask) and a KV cache
+    go to sdpa."""
     from torch.nn.attention.varlen import varlen_attn
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if attention_mask is not None or query.shape[2] != key.shape[2]:
+    if cu_seq_lens_q is None and (attention_mask is not None or query.shape[2] != key.shape[2]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     if kwargs.get("softcap"):
         raise ValueError("--attn-implementation varlen has no logit soft-capping (Gemma 2): use sdpa or eager")

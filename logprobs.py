@@ -69,6 +69,10 @@ def forward_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         lengths = real.sum(-1)  # [b]: the row's sequences, in order
         cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()  # [b+1]: where each starts, and the end
         sequences = dict(cu_seq_lens_q=to_device(cu, device), max_length_q=int(lengths.max()))
+        # a mask of no size, which transformers hands to the attention unread (a 4-d mask) and varlen_attention ignores
+        # when given the sequences: with None, transformers would find the sequences in the positions itself, reading a
+        # GPU value each forward (masking_utils.find_packed_sequence_indices), a wait for the GPU
+        attention_mask = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)  # [1, 1, 0, 0]
     if head is not None:  # on this module object, for this call only
         model.get_output_embeddings().forward = lambda hidden: head(hidden, input_ids)
     try:

@@ -43,7 +43,8 @@ class Args:
     runs: tuple[str, ...] = ("padded/sdpa", "packed/sdpa", "packed/flex_attention")
     """padded|packed / the transformers attention implementation [/ tokens per packed micro-batch, else --max-tokens]
     [/ compile: torch.compile each decoder layer and the log-prob math] [/ eagerhead: that math not compiled]
-    [/ whole: the head's logits all at once, not logprobs.LOGIT_CHUNK tokens]"""
+    [/ whole: the head's logits all at once, not logprobs.LOGIT_CHUNK tokens] [/ waits: the micro-batches as before
+    issue 55 moved them, plain copies and the mask on the GPU, where the CPU waits for the GPU each micro-batch]"""
     samples: int = 256
     """sequences per step (the same in every run)"""
     prompt_len: int = 100
@@ -110,17 +111,37 @@ def main(args: Args):
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def update(model, mb, max_tokens: int):
-        logp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, 1.0, with_entropy=True, packed=max_tokens > 0)
+    def update(model, mb, max_tokens: int, mask=None):  # mask: where forward_tokens plans a packed row (the CPU's)
+        mask = mb.attention_mask if mask is None else mask
+        logp, _ = token_logprobs(model, mb.input_ids, mask, 1.0, with_entropy=True, packed=max_tokens > 0)
         (-(logp * mb.response_mask).sum() / num_loss_tokens).backward()
 
-    def step(model, optimizer, max_tokens: int) -> tuple[float, float, float]:
-        """One step's log-prob and update phases, and the optimizer step within the update, in seconds."""
+    @torch.no_grad()
+    def waiting_logprobs(model, max_tokens: int):
+        """batch_logprobs' loop as it was before issue 55: each micro-batch copied as is (the CPU waits for the GPU's
+        queue before a copy from ordinary memory), its mask on the GPU (nonzero's size read back: another wait)."""
+        out = torch.zeros_like(batch.response_mask, device=device)  # [B, T-1]
+        for r in micro_batches(rows, tokens, args.micro_batch_size, max_tokens):
+            mb = batch.select(r).apply(lambda x: x.to(device))
+            y = token_logprobs(model, mb.input_ids, mb.attention_mask, 1.0, packed=max_tokens > 0)[0]
+            out[r.to(device), : y.shape[1]] = y[: len(r)]
+        return out.cpu()
+
+    def step(model, optimizer, max_tokens: int, waits: bool) -> tuple[float, float, float]:
+        """One step's log-prob and update phases, and the optimizer step within the update, in seconds. waits: the
+        micro-batches as before issue 55 (plain copies, the mask on the GPU), else as grpo.py runs them now."""
         t0 = sync()
-        batch_logprobs(model, batch, args.micro_batch_size, 1.0, device, max_tokens=max_tokens)
+        if waits:
+            waiting_logprobs(model, max_tokens)
+        else:
+            batch_logprobs(model, batch, args.micro_batch_size, 1.0, device, max_tokens=max_tokens)
         t1 = sync()
         for r in micro_batches(rows, tokens, args.micro_batch_size, max_tokens):
-            update(model, batch.select(r).to(device), max_tokens)
+            part = batch.select(r)  # on the CPU
+            if waits:
+                update(model, part.apply(lambda x: x.to(device)), max_tokens)
+            else:
+                update(model, part.to(device), max_tokens, mask=part.attention_mask)
         t2 = sync()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -169,7 +190,8 @@ def main(args: Args):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         try:
-            times = [step(model, optimizer, max_tokens) for _ in range(args.warmup + args.steps)][args.warmup :]
+            runs = range(args.warmup + args.steps)
+            times = [step(model, optimizer, max_tokens, "waits" in rest) for _ in runs][args.warmup :]
             out.update(
                 {
                     k: sum(t[i] for t in times) / len(times)

@@ -126,10 +126,14 @@ def test_varlen_attention_gives_sdpa_numbers_sequence_by_sequence(policy, tiny_m
     """--attn-implementation varlen (fsdp.varlen_attention) with torch's CUDA-only kernel replaced by a stand-in that
     runs sdpa over each [start, end) it is given: packed rows hand the kernel each sequence (forward_tokens' cu, no
     [n, n] mask built), unpadded rows each row (found from the positions), padded rows go to sdpa; log-probs and
-    gradients as sdpa's padded ones. The kernel itself is compared on a GPU (tests/test_gpu.py)."""
+    gradients as sdpa's padded ones. transformers never looks for a packed row's sequences itself (a wait for the GPU
+    each forward, masking_utils.find_packed_sequence_indices). The kernel itself is compared on a GPU (test_gpu.py)."""
     import torch.nn.attention.varlen as kernel
+    import transformers.masking_utils as masking
 
-    calls = []
+    calls, searched = [], []
+    find = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda p: searched.append(p.shape) or find(p))
 
     def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, -1)):  # [n, h, d], [n, kv, d]
         calls.append((cu_q.tolist(), max_q))
@@ -152,6 +156,7 @@ def test_varlen_attention_gives_sdpa_numbers_sequence_by_sequence(policy, tiny_m
     got_logp, got_grads = run(varlen, True)
     lengths = [p + r for p, r in SHAPES]
     assert calls and all(c == ([sum(lengths[:i]) for i in range(len(lengths) + 1)], max(lengths)) for c in calls)
+    assert searched == []
     torch.testing.assert_close(got_logp, want_logp, rtol=0, atol=2e-5)
     for n in want_grads:
         torch.testing.assert_close(got_grads[n], want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
@@ -366,6 +371,7 @@ def test_packing_bench_runs_on_cpu(tiny_model_dir, tmp_path):
             "--runs",
             "padded/sdpa",
             "packed/sdpa",
+            "packed/sdpa/waits",
             "--out",
             str(out),
         ],
@@ -377,7 +383,7 @@ def test_packing_bench_runs_on_cpu(tiny_model_dir, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [r["run"] for r in result["runs"]] == ["padded/sdpa", "packed/sdpa"]
+    assert [r["run"] for r in result["runs"]] == ["padded/sdpa", "packed/sdpa", "packed/sdpa/waits"]
     assert result["real_tokens"] < result["padded_tokens"] and all(r["update_s"] > 0 for r in result["runs"])
 
 
