@@ -265,9 +265,9 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in backward (less memory, ~30% more compute)"""
     compile: bool = False
-    """torch.compile each decoder layer and the log-prob head: fused kernels, the update 1.3-1.6x faster (H200); the first
-    step compiles. Not given, on a GPU: on for a full fine-tuning through varlen attention, where measured faster
-    (start.compile_choice)"""
+    """torch.compile each decoder layer and the log-prob head: fused kernels, the update 1.1-1.5x faster (H200); the first
+    step compiles. Not given, on a GPU: on for packed micro-batches through varlen attention, full fine-tuning or
+    LoRA, where measured faster (start.compile_choice)"""
     offload: bool = False
     """move parameters and optimizer state to CPU while SGLang generates"""
     attn_implementation: str = "sdpa"
@@ -1004,7 +1004,6 @@ def main(args: Args):
         given=given,
         compile=args.compile,
         attn_implementation=args.attn_implementation,
-        lora=args.lora_rank > 0,
         gradient_checkpointing=args.gradient_checkpointing,
         offload=args.offload,
         deterministic=args.deterministic_rollout,

@@ -145,19 +145,18 @@ def compile_choice(
     given: set[str],
     compile: bool,
     attn_implementation: str,
-    lora: bool,
     gradient_checkpointing: bool,
     offload: bool,
     deterministic: bool,
 ) -> tuple[bool, str | None]:
     """--compile for a run on `device` that gave neither --compile nor --no-compile (`given`: the flags on the command
-    line): on a GPU, on where it measured faster, a full fine-tuning's packed micro-batches through varlen attention
-    (one H200, bench/results/fast_defaults_h200.json: the update 1.32x faster at SmolLM2 on addition, 1.57x with the
-    calculator, 1.45x at Qwen2.5-1.5B shapes; its first step ~8-15 s longer, compiling); off with LoRA, gradient
-    checkpointing, --offload or --deterministic-rollout (not measured), or another attention. The CPU keeps its
-    default (off). Without the compiler torch.compile builds its kernels with (preflight.compiler_problem): off, said;
-    --compile given, one line naming the fix. Returns (compile, the start-up line saying what was chosen and why, or
-    None where nothing was)."""
+    line): on a GPU, on where it measured faster, packed micro-batches through varlen attention, full fine-tuning or
+    LoRA (two H200s, bench/results/fast_defaults_h200x2.json: the update 1.26x faster at SmolLM2 on addition, 1.12x
+    with the calculator, 1.48x at Qwen2.5-1.5B shapes, 1.32x at 7B shapes with LoRA; its first step longer,
+    compiling); off with gradient checkpointing, --offload or --deterministic-rollout (not measured), or another
+    attention. The CPU keeps its default (off). Without the compiler torch.compile builds its kernels with
+    (preflight.compiler_problem): off, said; --compile given, one line naming the fix. Returns (compile, the start-up
+    line saying what was chosen and why, or None where nothing was)."""
     if {"compile", "no_compile"} & given:
         if compile and (problem := compiler_problem(device.type)):
             raise InputError(f"--compile: {problem}; or leave --compile out")
@@ -167,7 +166,6 @@ def compile_choice(
     unmeasured = [
         name
         for name, on in (
-            ("LoRA", lora),
             ("--gradient-checkpointing", gradient_checkpointing),
             ("--offload", offload),
             ("--deterministic-rollout", deterministic),
@@ -180,7 +178,7 @@ def compile_choice(
     if problem := compiler_problem(device.type):
         return False, f"compile: off ({problem}, to have it)"
     return True, (
-        "compile: on (decoder layers and log-prob head through torch.compile: the update 1.3-1.6x faster, measured; "
+        "compile: on (decoder layers and log-prob head through torch.compile: the update 1.1-1.5x faster, measured; "
         "the first step compiles, ~15 s more; --no-compile to skip it)"
     )
 

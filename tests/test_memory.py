@@ -357,16 +357,15 @@ def test_micro_batching_packs_a_gpu_run_to_its_token_budget_through_varlen(qwen_
 
 
 def test_compile_is_on_by_default_where_it_measured_faster(an_h100):
-    """--compile, given neither --compile nor --no-compile: on for a GPU run's full fine-tuning through varlen attention
-    (measured faster at three shapes on an H200, bench/results/fast_defaults_h200.json), off where it was not measured,
-    each said; the flag given wins; the CPU keeps its own (off)."""
+    """--compile, given neither --compile nor --no-compile: on for a GPU run's packed micro-batches through varlen
+    attention (measured faster at four shapes, LoRA among them, on H200s: bench/results/fast_defaults_h200x2.json),
+    off where not measured, each said; the flag given wins; the CPU keeps its own (off)."""
     from start import compile_choice
 
     def choose(device=an_h100, given=(), **kw):
         options = dict(
             compile=False,
             attn_implementation="varlen",
-            lora=False,
             gradient_checkpointing=False,
             offload=False,
             deterministic=False,
@@ -378,13 +377,12 @@ def test_compile_is_on_by_default_where_it_measured_faster(an_h100):
     assert choose(given={"no_compile"}) == (False, None)  # --no-compile
     assert choose(given={"compile"}, compile=True) == (True, None)  # --compile
     assert choose(torch.device("cpu")) == (False, None)
-    assert choose(lora=True) == (False, "compile: off (not measured faster with LoRA; --compile to try it)")
     off, line = choose(attn_implementation="sdpa", gradient_checkpointing=True, offload=True, deterministic=True)
     assert not off and line == (
         "compile: off (not measured faster with --gradient-checkpointing, --offload, --deterministic-rollout, sdpa "
         "attention; --compile to try it)"
     )
-    assert choose(given={"compile"}, compile=True, lora=True) == (True, None)  # asked for: compiled, LoRA or not
+    assert choose(given={"no_compile"}, offload=True) == (False, None)  # --no-compile, said by nothing
 
 
 def test_compile_without_a_compiler_is_off_or_one_line(an_h100, monkeypatch):
@@ -400,7 +398,7 @@ def test_compile_without_a_compiler_is_off_or_one_line(an_h100, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    options = dict(attn_implementation="varlen", lora=False, gradient_checkpointing=False, offload=False)
+    options = dict(attn_implementation="varlen", gradient_checkpointing=False, offload=False)
     on, line = start.compile_choice(an_h100, given=set(), compile=False, deterministic=False, **options)
     assert not on and line == (
         "compile: off (no C compiler for Triton's kernels ($CC, gcc or clang): install gcc (apt-get install gcc) or "
