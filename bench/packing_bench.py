@@ -30,6 +30,7 @@ import tyro
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 import logprobs  # noqa: E402
 from data import Sample, collate  # noqa: E402
+from common import to_device  # noqa: E402
 from preflight import friendly_errors  # noqa: E402
 from fsdp import init_distributed, load_model, matmul_params, mfu, micro_batches, peak_flops, shard_model
 from logprobs import batch_logprobs, token_logprobs
@@ -43,8 +44,9 @@ class Args:
     runs: tuple[str, ...] = ("padded/sdpa", "packed/sdpa", "packed/flex_attention")
     """padded|packed / the transformers attention implementation [/ tokens per packed micro-batch, else --max-tokens]
     [/ compile: torch.compile each decoder layer and the log-prob math] [/ eagerhead: that math not compiled]
-    [/ whole: the head's logits all at once, not logprobs.LOGIT_CHUNK tokens] [/ waits: the micro-batches as before
-    issue 55 moved them, plain copies and the mask on the GPU, where the CPU waits for the GPU each micro-batch]"""
+    [/ whole: the head's logits all at once, not logprobs.LOGIT_CHUNK tokens] [/ waits: the micro-batches copied as
+    before issue 55, blocking, the mask on the GPU: the CPU waits for the GPU each micro-batch] [/ direct: copied
+    non-blocking from ordinary memory, not through common.to_device's pinned buffers, the mask on the CPU]"""
     samples: int = 256
     """sequences per step (the same in every run)"""
     prompt_len: int = 100
@@ -116,32 +118,37 @@ def main(args: Args):
         logp, _ = token_logprobs(model, mb.input_ids, mask, 1.0, with_entropy=True, packed=max_tokens > 0)
         (-(logp * mb.response_mask).sum() / num_loss_tokens).backward()
 
+    copies = {  # how a run moves a micro-batch to the GPU: grpo.py's way (common.to_device), and two others
+        "pinned": to_device,
+        "direct": lambda x, device: x.to(device, non_blocking=True),
+        "waits": lambda x, device: x.to(device),
+    }
+
     @torch.no_grad()
-    def waiting_logprobs(model, max_tokens: int):
-        """batch_logprobs' loop as it was before issue 55: each micro-batch copied as is (the CPU waits for the GPU's
-        queue before a copy from ordinary memory), its mask on the GPU (nonzero's size read back: another wait)."""
+    def own_logprobs(model, max_tokens: int, copy):
+        """batch_logprobs' loop with another copy: `waits` as before issue 55 (blocking copies; the mask on the GPU,
+        whose packed row makes the CPU read nonzero's size there)."""
         out = torch.zeros_like(batch.response_mask, device=device)  # [B, T-1]
         for r in micro_batches(rows, tokens, args.micro_batch_size, max_tokens):
-            mb = batch.select(r).apply(lambda x: x.to(device))
-            y = token_logprobs(model, mb.input_ids, mb.attention_mask, 1.0, packed=max_tokens > 0)[0]
-            out[r.to(device), : y.shape[1]] = y[: len(r)]
+            part = batch.select(r)
+            mask = copies["waits"](part.attention_mask, device) if copy == "waits" else part.attention_mask
+            y = token_logprobs(model, copies[copy](part.input_ids, device), mask, 1.0, packed=max_tokens > 0)[0]
+            out[copies[copy](r, device), : y.shape[1]] = y[: len(r)]
         return out.cpu()
 
-    def step(model, optimizer, max_tokens: int, waits: bool) -> tuple[float, float, float]:
-        """One step's log-prob and update phases, and the optimizer step within the update, in seconds. waits: the
-        micro-batches as before issue 55 (plain copies, the mask on the GPU), else as grpo.py runs them now."""
+    def step(model, optimizer, max_tokens: int, copy: str) -> tuple[float, float, float]:
+        """One step's log-prob and update phases, and the optimizer step within the update, in seconds; `copy`: how
+        the micro-batches go to the GPU (`copies`)."""
         t0 = sync()
-        if waits:
-            waiting_logprobs(model, max_tokens)
-        else:
+        if copy == "pinned":  # the library's own loop
             batch_logprobs(model, batch, args.micro_batch_size, 1.0, device, max_tokens=max_tokens)
+        else:
+            own_logprobs(model, max_tokens, copy)
         t1 = sync()
         for r in micro_batches(rows, tokens, args.micro_batch_size, max_tokens):
             part = batch.select(r)  # on the CPU
-            if waits:
-                update(model, part.apply(lambda x: x.to(device)), max_tokens)
-            else:
-                update(model, part.to(device), max_tokens, mask=part.attention_mask)
+            mb = part.apply(lambda x: copies[copy](x, device))
+            update(model, mb, max_tokens, mask=mb.attention_mask if copy == "waits" else part.attention_mask)
         t2 = sync()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -191,7 +198,8 @@ def main(args: Args):
             torch.cuda.reset_peak_memory_stats()
         try:
             runs = range(args.warmup + args.steps)
-            times = [step(model, optimizer, max_tokens, "waits" in rest) for _ in runs][args.warmup :]
+            copy = "waits" if "waits" in rest else "direct" if "direct" in rest else "pinned"
+            times = [step(model, optimizer, max_tokens, copy) for _ in runs][args.warmup :]
             out.update(
                 {
                     k: sum(t[i] for t in times) / len(times)

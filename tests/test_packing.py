@@ -372,6 +372,7 @@ def test_packing_bench_runs_on_cpu(tiny_model_dir, tmp_path):
             "padded/sdpa",
             "packed/sdpa",
             "packed/sdpa/waits",
+            "packed/sdpa/direct",
             "--out",
             str(out),
         ],
@@ -383,7 +384,12 @@ def test_packing_bench_runs_on_cpu(tiny_model_dir, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [r["run"] for r in result["runs"]] == ["padded/sdpa", "packed/sdpa", "packed/sdpa/waits"]
+    assert [r["run"] for r in result["runs"]] == [
+        "padded/sdpa",
+        "packed/sdpa",
+        "packed/sdpa/waits",
+        "packed/sdpa/direct",
+    ]
     assert result["real_tokens"] < result["padded_tokens"] and all(r["update_s"] > 0 for r in result["runs"])
 
 
