@@ -436,6 +436,50 @@ def test_a_packed_micro_batch_never_waits_for_the_gpu():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_the_update_waits_for_the_gpu_only_to_step(monkeypatch):
+    """grpo.update whole (two mini-batches, each in packed micro-batches through varlen) under CUDA's sync debug mode
+    "error": the CPU may wait for the GPU only where the update means to, in clip_and_step (the gradient norm, once an
+    optimizer step) and at the end (the metrics' sums, all_reduce_dict), each let through here; a wait anywhere in
+    the micro-batch loop (the copies, the packed row's plan, the loss, its statistics, backward) raises."""
+    from dataclasses import replace
+
+    import grpo
+    from fsdp import load_model
+    from logprobs import batch_logprobs
+    from test_packing import tiny_batch
+
+    def let_wait(fn):  # fn run with the debug mode off: a wait the update means
+        def run(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("default")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+
+        return run
+
+    monkeypatch.setattr(grpo, "clip_and_step", let_wait(grpo.clip_and_step))
+    monkeypatch.setattr(grpo, "all_reduce_dict", let_wait(grpo.all_reduce_dict))
+    device = torch.device("cuda")
+    model = load_model(MODEL, torch.device("cpu"), torch.bfloat16, attn_implementation="varlen").cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    args = grpo.Args(model=MODEL, max_tokens_per_micro_batch=256, attn_implementation="varlen", num_minibatches=2)
+    args = grpo.variant_defaults(args)
+    batch, _ = tiny_batch(seed=9)
+    old = batch_logprobs(model, batch, args.micro_batch_size, 1.0, device, max_tokens=256)  # [B, T-1]
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0])[:, None]  # [B, 1]: an advantage a row
+    batch = replace(batch, old_logprobs=old, loss_mask=batch.response_mask, advantages=signs * batch.response_mask)
+    for watched in (False, True):  # the first update loads kernels and may wait; the next must not
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if watched else "default")
+        try:
+            metrics = grpo.update(model, optimizer, scheduler, batch, args, step=1, device=device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert math.isfinite(float(metrics["train/loss"])) and metrics["train/grad_norm"] > 0
+
+
 def test_sglang_serves_the_exported_adapter(tmp_path):
     """The README's `sglang.launch_server ... --enable-lora --lora-paths policy=<checkpoint>/adapter` loads what
     lora.save_adapter writes: requests naming it score a text as transformers does the merged model/, requests
