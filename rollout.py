@@ -101,6 +101,10 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
     fresh machine's start-up and ~15 s warm, for no throughput we could measure on RL's one big
     prefill per step (bench/results/README.md, start-up). Decode graphs stay on.
 
+    sleep_on_idle=True: with nothing to do, SGLang's scheduler otherwise polls its sockets in a loop, a CPU core at 100%
+    (its idle_sleeper.py says so), also while it sleeps through the trainer's log-prob and update phases, whose torch
+    threads take every core; it waits on the sockets instead, and a request wakes it at once.
+
     deterministic: SGLang's `enable_deterministic_inference` (0.5.16, server_args.py): batch-invariant matmul,
     log-softmax and reductions, fixed attention splits, the pytorch sampler (it sets that itself), and each request
     sampled from its own `sampling_seed` (a Gumbel draw keyed by seed and position; without the mode SGLang ignores
@@ -138,6 +142,7 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
                 cuda_graph_backend_prefill=None if o.prefill_cuda_graph else "disabled",
                 enable_deterministic_inference=o.deterministic,
                 custom_sigquit_handler=quit_while_starting,
+                sleep_on_idle=True,
                 **o.lora_flags(),
             )  # a failed scheduler's SIGQUIT ends the start, not the process
         except BaseException as e:  # Ctrl-C during start-up, or a failed start: stop what was started

@@ -609,6 +609,7 @@ def launch_servers(
         "--mem-fraction-static": mem_fraction,
         "--cuda-graph-backend-prefill": None if options.prefill_cuda_graph else "disabled",
         "--enable-deterministic-inference": options.deterministic,
+        "--sleep-on-idle": True,  # no core spinning beside the trainer while idle (rollout.start_sglang)
         "--log-level": "warning",
         **{f"--{k.replace('_', '-')}": v for k, v in options.lora_flags().items()},  # --lora-sync adapter
     }

@@ -77,6 +77,7 @@ def test_sglang_and_the_jobs_servers_start_in_deterministic_mode(monkeypatch, tm
     for deterministic in (True, False):
         rollout.start_sglang("/m", gpu_id=0, options=rollout.SGLangOptions(deterministic=deterministic))
         assert seen[-1]["enable_deterministic_inference"] is deterministic
+        assert seen[-1]["sleep_on_idle"] is True  # idle, the scheduler waits on its sockets: no core spinning
     assert seen[-1]["attention_backend"] in DETERMINISTIC_ATTENTION and seen[-1]["sampling_backend"] == "pytorch"
     for deterministic in (True, False):
         _, (process,) = launch_servers(
@@ -90,6 +91,7 @@ def test_sglang_and_the_jobs_servers_start_in_deterministic_mode(monkeypatch, tm
         )
         process.wait()
         assert ("--enable-deterministic-inference" in process.args) is deterministic
+        assert "--sleep-on-idle" in process.args
 
 
 def test_a_users_server_without_deterministic_inference_is_refused(tiny_model_dir):
