@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
 # Issue 55's small-shape question on ONE GPU, in one call: where do the CPU-bound SmolLM2 steps lose time?
 #   1. addition as typed at this code (SGLang's scheduler waits on its sockets when idle: sleep_on_idle) against OLD,
-#      a checkout of the commit before that change (its scheduler polls in a loop), twice each in turn (new old new
-#      old), 6 steps; each scheduler's CPU share read from top every 15 s while its run lives (<name>_cpu.txt);
+#      this code without sleep_on_idle (its scheduler polls in a loop), and this code with 4 torch CPU
+#      threads (OMP_NUM_THREADS=4, not one a core), in turn twice (new old t4 new old t4), 6 steps; the CPU share of
+#      the run's processes read from top every 15 s while it lives (<name>_cpu.txt);
 #   2. bench/run_packed_path.sh: the micro-batch copies (pinned, blocking as before issue 55, direct), no engine;
 #   3. the GPU tests of the waits in the micro-batch loops.
-#   git archive -o .gpu/old.tar f0dac69      # here, then carry .gpu/old.tar; on the GPU machine:
-#   mkdir -p /tmp/old && tar xf .gpu/old.tar -C /tmp/old && source bench/gpu_env.sh && \
-#     OLD=/tmp/old setsid nohup bash bench/run_cpu_side_ab.sh /tmp/runs/ab > /tmp/runs/ab.log 2>&1 &
-OUT=${1:-/tmp/runs/ab}; OLD=${OLD:?set OLD to a checkout of the code before sleep_on_idle}; HERE=$PWD
+#   source bench/gpu_env.sh && setsid nohup bash bench/run_cpu_side_ab.sh /tmp/runs/ab > /tmp/runs/ab.log 2>&1 &
+OUT=${1:-/tmp/runs/ab}; HERE=$PWD; OLD=${OLD:-/tmp/no_idle_sleep}
 mkdir -p "$OUT"
+if [ ! -e "$OLD/grpo.py" ]; then  # this tree's code, SGLang's scheduler left to poll (rollout.start_sglang)
+  mkdir -p "$OLD" && cp ./*.py "$OLD"/ && sed -i '/sleep_on_idle=True,/d' "$OLD/rollout.py"
+  grep -q sleep_on_idle "$OLD/rollout.py" && grep -c "sleep_on_idle=True" "$OLD/rollout.py"
+fi
 quiet=(--model "$SMOLLM2" --lr 1e-5 --steps 6 --eval-every 0 --save-every -1 --log-samples-every 0 --output-dir "$OUT")
 for round in 1 2; do
-  for side in new old; do
+  for side in new old t4; do
     name=${side}_$round; dir=$HERE; [ "$side" = old ] && dir=$OLD
-    echo "=== $(date -u +%FT%TZ) $name ($dir)"
-    (cd "$dir" && exec python3 grpo.py "${quiet[@]}" --run-name "$name" > "$OUT/$name.log" 2>&1) &
+    threads=${OMP_NUM_THREADS:-}; [ "$side" = t4 ] && threads=4
+    echo "=== $(date -u +%FT%TZ) $name ($dir, OMP_NUM_THREADS=${threads:-unset})"
+    (cd "$dir" && if [ -n "$threads" ]; then export OMP_NUM_THREADS=$threads; fi \
+      && exec python3 grpo.py "${quiet[@]}" --run-name "$name" > "$OUT/$name.log" 2>&1) &
     pid=$!
     while kill -0 "$pid" 2>/dev/null; do  # top's second frame: the CPU share over the last second
       top -b -n 2 -d 1 -w 250 | awk '/^top -/{f++} f==2' | grep -E "sglang|python" | head -6 >> "$OUT/${name}_cpu.txt"
@@ -28,7 +33,7 @@ GRPO_TEST_MODEL="$SMOLLM2" timeout 600 python3 -m pytest tests/test_gpu.py -q -p
   -k "never_waits or waits_for_the_gpu_only" > "$OUT/gpu_tests.log" 2>&1
 python3 - "$OUT" <<'PY'
 import json, statistics, sys
-for name in ("new_1", "old_1", "new_2", "old_2"):
+for name in ("new_1", "old_1", "t4_1", "new_2", "old_2", "t4_2"):
     try:
         rows = [json.loads(line) for line in open(f"{sys.argv[1]}/{name}/metrics.jsonl")]
     except OSError:
