@@ -4,8 +4,9 @@
 #      this code without sleep_on_idle (its scheduler polls in a loop), and this code with 4 torch CPU
 #      threads (OMP_NUM_THREADS=4, not one a core), in turn twice (new old t4 new old t4), 6 steps; the CPU share of
 #      the run's processes read from top every 15 s while it lives (<name>_cpu.txt);
-#   2. bench/run_packed_path.sh: the micro-batch copies (pinned, blocking as before issue 55, direct), no engine;
-#   3. the GPU tests of the waits in the micro-batch loops.
+#   2. bench/run_packed_path.sh at SmolLM2: the micro-batch copies (pinned, blocking as before issue 55, direct), no
+#      engine; 3. the GPU tests of the waits in the micro-batch loops; 4. run_packed_path.sh at 1.5B shapes.
+#   ~20 min on one H200, in this order of importance.
 #   source bench/gpu_env.sh && setsid nohup bash bench/run_cpu_side_ab.sh /tmp/runs/ab > /tmp/runs/ab.log 2>&1 &
 OUT=${1:-/tmp/runs/ab}; HERE=$PWD; OLD=${OLD:-/tmp/no_idle_sleep}
 mkdir -p "$OUT"
@@ -28,9 +29,10 @@ for round in 1 2; do
     done
   done
 done
-bash bench/run_packed_path.sh "$OUT/packed_path"
+SHAPES=smollm2 bash bench/run_packed_path.sh "$OUT/packed_path"
 GRPO_TEST_MODEL="$SMOLLM2" timeout 600 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider \
   -k "never_waits or waits_for_the_gpu_only" > "$OUT/gpu_tests.log" 2>&1
+SHAPES=q1p5 bash bench/run_packed_path.sh "$OUT/packed_path"
 python3 - "$OUT" <<'PY'
 import json, statistics, sys
 for name in ("new_1", "old_1", "t4_1", "new_2", "old_2", "t4_2"):
