@@ -179,7 +179,7 @@ def compile_choice(
         return False, f"compile: off ({problem}, to have it)"
     return True, (
         "compile: on (decoder layers and log-prob head through torch.compile: the update 1.1-1.5x faster, measured; "
-        "the first step compiles, ~15 s more; --no-compile to skip it)"
+        "the first step compiles, 10-40 s more; --no-compile to skip it)"
     )
 
 
