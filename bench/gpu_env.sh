@@ -14,6 +14,7 @@ if [ -d .whl-server ] && [ ! -e /tmp/site-server/.done ]; then
     && touch /tmp/site-server/.done
 fi
 export PYTHONPATH=/tmp/site-extra:/tmp/site-server:$PYTHONPATH PYTHONUNBUFFERED=1
+export PATH=/tmp/site-extra/bin:$PATH  # py-spy (a sampling profiler, one binary: bench/spy_report.py reads its output)
 # The python tool's jail (sandbox.py) needs bubblewrap, which the GPU image lacks: Debian's package, carried in .debs/
 # (bench/README.md), unpacked into /tmp/jail-root (not /: other packages there can break it) and put on the PATH.
 if ! command -v bwrap >/dev/null && [ -d .debs ]; then

@@ -4,9 +4,10 @@
 #      this code without sleep_on_idle (its scheduler polls in a loop), and this code with 4 torch CPU
 #      threads (OMP_NUM_THREADS=4, not one a core), in turn twice (new old t4 new old t4), 6 steps; the CPU share of
 #      the run's processes read from top every 15 s while it lives (<name>_cpu.txt);
-#   2. bench/run_packed_path.sh at SmolLM2: the micro-batch copies (pinned, blocking as before issue 55, direct), no
-#      engine; 3. the GPU tests of the waits in the micro-batch loops; 4. run_packed_path.sh at 1.5B shapes.
-#   ~20 min on one H200, in this order of importance.
+#   2. one more run of this code under py-spy (.whl/ carries it): main()'s wall time line by line (spy_add_report.txt);
+#   3. bench/run_packed_path.sh at SmolLM2: the micro-batch copies (pinned, blocking as before issue 55, direct), no
+#      engine; 4. the GPU tests of the waits in the micro-batch loops; 5. run_packed_path.sh at 1.5B shapes.
+#   ~22 min on one H200, in this order of importance.
 #   source bench/gpu_env.sh && setsid nohup bash bench/run_cpu_side_ab.sh /tmp/runs/ab > /tmp/runs/ab.log 2>&1 &
 OUT=${1:-/tmp/runs/ab}; HERE=$PWD; OLD=${OLD:-/tmp/no_idle_sleep}
 mkdir -p "$OUT"
@@ -29,6 +30,13 @@ for round in 1 2; do
     done
   done
 done
+# where main()'s wall time goes, line by line (the untimed time/other included): py-spy samples the trainer 100 times a
+# second from outside, waits included (--idle); bench/spy_report.py puts each sample on the line main() was running
+if command -v py-spy > /dev/null; then
+  py-spy record --idle --rate 100 --format raw -o "$OUT/spy_add.txt" -- \
+    python3 grpo.py "${quiet[@]}" --run-name spy > "$OUT/spy.log" 2>&1
+  python3 bench/spy_report.py "$OUT/spy_add.txt" --script grpo.py --top 30 > "$OUT/spy_add_report.txt" 2>&1
+fi
 SHAPES=smollm2 bash bench/run_packed_path.sh "$OUT/packed_path"
 GRPO_TEST_MODEL="$SMOLLM2" timeout 600 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider \
   -k "never_waits or waits_for_the_gpu_only" > "$OUT/gpu_tests.log" 2>&1

@@ -445,3 +445,33 @@ def test_defaults_report_is_the_default_over_the_fastest_run_of_each_shape(tmp_p
     s = json.loads(summary.read_text())
     assert s["default_vs_best"]["value"] == 1.2 and "q1p5 1.2 (fastest: t16k_compile)" in s["default_vs_best"]["what"]
     assert s["default_update_mfu_1p5b"]["value"] == 0.4 and s["other"] == {"value": 1}
+
+
+def test_spy_report_puts_each_sample_on_the_line_main_ran(tmp_path):
+    """bench/spy_report.py reads py-spy's folded stacks: a sample counts on the line of grpo.py's main() it fell in
+    (not on a line of another main, nor a stack without main), with its innermost frame; seconds at the rate."""
+    spy = tmp_path / "spy.txt"
+    spy.write_text(
+        "<module> (grpo.py:1395);main (grpo.py:1319);update (grpo.py:868);backward (torch/autograd/graph.py:979) 30\n"
+        "<module> (grpo.py:1395);main (grpo.py:1319);update (grpo.py:870);step (torch/optim/adam.py:879) 10\n"
+        "<module> (/x/grpo.py:1395);main (/x/grpo.py:1199);send_prompts (rollout.py:505) 50\n"
+        "<module> (grpo.py:1395);main (grpo.py:1284) 5\n"
+        "<module> (ppo.py:900);main (ppo.py:1319);update (ppo.py:700) 99\n"
+        "Thread.run (threading.py:1010);_sample (memory.py:281) 77\n"
+    )
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from spy_report import main_lines
+
+    by_line, leaves = main_lines(spy.read_text().splitlines(), "grpo.py")
+    assert by_line == {1199: 50, 1319: 40, 1284: 5}
+    assert leaves[1319] == {"backward (torch/autograd/graph.py:979)": 30, "step (torch/optim/adam.py:879)": 10}
+    assert leaves[1284] == {"(main itself)": 5}
+    out = subprocess.run(
+        [sys.executable, "bench/spy_report.py", str(spy), "--rate", "10", "--top", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert out.splitlines()[0] == "main() of grpo.py: 9.5 s in 95 samples at 10/s"
+    assert "5.00 s  52.6%  grpo.py:1199" in out and "4.00 s  42.1%  grpo.py:1319" in out and ":1284" not in out
