@@ -931,7 +931,7 @@ def deterministic(a: Args):
 
 def defaults(a: Args):
     """run_fast_defaults.sh's runs, `<shape>__<variant>` (`default`: the command as typed): each run's median step,
-    log-prob and update seconds (step 1, warm-up and compiles, left out), update MFU, the update's peak GPU memory, the
+    generate, log-prob and update seconds (step 1, warm-up and compiles, left out), update MFU, the update's peak GPU memory, the
     seconds to step 1 and the micro-batches it ran; each shape's default over its fastest run (>= 1: 1 where the
     default is the fastest); with --summary the keys default_vs_best (the worst shape's) and default_update_mfu_1p5b."""
     runs = {}
@@ -950,6 +950,7 @@ def defaults(a: Args):
         runs[name] = {
             "steps": len(train),
             "median_step_s": median("perf/step_s"),
+            "median_generate_s": median("time/generate"),
             "median_logprob_s": median("time/logprob"),
             "median_update_s": median("time/update"),
             "median_other_s": median("time/other"),  # outside every named phase (0: a run from before it was logged)

@@ -18,7 +18,7 @@ fi
 quiet=(--model "$SMOLLM2" --lr 1e-5 --steps 6 --eval-every 0 --save-every -1 --log-samples-every 0 --output-dir "$OUT")
 for round in 1 2; do
   for side in new old t4; do
-    name=${side}_$round; dir=$HERE; [ "$side" = old ] && dir=$OLD
+    name=add__${side}_$round; dir=$HERE; [ "$side" = old ] && dir=$OLD  # <shape>__<variant>: report.py reads them
     threads=${OMP_NUM_THREADS:-}; [ "$side" = t4 ] && threads=4
     echo "=== $(date -u +%FT%TZ) $name ($dir, OMP_NUM_THREADS=${threads:-unset})"
     (cd "$dir" && if [ -n "$threads" ]; then export OMP_NUM_THREADS=$threads; fi \
@@ -41,16 +41,6 @@ SHAPES=smollm2 bash bench/run_packed_path.sh "$OUT/packed_path"
 GRPO_TEST_MODEL="$SMOLLM2" timeout 600 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider \
   -k "never_waits or waits_for_the_gpu_only" > "$OUT/gpu_tests.log" 2>&1
 SHAPES=q1p5 bash bench/run_packed_path.sh "$OUT/packed_path"
-python3 - "$OUT" <<'PY'
-import json, statistics, sys
-for name in ("new_1", "old_1", "t4_1", "new_2", "old_2", "t4_2"):
-    try:
-        rows = [json.loads(line) for line in open(f"{sys.argv[1]}/{name}/metrics.jsonl")]
-    except OSError:
-        print(name, "no metrics"); continue
-    rows = [r for r in rows if "train/loss" in r][1:]  # steps 2 on
-    med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)  # noqa: E731
-    print(name, " ".join(f"{k.split('/')[1]} {med(k):.3f}" for k in
-          ("perf/step_s", "time/generate", "time/logprob", "time/update", "time/other")))
-PY
+# each run's median step and phases (steps 2-6), in one JSON beside the runs
+python3 bench/report.py defaults "$OUT" --out "$OUT/cpu_side_ab.json"
 echo "=== done $(date -u +%FT%TZ)"
