@@ -40,7 +40,7 @@ for shape in $SHAPES; do
     q7) [ -d /tmp/models/q7 ] || [ -n "$DRY" ] || python3 bench/make_random_model.py --shape 7b --tokenizer "$SMOLLM2" --out /tmp/models/q7
         base=(--model /tmp/models/q7 --lora-rank 8 --prompts-per-step 16 --group-size 16 --max-new-tokens 1024)
         n=$((STEPS < 4 ? STEPS : 4))
-        variants=("compile|--compile" "t8k|--max-tokens-per-micro-batch 8192 --attn-implementation varlen") ;;
+        variants=("nocompile|--no-compile" "t8k|--max-tokens-per-micro-batch 8192 --attn-implementation varlen") ;;
     *) echo "unknown shape $shape"; continue ;;
   esac
   run "${shape}__default" "${base[@]}"
