@@ -104,8 +104,8 @@ def start_sglang(model_path: str, *, gpu_id: int, seed: int = 0, options: SGLang
     sleep_on_idle=True: with nothing to do, SGLang's scheduler otherwise polls its sockets in a loop, a CPU core at 100%
     (its idle_sleeper.py says so), also while it sleeps through the trainer's log-prob and update phases, whose torch
     threads take every core; it waits on the sockets instead, and a request wakes it at once. Measured on one H200
-    (SmolLM2 addition, bench/results/cpu_side_ab_h200.json): the old log-probs and update 1.93x faster, generate 0.4 s
-    slower, the step 1.09x faster.
+    (SmolLM2 addition, bench/results/cpu_side_ab_h200.json): the old log-probs and update 1.93x faster, generate
+    0.2-0.4 s slower, the step 1.09x faster.
 
     deterministic: SGLang's `enable_deterministic_inference` (0.5.16, server_args.py): batch-invariant matmul,
     log-softmax and reductions, fixed attention splits, the pytorch sampler (it sets that itself), and each request
