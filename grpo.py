@@ -69,7 +69,8 @@ from producer import Producer
 from preflight import check_engine, check_flags, check_model, engine_count, friendly_errors, given_flags, parse_args
 from preflight import package_rules
 from preflight import rollout_rules, sampling_rules
-from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, load_reward, reward_fn, sampled_line, score_samples
+from reward import EVAL_LINE, EVAL_TOOLS_LINE, REWARD_LINE, reward_fn, sampled_line, score_samples
+from reward_jail import load_user_reward
 from reward_model import RM_LINE, check_reward_model, load_reward_model, rm_flag_rules, rm_rewards
 from rollout import Sampling, SGLangOptions, held_out_eval, mismatch_stats, send_prompts, step_rollout_stats
 from rollout import stop_engine, stop_token_ids
@@ -223,6 +224,9 @@ class Args:
     reward: str | None = None
     """FILE.py:function, your own (completion, answer) -> float instead of the built-in reward below (the accuracy
     metrics still judge by --answer-kind)"""
+    reward_sandbox: Literal["bwrap", "none"] = "bwrap"
+    """where --reward's function runs: bwrap, jails of its own (no network, read-only files, 4 GiB, reward_jail.py);
+    none, the trainer's threads (trusted code: one that calls an API, or reads the run's state)"""
     unformatted_credit: float = 0.25
     """reward for a right answer not given in the asked format ('#### N', \\boxed{}); one in it earns 1.0"""
     format_weight: float = 0.0
@@ -956,7 +960,9 @@ def main(args: Args):
     )
     reward = partial(  # ALGO: 1 for an answer right in the asked format (reward.reward_fn), or yours (--reward)
         reward_fn,
-        user_reward=load_reward(args.reward) if args.reward else None,
+        user_reward=load_user_reward(args.reward, sandbox=args.reward_sandbox, timeout_s=args.reward_timeout_s)
+        if args.reward
+        else None,
         unformatted_credit=args.unformatted_credit,
         format_weight=args.format_weight,
     )

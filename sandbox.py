@@ -317,9 +317,10 @@ JAIL_ENV = {
 }  # whose jail a process is (ps, tests; several trainers on a host)
 
 
-def jail_command(*, code_fd: int, seccomp_fd: int, lim: dict) -> list[str]:
-    """bwrap's command line: the namespaces, the read-only system and Python, /tmp and /dev/shm as
-    size-capped tmpfs, the program copied in as /tmp/main.py, the seccomp filter, then this Python."""
+def jail_command(*, code_fd: int, seccomp_fd: int, lim: dict, binds: list[str] = ()) -> list[str]:
+    """bwrap's command line: the namespaces, the read-only system and Python (and `binds`, read-only, at their own
+    paths), /tmp and /dev/shm as size-capped tmpfs, the program copied in as /tmp/main.py, the seccomp filter, then
+    this Python."""
     cmd = [
         shutil.which("bwrap") or "bwrap",
         "--unshare-all",
@@ -359,7 +360,7 @@ def jail_command(*, code_fd: int, seccomp_fd: int, lim: dict) -> list[str]:
         "--tmpfs",
         "/tmp",
     ]
-    for prefix in python_prefixes():  # read-only
+    for prefix in [*python_prefixes(), *binds]:  # read-only
         cmd += ["--ro-bind", prefix, prefix]
     cmd += ["--remount-ro", "/dev", "--remount-ro", "/"]  # bwrap's own root and /dev are tmpfs too: not writable
     return cmd + [

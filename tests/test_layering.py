@@ -11,7 +11,19 @@ import pytest
 from test_smoke import ROOT
 
 CORE = {"common", "data", "reward", "rollout", "memory", "fsdp", "logprobs", "lora", "producer"}
-MACHINERY = {"preflight", "start", "runlog", "stop", "checkpoint", "server", "tools", "sandbox", "reward_model", "plot"}
+MACHINERY = {
+    "preflight",
+    "start",
+    "runlog",
+    "stop",
+    "checkpoint",
+    "server",
+    "tools",
+    "sandbox",
+    "reward_jail",
+    "reward_model",
+    "plot",
+}
 SCRIPTS = {"grpo", "ppo", "grpo_minimal", "train_rm", "evaluate"}
 MODULES = CORE | MACHINERY | SCRIPTS
 
