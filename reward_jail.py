@@ -37,7 +37,10 @@ from reward import NotANumber, load_reward
 from sandbox import JAIL_ENV, OPEN_FILES, descendants, end_note, jail_command, kill, make_cgroups, remove_cgroups
 from sandbox import _memfd, seccomp_filter
 
-REWARD_LIMITS = {"memory_mb": 4096, "file_mb": 16, "disk_mb": 64, "processes": 16}  # a jail's: torch is imported in it
+# a jail's: `memory_mb` of address space for the calls, past what the imports took (a CUDA build of torch maps a few
+# GiB of libraries it never touches), which may take up to `import_mb`; a memory cgroup, where there is one, holds the
+# whole jail to `memory_mb` of memory actually used
+REWARD_LIMITS = {"memory_mb": 4096, "import_mb": 32768, "file_mb": 16, "disk_mb": 64, "processes": 16}
 START_S = 120.0  # a jail's start may take this long (a cold disk, torch, the file's imports) before it is given up
 ANSWER_BYTES = 1 << 20  # an answer line is read up to this size
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,7 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # nowhere), the file imported by reward.load_reward (its InputError lines as they are), then one call per stdin line.
 _DRIVER = r"""
 import json, os, sys
-spec, cwd, here, sys.argv = SPEC, CWD, HERE, ARGV  # the trainer's argv: an argparse at the top level reads it
+spec, cwd, here, sys.argv, MEMORY_MB = SPEC, CWD, HERE, ARGV, MB  # argv: the trainer's (argparse may read it)
 answers = os.fdopen(os.dup(1), "w", buffering=1)
 null = os.open(os.devnull, os.O_WRONLY)
 os.dup2(null, 1)
@@ -65,6 +68,9 @@ except InputError as e:
 except BaseException as e:
     say(input_error=f"--reward {spec!r}: could not be imported in its jail ({type(e).__name__}: {e})")
     sys.exit(0)
+import resource
+mapped = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (MEMORY_MB << 20),) * 2)  # the calls' own, past the imports
 say(ready=True)
 for line in sys.stdin:
     n, completion, answer = json.loads(line)
@@ -85,14 +91,14 @@ class Jail:
     """One jail running the driver for `spec`: started at once, `ask`ed one call at a time, `close`d for good."""
 
     def __init__(self, spec: str, lim: dict):
-        values = f"{spec!r}, {os.getcwd()!r}, {HERE!r}, {sys.argv!r}"
-        driver = _DRIVER.replace("SPEC, CWD, HERE, ARGV", values)
+        values = f"{spec!r}, {os.getcwd()!r}, {HERE!r}, {sys.argv!r}, {lim['memory_mb']}"
+        driver = _DRIVER.replace("SPEC, CWD, HERE, ARGV, MB", values)
         files = [_memfd("main.py", driver.encode()), _memfd("seccomp", seccomp_filter())]
         path = spec.rpartition(":")[0]
         binds = sorted({HERE, os.getcwd(), os.path.dirname(os.path.abspath(path))})
         cmd = jail_command(code_fd=files[0], seccomp_fd=files[1], lim=lim, binds=binds)
         self.cpu_s = 10**6  # no CPU-time cap on a jail that lives as long as the run: each call has its deadline
-        cmd += ["/tmp", str(lim["memory_mb"]), str(self.cpu_s), str(lim["file_mb"]), str(lim["processes"])]
+        cmd += ["/tmp", str(lim["import_mb"]), str(self.cpu_s), str(lim["file_mb"]), str(lim["processes"])]
         cmd += [str(OPEN_FILES)]
         self.groups, self.lim, self.buffer, self.calls, self.closed = make_cgroups(lim), lim, b"", 0, False
         if self.groups:  # the shell joins the cgroups (as this process's user), then becomes the command
