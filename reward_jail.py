@@ -101,6 +101,7 @@ class Jail:
         cmd += ["/tmp", str(lim["import_mb"]), str(self.cpu_s), str(lim["file_mb"]), str(lim["processes"])]
         cmd += [str(OPEN_FILES)]
         self.groups, self.lim, self.buffer, self.calls, self.closed = make_cgroups(lim), lim, b"", 0, False
+        self.stray = False
         if self.groups:  # the shell joins the cgroups (as this process's user), then becomes the command
             procs = " ".join(os.path.join(g, "cgroup.procs") for g in self.groups)
             cmd = ["/bin/sh", "-c", 'for p in $0; do echo $$ > "$p"; done; exec "$@"', procs, *cmd]
@@ -148,7 +149,8 @@ class Jail:
         except OSError:  # it died
             return None
         got = self.read(seconds)
-        return got if got is not None and got.get("n") == self.calls else None
+        self.stray = got is not None and got.get("n") != self.calls  # a line of the function's own on our descriptor
+        return None if self.stray else got
 
     def why_dead(self) -> str:
         """Once it closed its end: how it died, in a few words (the signal and the likely limit, or bwrap's words)."""
@@ -226,11 +228,11 @@ class JailedReward:
             raise InJail(str(e)) from None
         got = jail.ask(completion, answer, self.timeout_s + 1.0)
         if got is None:
-            why = jail.why_dead() if jail.closed else None
+            why = jail.why_dead() if jail.closed else "it answered out of turn" if jail.stray else None
             self.drop(jail)
             if why is None:
                 raise TimeoutError(f"no answer from its jail in {self.timeout_s + 1.0:g} s: the jail was killed")
-            raise InJail(f"its jail died ({why}); a new one takes the next call")
+            raise InJail(f"its jail {'died' if jail.closed else 'was killed'} ({why}); a new one takes the next call")
         with self.lock:
             self.idle.append(jail)
         if "not_a_number" in got:
