@@ -1,6 +1,6 @@
 """Where a `--reward FILE.py:function` runs (PLUMBING): code the run did not write, in sandbox.py's bubblewrap jail.
 
-    reward = load_user_reward("my_reward.py:reward", sandbox="bwrap", timeout_s=30.0)   # or sandbox="none": a thread here
+    reward = load_user_reward("my_reward.py:reward", sandbox="bwrap", timeout_s=30.0)  # sandbox="none": here
     reward("... #### 4", "4")        # -> the function's number, computed in a jail; a jail that dies or hangs is
                                      #    replaced, that call an error that scores 0 (reward.score_all counts it)
 
