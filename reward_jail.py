@@ -79,7 +79,9 @@ for line in sys.stdin:
     except NotANumber as e:
         say(n=n, not_a_number=str(e))
     except BaseException as e:  # an exit or a KeyboardInterrupt of its own too: this call's error, the jail goes on
-        say(n=n, error=f"{type(e).__name__}: {e}"[:2000])
+        refused = isinstance(e, PermissionError) or isinstance(e, OSError) and e.errno == 30  # EROFS
+        why = " (its jail: no network, files read-only; --reward-sandbox none runs it in the trainer)" if refused else ""
+        say(n=n, error=f"{type(e).__name__}: {e}"[:2000] + why)
 """
 
 
