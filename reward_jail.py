@@ -80,8 +80,8 @@ for line in sys.stdin:
         say(n=n, not_a_number=str(e))
     except BaseException as e:  # an exit or a KeyboardInterrupt of its own too: this call's error, the jail goes on
         refused = isinstance(e, PermissionError) or isinstance(e, OSError) and e.errno == 30  # EROFS
-        why = " (its jail: no network, files read-only; --reward-sandbox none runs it in the trainer)" if refused else ""
-        say(n=n, error=f"{type(e).__name__}: {e}"[:2000] + why)
+        why = "its jail: no network, files read-only; --reward-sandbox none runs it in the trainer"
+        say(n=n, error=f"{type(e).__name__}: {e}"[:2000] + (f" ({why})" if refused else ""))
 """
 
 
