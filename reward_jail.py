@@ -79,9 +79,10 @@ for line in sys.stdin:
     except NotANumber as e:
         say(n=n, not_a_number=str(e))
     except BaseException as e:  # an exit or a KeyboardInterrupt of its own too: this call's error, the jail goes on
-        refused = isinstance(e, PermissionError) or isinstance(e, OSError) and e.errno == 30  # EROFS
-        why = "its jail: no network, files read-only; --reward-sandbox none runs it in the trainer"
-        say(n=n, error=f"{type(e).__name__}: {e}"[:2000] + (f" ({why})" if refused else ""))
+        # OSError: the jail's refusals (a socket, a name to resolve, a write, a file outside the folders it sees) among
+        # others; the way out goes with each, in the error the step's warning quotes
+        why = "its jail: no network, only its folder and the run's, read-only; --reward-sandbox none runs it here"
+        say(n=n, error=f"{type(e).__name__}: {e}"[:2000] + (f" ({why})" if isinstance(e, OSError) else ""))
 """
 
 

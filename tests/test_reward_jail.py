@@ -18,7 +18,7 @@ PROBLEM = (
     if shutil.which("bwrap") is None
     else sandbox.sandbox_problem("bwrap")
 )
-REFUSED = "(its jail: no network, files read-only; --reward-sandbox none runs it in the trainer)"
+REFUSED = "(its jail: no network, only its folder and the run's, read-only; --reward-sandbox none runs it here)"
 needs_jail = pytest.mark.skipif(PROBLEM is not None, reason=f"the jail cannot run here: {PROBLEM}")
 
 ATTACKS = """
@@ -90,9 +90,7 @@ def test_each_attack_costs_its_own_call_and_the_next_call_runs(tmp_path, capfd):
             value, said = score(fn, "x", str(os.getpid()))
             assert value == 0.0 and said.startswith(error), (name, said)
             if name in ("write_home", "network"):  # what the jail refused, and the way out, in the warning's example
-                assert said.endswith(
-                    "(its jail: no network, files read-only; --reward-sandbox none runs it in the trainer)"
-                )
+                assert said.endswith(REFUSED)
         fn.close()
     daemon = jailed(tmp_path, "leave_a_daemon")
     assert score(daemon, "x", "y") == (0.5, "") and score(daemon, "x", "y") == (0.5, "")
