@@ -13,8 +13,8 @@ jail), print into its console (fd 1 and 2 lead to /dev/null in there) or stop th
 hang each cost that call only: 0, and a new jail for the next). It answers on a descriptor of its own, one JSON line
 per call, read with a deadline and a size cap here.
 
-What it costs: a jail's start (~1-3 s: Python, torch through reward.py, the file's own imports) once per worker, and
-again after a call that killed it; a call's JSON over two pipes. `--reward-sandbox none` runs the function in the
+What it costs: a jail's start (Python, torch through reward.py, the file's own imports: 1.3 s on a 2-core AMD EPYC VM,
+8 at once 4.9 s) once per worker, and again after a call that killed it; a call, 0.1 ms of JSON over two pipes. `--reward-sandbox none` runs the function in the
 trainer's threads instead (bounded in time only: reward.score_all): for a function that must reach the network (a
 judge behind an API) or the run's state, code you trust.
 """
@@ -59,7 +59,7 @@ def say(**message):
 sys.path.insert(0, here)
 os.chdir(cwd)
 try:
-    from common import InputError, print0
+    from common import InputError
     from reward import NotANumber, load_reward
     fn = load_reward(spec)
 except InputError as e:
