@@ -276,7 +276,7 @@ def check_writable(run_dir: str, flag: str = "--output-dir"):
     if not os.path.isdir(near):
         raise InputError(f"{flag}: the run's folder {run_dir} can't be made, {near} is a file: pass another {flag}")
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=near))
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=near))  # runlog.claim ignores these (runlog.WRITE_CHECK)
     except OSError as e:
         raise InputError(
             f"{flag}: the run's folder {run_dir} can't be written, {near} refuses a new folder "

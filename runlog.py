@@ -38,6 +38,7 @@ from plot import parse_row, read_metrics, write_curves
 from preflight import check_writable, run_folder
 from sandbox import memory_bound
 
+WRITE_CHECK = ".write-check-"  # preflight.check_writable's probe folders
 LOCK = "run.lock"  # in the run's folder: rank 0 holds an OS lock on it for the run's life; it names the holder
 _held = []  # the open lock file, closed (the lock released) when the process ends, however it ends
 
@@ -91,7 +92,10 @@ def claim(run_dir: str, *, script: str, resume: bool) -> str | None:
         os.ftruncate(lock.fileno(), 0)
         os.write(lock.fileno(), mine.encode())
     atexit.register(leave_no_trace, run_dir, made)
-    if (earlier := set(os.listdir(run_dir)) - {LOCK}) and not resume:
+    # another rank's preflight.check_writable may have a probe folder in there this moment (it probes the nearest
+    # folder that exists, this one once rank 0 made it): a 2-rank start once took it for an earlier run
+    earlier = {name for name in os.listdir(run_dir) if name != LOCK and not name.startswith(WRITE_CHECK)}
+    if earlier and not resume:
         again = "start it again from step 0 in this folder (it has no checkpoint)"
         how = "continue it" if latest_checkpoint(run_dir) else again
         return f"{run_dir} holds an earlier run: pass --resume to {how}, or a new --run-name"

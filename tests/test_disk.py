@@ -236,6 +236,24 @@ def test_check_writable_makes_nothing_and_names_the_file_in_the_way(tmp_path):
         check_writable(str(tmp_path / "notes" / "runs" / "r"))
 
 
+def test_another_ranks_write_probe_in_a_new_run_folder_is_not_an_earlier_run(tmp_path):
+    """Rank 0 makes the run's folder (runlog.claim) while rank 1's check_writable probes the nearest folder that exists:
+    by then the run's own. CI once met the probe there: '... holds an earlier run' on a fresh 2-rank start."""
+    import tempfile
+
+    from runlog import claim
+
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    tempfile.mkdtemp(prefix=".write-check-", dir=run_dir)  # rank 1's probe, caught between its mkdtemp and rmdir
+    assert claim(str(run_dir), script="grpo.py", resume=False) is None
+    earlier = tmp_path / "runs" / "r2"  # a real earlier run, beside a probe, is still one
+    earlier.mkdir()
+    (earlier / "metrics.jsonl").write_text("{}\n")
+    tempfile.mkdtemp(prefix=".write-check-", dir=earlier)
+    assert "holds an earlier run" in claim(str(earlier), script="grpo.py", resume=False)
+
+
 # ----------------------------------------------------------------------------------------------
 # A checkpoint damaged without a change of size
 
