@@ -25,8 +25,6 @@ import contextlib
 import json
 import os
 import selectors
-import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -34,8 +32,8 @@ import time
 
 from common import InputError, print0
 from reward import NotANumber, load_reward
-from sandbox import JAIL_ENV, OPEN_FILES, descendants, end_note, jail_command, kill, make_cgroups, remove_cgroups
-from sandbox import _memfd, seccomp_filter
+from sandbox import JAIL_ENV, _memfd, bootstrap_args, end_note, jail_command, make_cgroups, missing_jail_parts
+from sandbox import seccomp_filter, start_jail, stop_jail
 
 # a jail's: `memory_mb` of address space for the calls, past what the imports took (a CUDA build of torch maps a few
 # GiB of libraries it never touches), which may take up to `import_mb`; a memory cgroup, where there is one, holds the
@@ -101,26 +99,10 @@ class Jail:
         binds = sorted({HERE, os.getcwd(), os.path.dirname(os.path.abspath(path))})
         cmd = jail_command(code_fd=files[0], seccomp_fd=files[1], lim=lim, binds=binds)
         self.cpu_s = 10**6  # no CPU-time cap on a jail that lives as long as the run: each call has its deadline
-        cmd += ["/tmp", str(lim["import_mb"]), str(self.cpu_s), str(lim["file_mb"]), str(lim["processes"])]
-        cmd += [str(OPEN_FILES)]
+        cmd += bootstrap_args("/tmp", lim, memory_mb=lim["import_mb"], cpu_s=self.cpu_s)
         self.groups, self.lim, self.buffer, self.calls, self.closed = make_cgroups(lim), lim, b"", 0, False
         self.stray = False
-        if self.groups:  # the shell joins the cgroups (as this process's user), then becomes the command
-            procs = " ".join(os.path.join(g, "cgroup.procs") for g in self.groups)
-            cmd = ["/bin/sh", "-c", 'for p in $0; do echo $$ > "$p"; done; exec "$@"', procs, *cmd]
-        try:
-            self.proc = subprocess.Popen(
-                cmd,
-                env=JAIL_ENV,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=files,
-                start_new_session=True,
-            )
-        finally:
-            for fd in files:
-                os.close(fd)
+        self.proc = start_jail(cmd, groups=self.groups, files=files, env=JAIL_ENV, stdin=subprocess.PIPE)
         os.set_blocking(self.proc.stdout.fileno(), False)
 
     def read(self, seconds: float) -> dict | None:
@@ -170,18 +152,11 @@ class Jail:
         return note or (f"exit code {code}" + (f": {said.splitlines()[-1]}" if said else ""))
 
     def close(self):
-        """Kill the jail: its pid 1 by its host pid first (its pid namespace goes with it), then bwrap's group."""
-        for pid in descendants(self.proc.pid):
-            kill(pid)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
+        """Kill the jail (sandbox.stop_jail), then close our ends of its pipes."""
+        stop_jail(self.proc, self.groups)
         for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             with contextlib.suppress(OSError):  # a call's line still in stdin's buffer: the pipe is broken
                 stream.close()
-        remove_cgroups(self.groups)
 
 
 class JailedReward:
@@ -257,16 +232,7 @@ def load_user_reward(spec: str, *, sandbox: str, timeout_s: float):
     trusted code, in the trainer's threads). A jail that can't be made is an InputError naming the fix."""
     if sandbox == "none":
         return load_reward(spec)
-    if shutil.which("bwrap") is None:
-        raise InputError(
-            "--reward runs your function in a bubblewrap jail, which is not installed: apt-get install bubblewrap; or "
-            "--reward-sandbox none to run it in the trainer's threads (trusted code only)"
-        )
-    try:
-        seccomp_filter()
-    except (ImportError, OSError, RuntimeError) as e:
-        raise InputError(
-            f"--reward's jail needs libseccomp and pyseccomp ({e}): pip install pyseccomp, apt-get install "
-            "libseccomp2; or --reward-sandbox none to run your function in the trainer's threads (trusted code only)"
-        ) from None
+    fixes = "; or --reward-sandbox none to run your function in the trainer's threads (trusted code only)"
+    if missing := missing_jail_parts("--reward's jail", fixes):
+        raise InputError(missing)
     return JailedReward(spec, timeout_s=timeout_s)

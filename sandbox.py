@@ -51,6 +51,7 @@ call weighs as a process), and whatever a user's own tool does (tools.py: those 
 """
 
 import atexit
+import contextlib
 import functools
 import itertools
 import json
@@ -192,43 +193,15 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
             with open(os.path.join(root, "main.py"), "w") as f:
                 f.write(code)
             cmd, env = [sys.executable, "-I", "-c", _BOOTSTRAP], {**JAIL_ENV, "HOME": root, "TMPDIR": root}
-        cmd += [root, str(lim["memory_mb"]), str(cpu_s), str(lim["file_mb"]), str(lim["processes"]), str(OPEN_FILES)]
+        cmd += bootstrap_args(root, lim, memory_mb=lim["memory_mb"], cpu_s=cpu_s)
         groups = make_cgroups(lim)
         if sandbox == "bwrap":
             cmd = outside_user(next(_jails)) + cmd
-        if groups:  # the shell joins the cgroups (as this process's user), then becomes the command
-            cmd = [
-                "/bin/sh",
-                "-c",
-                'for p in $0; do echo $$ > "$p"; done; exec "$@"',
-                " ".join(os.path.join(g, "cgroup.procs") for g in groups),
-                *cmd,
-            ]
-        try:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=host_dir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=files,
-                start_new_session=True,
-            )
-        finally:
-            for fd in files:
-                os.close(fd)
+        proc = start_jail(cmd, groups=groups, files=files, env=env, cwd=host_dir, stdin=subprocess.DEVNULL)
         try:
             out, err, dropped, finished = read_bounded(proc, seconds=lim["seconds"], keep=lim["output_chars"])
         finally:
-            # the jail's pid 1 by its host pid first: it may have cleared the parent-death signal bwrap gave it, and
-            # outlive bwrap with its children where no cgroup holds them. Its death ends every process of its pid
-            # namespace. Then bwrap, or the process sandbox's group (start_new_session)
-            for pid in descendants(proc.pid):
-                kill(pid)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            remove_cgroups(groups)
+            stop_jail(proc, groups)
     if not finished:
         raise TimeoutError(f"the program ran longer than {lim['seconds']:g} s and was stopped")
     return reply_text(
@@ -238,6 +211,46 @@ def run_program(code: str, *, sandbox: str = "bwrap", limits: dict | None = None
         note=end_note(proc.returncode, sandbox=sandbox, memory_mb=lim["memory_mb"], cpu_s=cpu_s),
         cut=lim["output_chars"],
     )
+
+
+def bootstrap_args(root: str, lim: dict, *, memory_mb: int, cpu_s: int) -> list[str]:
+    """_BOOTSTRAP's argv after the command: the work folder, then the limits it sets before the program runs."""
+    return [root, str(memory_mb), str(cpu_s), str(lim["file_mb"]), str(lim["processes"]), str(OPEN_FILES)]
+
+
+def start_jail(cmd: list[str], *, groups: list[str], files: list[int], env: dict, cwd=None, stdin=None):
+    """Popen of a jail's command in a session of its own, its `groups` (make_cgroups) joined first, with `files` (the
+    memfds it is handed) passed and then closed here; stdout and stderr are pipes."""
+    if groups:  # the shell joins the cgroups (as this process's user), then becomes the command
+        procs = " ".join(os.path.join(g, "cgroup.procs") for g in groups)
+        cmd = ["/bin/sh", "-c", 'for p in $0; do echo $$ > "$p"; done; exec "$@"', procs, *cmd]
+    try:
+        return subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=files,
+            start_new_session=True,
+        )
+    finally:
+        for fd in files:
+            os.close(fd)
+
+
+def stop_jail(proc, groups: list[str]):
+    """Kill a jail started by start_jail and reap it. The jail's pid 1 by its host pid first: it may have cleared the
+    parent-death signal bwrap gave it, and outlive bwrap with its children where no cgroup holds them. Its death ends
+    every process of its pid namespace. Then bwrap, or the process sandbox's group (start_new_session); then whatever
+    its cgroups still hold, and the cgroups."""
+    for pid in descendants(proc.pid):
+        kill(pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    remove_cgroups(groups)
 
 
 def end_note(returncode: int, *, sandbox: str, memory_mb: int, cpu_s: int) -> str:
@@ -673,6 +686,20 @@ def run_on_service(code: str, url: str, lim: dict) -> str:
 # Fail closed: before anything loads
 
 
+def missing_jail_parts(jail: str, fixes: str) -> str | None:
+    """None if bubblewrap and the seccomp filter are here, else one line: what `jail` lacks, how to install it, `fixes`
+    (the way on without it)."""
+    if shutil.which("bwrap") is None:
+        return f"{jail} needs bubblewrap, which is not installed: apt-get install bubblewrap" + fixes
+    try:
+        seccomp_filter()
+    except (ImportError, OSError, RuntimeError) as e:
+        return (
+            f"{jail} needs libseccomp and pyseccomp ({e}): pip install pyseccomp, apt-get install libseccomp2" + fixes
+        )
+    return None
+
+
 def sandbox_problem(sandbox: str) -> str | None:
     """None if programs can run in `sandbox`, else one line: what is wrong and how to fix it. Runs a
     one-line program the way every call will."""
@@ -680,15 +707,8 @@ def sandbox_problem(sandbox: str) -> str | None:
     if sandbox == "process":
         return None
     if sandbox == "bwrap":
-        if shutil.which("bwrap") is None:
-            return "the python tool's jail needs bubblewrap, which is not installed: apt-get install bubblewrap" + fixes
-        try:
-            seccomp_filter()
-        except (ImportError, OSError, RuntimeError) as e:
-            return (
-                f"the python tool's jail needs libseccomp and pyseccomp ({e}): pip install pyseccomp, apt-get install libseccomp2"
-                + fixes
-            )
+        if missing := missing_jail_parts("the python tool's jail", fixes):
+            return missing
     elif not sandbox.startswith(("http://", "https://")):
         return f"--python-sandbox {sandbox} must be bwrap, process or a SandboxFusion server's http(s):// URL"
     try:

@@ -161,7 +161,7 @@ def test_without_bubblewrap_the_line_names_both_ways_on(monkeypatch, tmp_path):
     import reward_jail
 
     (tmp_path / "r.py").write_text("def reward(completion, answer):\n    return 0.25\n")
-    monkeypatch.setattr(reward_jail.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)  # where the check is (sandbox.missing_jail_parts)
     with pytest.raises(InputError) as e:
         reward_jail.load_user_reward(f"{tmp_path}/r.py:reward", sandbox="bwrap", timeout_s=5.0)
     assert "apt-get install bubblewrap" in str(e.value) and "--reward-sandbox none" in str(e.value)
